@@ -1,0 +1,346 @@
+"""Data side: read records, render prompts, tokenize with exact label masking, split, collate."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import TunekitError
+from .recipe import DataConfig
+
+log = logging.getLogger("tunekit")
+
+IGNORE = -100
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+
+
+@dataclass(frozen=True)
+class Record:
+    values: dict
+    where: str  # "file line N" for error messages
+
+
+@dataclass
+class Rendered:
+    text: str
+    spans: list[tuple[int, int]]  # character spans whose tokens are trained
+    add_special_tokens: bool  # False when a chat template already wrote BOS etc.
+    prompt: str | None = None  # what generation starts from (everything before the last answer)
+    reference: str | None = None  # the last answer
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass
+class DataStats:
+    examples: int = 0
+    truncated: int = 0
+    dropped_no_target: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+
+    def line(self, name: str, max_length: int) -> str:
+        return (
+            f"{name}: {self.examples} examples, {self.tokens} tokens ({self.trained_tokens} trained); "
+            f"{self.truncated} truncated to {max_length} tokens; {self.dropped_no_target} dropped with no trained token"
+        )
+
+
+@dataclass
+class DataBundle:
+    train: Any  # datasets.Dataset
+    eval: Any | None
+    train_stats: DataStats
+    eval_stats: DataStats | None
+    eval_rendered: list[Rendered] = field(default_factory=list)
+    template: str = "raw"
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _read_json_file(path: Path, key: str) -> list[Record]:
+    # Parsed here rather than by `datasets`: its Arrow errors name neither the line nor the field.
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise TunekitError(f"{key}: {path} line {line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); re-save the file as UTF-8") from None
+    records: list[Record] = []
+    if path.suffix == ".jsonl" or (path.suffix == ".json" and not text.lstrip().startswith("[")):
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TunekitError(f"{key}: {path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(value, dict):
+                raise TunekitError(f"{key}: {path} line {n}: expected a JSON object, got {type(value).__name__}")
+            records.append(Record(value, f"{path} line {n}"))
+        return records
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TunekitError(f"{key}: {path} line {e.lineno}: malformed JSON ({e.msg})") from None
+    if not isinstance(value, list):
+        raise TunekitError(f"{key}: {path}: expected a JSON list of objects or JSON lines")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise TunekitError(f"{key}: {path} item {i}: expected a JSON object, got {type(item).__name__}")
+        records.append(Record(item, f"{path} item {i}"))
+    return records
+
+
+def read_records(spec: str, split: str, key: str) -> list[Record]:
+    path = Path(spec)
+    if path.is_file() and path.suffix in (".jsonl", ".json"):
+        return _read_json_file(path, key)
+    import datasets
+
+    try:
+        if path.is_file() and path.suffix in (".csv", ".parquet"):
+            ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+            label = f"{path} row"
+        elif path.exists():
+            raise TunekitError(f"{key}: {spec!r} is not a .jsonl, .json, .csv or .parquet file")
+        else:
+            ds = datasets.load_dataset(spec, split=split)
+            label = f"{spec}[{split}] row"
+    except TunekitError:
+        raise
+    except Exception as e:  # datasets raises many types for unreachable hub names and bad files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TunekitError(f"{key}: cannot load {spec!r} ({first[:200]})") from None
+    return [Record(row, f"{label} {i + 1}") for i, row in enumerate(ds)]
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _field(record: Record, name: str, key: str, required: bool = True) -> Any:
+    if name not in record.values or record.values[name] is None:
+        if not required:
+            return ""
+        present = ", ".join(record.values) or "none"
+        raise TunekitError(
+            f"{record.where}: missing field {name!r} (fields present: {present}); "
+            f"map it with data.fields.{key} or fix the data"
+        )
+    return record.values[name]
+
+
+def _text(record: Record, name: str, key: str, required: bool = True) -> str:
+    value = _field(record, name, key, required)
+    if not isinstance(value, str):
+        raise TunekitError(f"{record.where}: field {name!r} must be text, got {type(value).__name__}")
+    return value
+
+
+class Renderer:
+    """Turns one record into text plus the character spans that are trained."""
+
+    def __init__(self, cfg: DataConfig, tokenizer):
+        self.cfg = cfg
+        self.tok = tokenizer
+        has_chat = bool(getattr(tokenizer, "chat_template", None))
+        template = cfg.template
+        if template == "auto":
+            template = "chat" if has_chat or cfg.format == "chat" else ("alpaca" if cfg.format == "alpaca" else "raw")
+        if template == "chat" and not has_chat:
+            raise TunekitError("data.template: the tokenizer has no chat template; use template: alpaca or raw")
+        if template == "alpaca" and cfg.format != "alpaca":
+            raise TunekitError(f"data.template=alpaca only renders format alpaca, not {cfg.format}; use chat or raw")
+        self.template = template
+
+    # -- single-turn formats share one path: (prompt parts, answer)
+    def _single_turn(self, record: Record) -> tuple[str, str, str]:
+        f = self.cfg.fields
+        if self.cfg.format == "alpaca":
+            instruction = _text(record, f.instruction, "instruction")
+            extra = _text(record, f.input, "input", required=False)
+            answer = _text(record, f.output, "output")
+            user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+            if self.template == "alpaca":
+                plain = (ALPACA_PROMPT_INPUT if extra.strip() else ALPACA_PROMPT).format(instruction=instruction, input=extra)
+            else:
+                plain = user
+            return user, plain, answer
+        prompt = _text(record, f.prompt, "prompt")
+        return prompt, prompt, _text(record, f.completion, "completion")
+
+    def _messages(self, record: Record) -> list[dict]:
+        f = self.cfg.fields
+        raw = _field(record, f.messages, "messages")
+        if not isinstance(raw, list) or not raw:
+            raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
+        messages = []
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict) or not isinstance(m.get(f.role), str) or not isinstance(m.get(f.content), str):
+                raise TunekitError(
+                    f"{record.where}: message {i} must be an object with text fields {f.role!r} and {f.content!r}"
+                )
+            messages.append({"role": m[f.role], "content": m[f.content]})
+        if not any(m["role"] == "assistant" for m in messages):
+            raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
+        return messages
+
+    def _chat(self, messages: list[dict], where: str) -> Rendered:
+        if self.cfg.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
+        apply = self.tok.apply_chat_template
+        full = apply(messages, tokenize=False)
+        spans, before = [], ""
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = apply(messages[:i], tokenize=False, add_generation_prompt=True)
+            through = apply(messages[: i + 1], tokenize=False)
+            if not (full.startswith(through) and through.startswith(before)):
+                raise TunekitError(
+                    f"{where}: the tokenizer's chat template rewrites earlier turns, so assistant tokens cannot be "
+                    "located; set data.template: raw or use a tokenizer with a prefix-stable template"
+                )
+            spans.append((len(before), len(through)))
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        return Rendered(full, spans, False, prompt=before, reference=messages[last]["content"])
+
+    def render(self, record: Record) -> Rendered:
+        if self.cfg.format == "text":
+            text = _text(record, self.cfg.fields.text, "text")
+            return Rendered(text + (self.tok.eos_token or ""), [(0, len(text) + len(self.tok.eos_token or ""))], True)
+        if self.cfg.format == "chat":
+            return self._chat(self._messages(record), record.where)
+        user, plain, answer = self._single_turn(record)
+        if self.template == "chat":
+            return self._chat([{"role": "user", "content": user}, {"role": "assistant", "content": answer}], record.where)
+        completion = answer + (self.tok.eos_token or "")
+        return Rendered(plain + completion, [(len(plain), len(plain) + len(completion))], True, prompt=plain, reference=answer)
+
+
+# ---------------------------------------------------------------- tokenizing
+
+
+def tokenize(rendered: Rendered, tokenizer, max_length: int, mask_prompt: bool) -> tuple[Example, bool]:
+    """Token ids and labels; a token is trained when its first character lies in a trained span.
+    Returns the example and whether it was truncated."""
+    enc = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens, return_offsets_mapping=True)
+    ids: list[int] = enc["input_ids"]
+    if mask_prompt:
+        labels = [IGNORE] * len(ids)
+        for j, (start, end) in enumerate(enc["offset_mapping"]):
+            if end > start and any(s <= start < e for s, e in rendered.spans):
+                labels[j] = ids[j]
+    else:
+        labels = list(ids)
+    truncated = len(ids) > max_length
+    return Example(ids[:max_length], labels[:max_length]), truncated
+
+
+def build_examples(renders: list[Rendered], tokenizer, cfg: DataConfig) -> tuple[list[Example], DataStats]:
+    stats = DataStats()
+    out = []
+    for r in renders:
+        ex, truncated = tokenize(r, tokenizer, cfg.max_length, cfg.mask_prompt)
+        stats.truncated += truncated
+        # labels are shifted inside the model: position 0 is never a target
+        trained = sum(1 for label in ex.labels[1:] if label != IGNORE)
+        if trained == 0:
+            stats.dropped_no_target += 1
+            continue
+        stats.examples += 1
+        stats.tokens += len(ex.input_ids)
+        stats.trained_tokens += trained
+        out.append(ex)
+    return out, stats
+
+
+def _to_dataset(examples: list[Example]):
+    import datasets
+
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": [e.input_ids for e in examples],
+            "attention_mask": [[1] * len(e.input_ids) for e in examples],
+            "labels": [e.labels for e in examples],
+        }
+    )
+
+
+def split_records(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
+    n_eval = round(len(records) * fraction)
+    if n_eval < 1 or n_eval >= len(records):
+        raise TunekitError(
+            f"data.eval_fraction={fraction} of {len(records)} examples leaves {n_eval} for eval and "
+            f"{len(records) - n_eval} for training; each needs at least one"
+        )
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_eval])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+def eval_records(cfg: DataConfig, seed: int) -> list[Record]:
+    """The held-out records exactly as training splits them."""
+    if cfg.eval:
+        return read_records(cfg.eval, cfg.eval_split, "data.eval")
+    if cfg.eval_fraction > 0:
+        records = read_records(cfg.train, cfg.train_split, "data.train")
+        return split_records(records, cfg.eval_fraction, seed)[1]
+    return []
+
+
+def build(cfg: DataConfig, tokenizer, seed: int) -> DataBundle:
+    renderer = Renderer(cfg, tokenizer)
+    records = read_records(cfg.train, cfg.train_split, "data.train")
+    if cfg.max_examples:
+        records = records[: cfg.max_examples]
+    if not records:
+        raise TunekitError(f"data.train: {cfg.train} holds no examples")
+    if cfg.eval:
+        train_recs, eval_recs = records, read_records(cfg.eval, cfg.eval_split, "data.eval")
+        if not eval_recs:
+            raise TunekitError(f"data.eval: {cfg.eval} holds no examples")
+    elif cfg.eval_fraction > 0:
+        train_recs, eval_recs = split_records(records, cfg.eval_fraction, seed)
+    else:
+        train_recs, eval_recs = records, []
+
+    train_examples, train_stats = build_examples([renderer.render(r) for r in train_recs], tokenizer, cfg)
+    if not train_examples:
+        raise TunekitError(
+            f"data.train: no example has a trained token left after truncation to {cfg.max_length} tokens; "
+            "raise data.max_length"
+        )
+    log.info(train_stats.line("train", cfg.max_length))
+    eval_ds = eval_stats = None
+    eval_rendered = [renderer.render(r) for r in eval_recs]
+    if eval_rendered:
+        eval_examples, eval_stats = build_examples(eval_rendered, tokenizer, cfg)
+        log.info(eval_stats.line("eval", cfg.max_length))
+        eval_ds = _to_dataset(eval_examples) if eval_examples else None
+    return DataBundle(_to_dataset(train_examples), eval_ds, train_stats, eval_stats, eval_rendered, renderer.template)
+
+
+def collator(tokenizer):
+    """Pads input_ids with the pad token and labels with -100 (DataCollatorForSeq2Seq does both)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)

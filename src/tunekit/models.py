@@ -1,0 +1,189 @@
+"""Model side: materialise a model source, load the tokenizer, build quantization and LoRA configs,
+and load a model for training, merging or inference."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from .errors import TunekitError
+from .hardware import DTYPES, Precision
+from .recipe import ModelConfig, Recipe
+from .sources import ModelSource, resolve_model
+
+log = logging.getLogger("tunekit")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a Hugging Face directory (safetensors) and reuse it.
+
+    transformers loads GGUF but refuses to save or train a model still marked as GGUF-quantized;
+    its weights are already plain tensors, so dropping the quantization marker makes it an
+    ordinary model."""
+    target = _gguf_cache_dir(gguf)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s to a Hugging Face directory (once; cached at %s)", gguf.name, target)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished the same conversion first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def materialize(spec: str) -> str:
+    """A path or hub id that from_pretrained can read."""
+    source: ModelSource = resolve_model(spec)
+    if source.kind == "gguf":
+        return str(convert_gguf(Path(source.location)))
+    return source.location
+
+
+def _hub_error(cfg_key: str, spec: str, exc: Exception) -> TunekitError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TunekitError(f"{cfg_key}: cannot load {spec!r} ({first[:200]})")
+
+
+def load_tokenizer(cfg: ModelConfig):
+    spec = cfg.tokenizer or cfg.name_or_path
+    location = materialize(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(location, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _hub_error("model.tokenizer" if cfg.tokenizer else "model.name_or_path", spec, e) from None
+    if not getattr(tok, "is_fast", False):
+        raise TunekitError(f"model.tokenizer: {spec!r} has no fast tokenizer; label masking needs character offsets")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return tok
+
+
+def quantization_config(recipe: Recipe, precision: Precision) -> BitsAndBytesConfig | None:
+    q = recipe.quantization
+    if q is None:
+        return None
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = precision.name if q.compute_dtype == "auto" else q.compute_dtype
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[compute],
+        bnb_4bit_quant_storage=torch.uint8,
+    )
+
+
+def lora_config(recipe: Recipe) -> PeftLoraConfig | None:
+    lc = recipe.lora
+    if lc is None:
+        return None
+    return PeftLoraConfig(
+        r=lc.r,
+        lora_alpha=lc.alpha,
+        lora_dropout=lc.dropout,
+        target_modules=lc.target_modules,
+        modules_to_save=lc.modules_to_save or None,
+        bias=lc.bias,
+        task_type="CAUSAL_LM",
+    )
+
+
+def keep_4bit_trainable_on_cpu(model) -> int:
+    """On CPUs with avx512_bf16, bitsandbytes repacks a 4-bit weight into an inference-only layout
+    after the first no-grad forward (generate, eval); no gradient then reaches the LoRA layers
+    above it and training silently stalls. Turning the fast path off keeps training correct."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | None = None, device_map=None):
+    location = materialize(cfg.name_or_path)
+    if cfg.trust_remote_code:
+        log.warning("trust_remote_code is ON for %s: its own modelling code will run", cfg.name_or_path)
+    kwargs = dict(dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as e:
+        raise _hub_error("model.name_or_path", cfg.name_or_path, e) from None
+    if quant is not None:
+        keep_4bit_trainable_on_cpu(model)
+    return model
+
+
+def load_for_training(recipe: Recipe, precision: Precision):
+    """Base model (quantized for QLoRA) with a fresh LoRA adapter, or the full model."""
+    quant = quantization_config(recipe, precision)
+    # Full fine-tuning keeps fp32 master weights (mixed precision autocasts the matmuls);
+    # a frozen base is stored in the training precision to halve its memory.
+    weights = torch.float32 if recipe.adapter == "none" else precision.dtype
+    device_map = None
+    if quant is not None and torch.cuda.is_available():
+        device_map = {"": int(os.environ.get("LOCAL_RANK", 0))}
+    model = load_base(recipe.model, weights, quant, device_map)
+    model.config.use_cache = False
+    if quant is not None:
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=recipe.training.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    peft_cfg = lora_config(recipe)
+    if peft_cfg is not None:
+        model = get_peft_model(model, peft_cfg)
+    return model
+
+
+def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dtype, quant=None):
+    base = load_base(base_cfg, dtype, quant)
+    return PeftModel.from_pretrained(base, str(adapter_dir))
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel() * (2 if p.__class__.__name__ == "Params4bit" else 1)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable

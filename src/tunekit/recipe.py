@@ -1,0 +1,354 @@
+"""The typed recipe: schema with defaults and descriptions, YAML loading, dotted overrides,
+and one-line errors that name the dotted key and suggest the closest valid one."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import TunekitError
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field(
+        description="Hub id, local Hugging Face directory, GGUF file, or 'package/file.gguf' inside an installed package."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer source if it differs from the model (hub id or directory).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a hub model.")
+    trust_remote_code: bool = Field(False, description="Run modelling code shipped with a hub model. Off unless you trust it.")
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
+        None, description="Attention kernel; null lets transformers choose."
+    )
+
+
+class LoraConfig(Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="'all-linear' (every linear layer but the output head) or a list of module names."
+    )
+    modules_to_save: list[str] = Field(default_factory=list, description="Modules trained fully and saved with the adapter.")
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
+
+
+class QuantizationConfig(Section):
+    bits: Literal[4, 8] = Field(4, description="Load the frozen base in 4-bit (QLoRA) or 8-bit.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    double_quant: bool = Field(True, description="Quantize the quantization constants too (saves ~0.4 bit/param).")
+    compute_dtype: Precision = Field("auto", description="dtype of 4-bit matmuls; 'auto' follows training.precision.")
+
+
+class FieldMap(Section):
+    instruction: str = Field("instruction", description="alpaca: instruction column.")
+    input: str = Field("input", description="alpaca: optional input column.")
+    output: str = Field("output", description="alpaca: answer column.")
+    messages: str = Field("messages", description="chat: column holding the list of messages.")
+    role: str = Field("role", description="chat: role key inside each message.")
+    content: str = Field("content", description="chat: text key inside each message.")
+    prompt: str = Field("prompt", description="prompt_completion: prompt column.")
+    completion: str = Field("completion", description="prompt_completion: completion column.")
+    text: str = Field("text", description="text: column of raw text.")
+
+
+class DataConfig(Section):
+    train: str = Field(description="Training data: a .jsonl/.json/.csv/.parquet file or a `datasets` hub name.")
+    train_split: str = Field("train", description="Split to read from a hub dataset.")
+    eval: str | None = Field(None, description="Eval data file or hub name; otherwise see eval_fraction.")
+    eval_split: str = Field("validation", description="Split to read when `eval` is a hub dataset.")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this seeded fraction of train for eval.")
+    format: Literal["alpaca", "chat", "prompt_completion", "text"] = Field("alpaca", description="Record layout.")
+    fields: FieldMap = Field(default_factory=FieldMap, description="Column names, when they differ from the defaults.")
+    template: Literal["auto", "chat", "alpaca", "raw"] = Field(
+        "auto",
+        description="How prompts are rendered: the tokenizer's chat template, the Alpaca prompt, or raw "
+        "concatenation. 'auto' uses the chat template when the tokenizer has one.",
+    )
+    system_prompt: str | None = Field(None, description="System message added to chat-rendered prompts.")
+    max_length: int = Field(1024, ge=8, description="Tokens per example; longer examples are truncated and counted.")
+    mask_prompt: bool = Field(True, description="Train only on completion/assistant tokens (prompt labels = -100).")
+    max_examples: int | None = Field(None, gt=0, description="Use only the first N training examples.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "DataConfig":
+        if self.eval is not None and self.eval_fraction > 0:
+            raise ValueError("data.eval and data.eval_fraction are both set; keep one")
+        if self.format == "chat" and self.template in ("alpaca", "raw"):
+            raise ValueError(f"data.template={self.template} cannot render format chat; use template: chat or auto")
+        return self
+
+
+class TrainingConfig(Section):
+    precision: Precision = Field("auto", description="'auto' picks bf16 where the hardware supports it, else fp16 on GPU, else fp32.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    micro_batch_size: int = Field(4, gt=0, description="Examples per device per forward pass.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    learning_rate: float = Field(2e-4, gt=0, le=1.0, description="Peak learning rate.")
+    lr_scheduler: Literal[
+        "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial", "inverse_sqrt"
+    ] = Field("cosine", description="Learning-rate schedule after warmup.")
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Warmup as a fraction of all steps.")
+    warmup_steps: int = Field(0, ge=0, description="Warmup steps (overrides warmup_ratio when > 0).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0 disables).")
+    optimizer: Literal[
+        "adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"
+    ] = Field("adamw_torch", description="Optimizer, by its transformers name.")
+    logging_steps: int = Field(10, gt=0, description="Log loss every N optimizer steps.")
+    eval_steps: int | None = Field(None, gt=0, description="Evaluate loss every N steps; null evaluates once per epoch.")
+    save_steps: int | None = Field(None, gt=0, description="Checkpoint every N steps; null checkpoints once per epoch.")
+    save_total_limit: int | None = Field(2, gt=0, description="Keep at most this many checkpoints.")
+    seed: int = Field(42, description="Seed for initialisation, data order and the eval split.")
+    deepspeed: str | None = Field(None, description="DeepSpeed JSON config, e.g. ds_configs/zero2.json.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "TrainingConfig":
+        if self.warmup_ratio > 0 and self.warmup_steps > 0:
+            raise ValueError("training.warmup_ratio and training.warmup_steps are both set; keep one")
+        return self
+
+
+class EvalConfig(Section):
+    data: str | None = Field(None, description="Eval file; null uses the recipe's eval split.")
+    limit: int | None = Field(None, gt=0, description="Score only the first N examples.")
+    batch_size: int = Field(8, gt=0, description="Prompts per generate() call.")
+    max_new_tokens: int = Field(64, gt=0, description="Generation length cap.")
+    metrics: list[Literal["bleu", "chrf", "rouge", "exact_match", "loss"]] = Field(
+        default_factory=lambda: ["bleu", "chrf", "rouge", "exact_match", "loss"], description="Built-in metrics."
+    )
+    extra_metrics: list[str] = Field(
+        default_factory=list, description="`evaluate` metrics by Hub name or local script path (needs `evaluate`)."
+    )
+
+
+class Recipe(Section):
+    model: ModelConfig = Field(description="Base model.")
+    adapter: Literal["lora", "qlora", "none"] = Field("lora", description="LoRA, QLoRA (quantized base) or none (full fine-tuning).")
+    lora: LoraConfig | None = Field(None, description="LoRA settings (adapter lora or qlora).")
+    quantization: QuantizationConfig | None = Field(None, description="Base-model quantization (adapter qlora only).")
+    data: DataConfig = Field(description="Training and eval data.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation settings.")
+    eval: EvalConfig | None = Field(None, description="Generate and score at the end of training.")
+    output_dir: str | None = Field(None, description="Run directory; defaults to runs/<recipe name>.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_sections(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        adapter = data.get("adapter", "lora")
+        if adapter == "none" and data.get("lora") is not None:
+            raise ValueError("lora settings given but adapter is 'none'; remove the lora section or set adapter: lora")
+        if adapter != "qlora" and data.get("quantization") is not None:
+            raise ValueError(
+                f"quantization settings given but adapter is {adapter!r}; set adapter: qlora or remove the quantization section"
+            )
+        if adapter in ("lora", "qlora") and data.get("lora") is None:
+            data["lora"] = {}
+        if adapter == "qlora" and data.get("quantization") is None:
+            data["quantization"] = {}
+        return data
+
+    @model_validator(mode="after")
+    def _precision_agrees(self) -> "Recipe":
+        q, p = self.quantization, self.training.precision
+        if q is not None and q.compute_dtype != "auto" and p not in ("auto", "fp32") and q.compute_dtype != p:
+            raise ValueError(
+                f"training.precision is {p} but quantization.compute_dtype is {q.compute_dtype}: "
+                f"{p} and {q.compute_dtype} both on; make them agree"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Optional[X] / X | None -> X, for walking the schema by dotted path."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return inner[0] if len(inner) == 1 else annotation
+    return annotation
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    model: Any = Recipe
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = _unwrap(model.model_fields[part].annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _dotted(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _describe(error: dict) -> str:
+    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+    key = _dotted(loc)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        section = _section_at(loc[:-1])
+        valid = list(section.model_fields) if section else []
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        prefix = _dotted(loc[:-1])
+        hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else (
+            f"; valid keys: {', '.join(valid)}" if valid else "")
+        return f"unknown key {key}{hint}"
+    if kind == "missing":
+        return f"missing required key {key}"
+    msg = error["msg"].removeprefix("Value error, ")
+    if kind == "value_error":
+        return msg if not key else f"{key}: {msg}"
+    return f"{key}: {msg} (got {error.get('input')!r})" if key else msg
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    errors = exc.errors()
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{source}: {_describe(errors[0])}{more}"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip() or any(not p for p in key.strip().split(".")):
+        raise TunekitError(f"--set {item!r}: expected dotted.key=value, e.g. --set training.learning_rate=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise TunekitError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def _resolve_file(value: str, base: Path) -> Path | None:
+    """A relative path is looked up in the current directory first, then beside the recipe."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return p if p.exists() else None
+    for root in (Path.cwd(), base):
+        if (root / p).exists():
+            return (root / p).resolve()
+    return None
+
+
+def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
+    """Existence checks for local files, rewriting them to absolute paths so runs are reproducible
+    from any directory."""
+    updates: dict[str, dict[str, Any]] = {"data": {}, "training": {}, "eval": {}}
+    for section, key, value in (
+        ("data", "train", recipe.data.train),
+        ("data", "eval", recipe.data.eval),
+        ("eval", "data", recipe.eval.data if recipe.eval else None),
+    ):
+        if value is None:
+            continue
+        found = _resolve_file(value, base)
+        if found is not None:
+            updates[section][key] = str(found)
+        elif value.endswith(DATA_SUFFIXES) or value.startswith(("/", "./", "../", "~")):
+            raise TunekitError(f"{source}: {section}.{key}: file {value!r} not found")
+    ds = recipe.training.deepspeed
+    if ds is not None:
+        found = _resolve_file(ds, base)
+        if found is None or not found.is_file():
+            raise TunekitError(f"{source}: training.deepspeed: file {ds!r} not found (see ds_configs/)")
+        try:
+            parsed = json.loads(found.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            line = f" line {e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise TunekitError(f"{source}: training.deepspeed: {ds}{line} is not valid JSON ({e.args[0].split(':')[0]})") from None
+        if not isinstance(parsed, dict):
+            raise TunekitError(f"{source}: training.deepspeed: {ds} must hold a JSON object")
+        updates["training"]["deepspeed"] = str(found)
+    return recipe.model_copy(
+        update={
+            name: getattr(recipe, name).model_copy(update=changes)
+            for name, changes in updates.items()
+            if changes
+        }
+    )
+
+
+def from_dict(raw: Any, source: str = "recipe", base: Path | None = None, name: str = "run") -> Recipe:
+    if not isinstance(raw, dict):
+        raise TunekitError(f"{source}: a recipe must be a YAML mapping of sections (model, data, training, ...)")
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise TunekitError(format_validation_error(e, source)) from None
+    recipe = _check_files(recipe, base or Path.cwd(), source)
+    if recipe.output_dir is None:
+        recipe = recipe.model_copy(update={"output_dir": str(Path("runs") / name)})
+    from .sources import resolve_model
+
+    try:
+        resolve_model(recipe.model.name_or_path)
+    except TunekitError as e:
+        raise TunekitError(f"{source}: {e}") from None
+    return recipe
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise TunekitError(f"recipe file {str(path)!r} not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise TunekitError(f"{path}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise TunekitError(f"{path}{where}: invalid YAML ({problem})") from None
+    return {} if raw is None else raw
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe, apply `--set` overrides, validate, and check referenced files."""
+    path = Path(path)
+    raw = read_yaml(path)
+    if isinstance(raw, dict):
+        raw = apply_overrides(raw, overrides or [])
+    return from_dict(raw, source=str(path), base=path.parent.resolve(), name=path.stem)
+
+
+def to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,71 @@
+"""Output directories: refuse to overwrite without --force, write finished outputs atomically,
+and record what produced them."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from .errors import TunekitError
+
+LIBRARIES = ("tunekit", "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "deepspeed",
+             "safetensors", "sacrebleu", "rouge-score")
+
+
+def claim(path: Path, force: bool, what: str = "output directory") -> None:
+    """Fail if `path` holds anything, unless --force was given (then it is cleared)."""
+    if path.exists() and (path.is_file() or any(path.iterdir())):
+        if not force:
+            raise TunekitError(f"{what} {path} already exists; pass --force to overwrite it or choose another path")
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(parent, os.W_OK):
+        raise TunekitError(f"{what} {path}: {parent} is not writable")
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `target`; rename it into place only on success."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def command_line() -> list[str]:
+    program = "python -m tunekit" if sys.argv[0].endswith("__main__.py") else Path(sys.argv[0]).name
+    return [program, *sys.argv[1:]]

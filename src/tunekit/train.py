@@ -1,0 +1,167 @@
+"""Recipe -> TrainingArguments -> plain transformers.Trainer -> run directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from . import data as data_mod
+from . import distributed, models, rundir
+from .errors import TunekitError
+from .hardware import Precision, resolve_precision
+from .recipe import Recipe, to_yaml
+
+log = logging.getLogger("tunekit")
+
+ADAPTER_DIR = "adapter"  # LoRA / QLoRA runs
+MODEL_DIR = "model"  # full fine-tuning runs
+
+
+class LossHistory(TrainerCallback):
+    """Appends every Trainer log line to loss_history.jsonl as it happens (main process only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
+
+
+class StopOnNonFinite(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(loss):
+            raise TunekitError(f"training loss became {loss} at step {state.global_step}; lower training.learning_rate "
+                               "or check the data (last good checkpoint kept)")
+
+
+def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_eval: bool) -> TrainingArguments:
+    t = recipe.training
+    if t.save_steps:
+        save = {"save_strategy": "steps", "save_steps": t.save_steps}
+    elif t.max_steps:
+        save = {"save_strategy": "steps", "save_steps": t.max_steps}
+    else:
+        save = {"save_strategy": "epoch"}
+    if not has_eval:
+        evaluation = {"eval_strategy": "no"}
+    elif t.eval_steps:
+        evaluation = {"eval_strategy": "steps", "eval_steps": t.eval_steps}
+    elif t.max_steps:
+        evaluation = {"eval_strategy": "steps", "eval_steps": t.max_steps}
+    else:
+        evaluation = {"eval_strategy": "epoch"}
+    return TrainingArguments(
+        output_dir=str(run_dir / "checkpoints"),
+        per_device_train_batch_size=t.micro_batch_size,
+        per_device_eval_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps or -1,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_steps or t.warmup_ratio,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        optim=t.optimizer,
+        bf16=precision.name == "bf16",
+        fp16=precision.name == "fp16",
+        activation_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        save_total_limit=t.save_total_limit,
+        seed=t.seed,
+        data_seed=t.seed,
+        deepspeed=t.deepspeed,
+        report_to="none",
+        remove_unused_columns=False,
+        **save,
+        **evaluation,
+        **distributed.prepare(deepspeed=t.deepspeed is not None),
+    )
+
+
+def run(recipe: Recipe, force: bool = False) -> Path:
+    """Train the recipe; return the run directory."""
+    run_dir = Path(recipe.output_dir)
+    launch = distributed.current()
+    if launch.is_main:
+        rundir.claim(run_dir, force, "output_dir")
+    precision = resolve_precision(recipe.training.precision)
+    log.info("precision: %s (%s)", precision.name, precision.reason)
+
+    tokenizer = models.load_tokenizer(recipe.model)
+    tokenizer.padding_side = "right"
+    bundle = data_mod.build(recipe.data, tokenizer, recipe.training.seed)
+    log.info("prompt template: %s; prompt tokens %s", bundle.template,
+             "masked" if recipe.data.mask_prompt else "trained")
+
+    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None)
+    model = models.load_for_training(recipe, precision)
+    total, trainable = models.count_parameters(model)
+    log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
+             100 * trainable / max(total, 1), recipe.adapter)
+    log.info("batch: world size %d x micro-batch %d x accumulation %d = %d examples per optimizer step",
+             args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+             args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps)
+
+    if launch.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(to_yaml(recipe), encoding="utf-8")
+    info = {
+        "status": "running",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": rundir.command_line(),
+        "versions": rundir.versions(),
+        "precision": {"name": precision.name, "reason": precision.reason},
+        "adapter": recipe.adapter,
+        "base_model": recipe.model.name_or_path,
+        "parameters": {"total": total, "trainable": trainable},
+        "world_size": args.world_size,
+        "effective_batch": args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        "data": {"template": bundle.template, "train": vars(bundle.train_stats),
+                 "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
+    }
+    if launch.is_main:
+        rundir.write_json(run_dir / "run.json", info)
+
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=bundle.train,
+        eval_dataset=bundle.eval,
+        data_collator=data_mod.collator(tokenizer),
+        processing_class=tokenizer,
+        callbacks=[LossHistory(run_dir / "loss_history.jsonl"), StopOnNonFinite()],
+    )
+    result = trainer.train()
+
+    final = run_dir / (ADAPTER_DIR if recipe.adapter != "none" else MODEL_DIR)
+    # save_model gathers ZeRO-3 shards and must run on every rank; only rank 0 writes files.
+    tmp = run_dir / f".{final.name}.partial"
+    trainer.save_model(str(tmp))
+    if launch.is_main:
+        (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; the recipe and run.json say the same
+        tmp.rename(final)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        info.update(
+            status="completed",
+            finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            global_step=trainer.state.global_step,
+            train_loss=result.training_loss,
+            first_logged_loss=losses[0] if losses else None,
+            last_logged_loss=losses[-1] if losses else None,
+            eval_loss=next((h["eval_loss"] for h in reversed(trainer.state.log_history) if "eval_loss" in h), None),
+            output=final.name,
+        )
+        rundir.write_json(run_dir / "run.json", info)
+        log.info("run directory: %s (%s/)", run_dir, final.name)
+    return run_dir

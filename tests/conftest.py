@@ -1,0 +1,119 @@
+"""Shared fixtures: a tiny random Llama model and a small byte-level BPE tokenizer, built locally
+once per session, plus helpers to write data and recipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Translate to French: good morning. Bonjour.",
+    "Reverse the word: cat -> tac. Reverse the word: dog -> god.",
+    "café straße naïve façade 東京 北京 上海",
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:\n### Input:\n### Response:\n",
+    "0 1 2 3 4 5 6 7 8 9 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+]
+
+
+def build_tokenizer(path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|pad|>", "<|bos|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_model(path: Path, tokenizer, seed: int = 0) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_model(path, build_tokenizer(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def reverse_rows(n: int = 32) -> list[dict]:
+    words = ["cat", "dog", "bird", "fish", "lion", "wolf", "bear", "frog", "duck", "goat", "mole", "crab"]
+    rows = []
+    for i in range(n):
+        w = words[i % len(words)] + words[(i * 5 + 3) % len(words)]
+        rows.append({"instruction": "Reverse the word.", "input": w, "output": w[::-1]})
+    return rows
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def tiny_recipe(model: Path, train_file: Path, out: Path, **sections) -> dict:
+    recipe = {
+        "model": {"name_or_path": str(model)},
+        "adapter": "lora",
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"train": str(train_file), "format": "alpaca", "max_length": 64},
+        "training": {"precision": "fp32", "max_steps": 20, "micro_batch_size": 8, "learning_rate": 5e-3,
+                     "lr_scheduler": "constant", "logging_steps": 1, "seed": 0},
+        "output_dir": str(out),
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(recipe.get(key), dict):
+            recipe[key] = {**recipe[key], **value}
+        elif value is None:
+            recipe.pop(key, None)
+        else:
+            recipe[key] = value
+    return recipe
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 900):
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "tunekit", *args], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
