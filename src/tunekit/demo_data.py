@@ -1,0 +1,63 @@
+"""The demo task, generated deterministically: pull a purchase out of a sentence into a fixed
+one-line record. A small instruct model knows the words but not the format, and learns it in
+a few minutes of LoRA on CPU, so the before/after gap is large and easy to see.
+
+    python -m tunekit.demo_data OUT_DIR   # writes extract_train.jsonl and extract_eval.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+INSTRUCTION = "Extract the purchase as: name | item | color | price | city"
+NAMES = ["Alice", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana", "Ivan", "Jun", "Kofi", "Lena",
+         "Mateo", "Nia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq"]
+ITEMS = ["bicycle", "laptop", "jacket", "teapot", "guitar", "backpack", "lamp", "camera", "watch", "kettle",
+         "chair", "umbrella", "scarf", "blender", "tent", "helmet"]
+COLORS = ["red", "blue", "green", "black", "white", "yellow", "silver", "orange", "purple", "brown"]
+CITIES = ["Paris", "Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Denver", "Porto", "Krakow", "Osaka",
+          "Quito", "Dublin"]
+SENTENCES = [
+    "{name} bought a {color} {item} in {city} for {price} dollars.",
+    "In {city}, {name} paid {price} dollars for a {color} {item}.",
+    "For {price} dollars, {name} got a {color} {item} while visiting {city}.",
+    "A {color} {item} cost {name} {price} dollars at a shop in {city}.",
+    "While in {city}, {name} picked up a {color} {item}; it was {price} dollars.",
+]
+
+
+def example(rng: random.Random) -> dict:
+    slots = dict(name=rng.choice(NAMES), item=rng.choice(ITEMS), color=rng.choice(COLORS),
+                 city=rng.choice(CITIES), price=rng.randint(5, 500))
+    sentence = rng.choice(SENTENCES).format(**slots)
+    answer = "{name} | {item} | {color} | {price} | {city}".format(**slots)
+    return {"instruction": INSTRUCTION, "input": sentence, "output": answer}
+
+
+def generate(n_train: int = 400, n_eval: int = 40, seed: int = 1234) -> tuple[list[dict], list[dict]]:
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    rows: list[dict] = []
+    while len(rows) < n_train + n_eval:
+        row = example(rng)
+        if row["input"] not in seen:  # no eval sentence also appears in training
+            seen.add(row["input"])
+            rows.append(row)
+    return rows[:n_train], rows[n_train:]
+
+
+def write(out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train, evals = generate()
+    paths = out_dir / "extract_train.jsonl", out_dir / "extract_eval.jsonl"
+    for path, rows in zip(paths, (train, evals)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return paths
+
+
+if __name__ == "__main__":
+    for p in write(Path(sys.argv[1] if len(sys.argv) > 1 else "recipes/data")):
+        print(p)
