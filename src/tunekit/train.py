@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -89,8 +90,14 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
     )
 
 
-def run(recipe: Recipe, force: bool = False) -> Path:
-    """Train the recipe; return the run directory."""
+@dataclass
+class TrainResult:
+    run_dir: Path
+    trainer: Trainer
+
+
+def run(recipe: Recipe, force: bool = False) -> TrainResult:
+    """Train the recipe into its run directory."""
     run_dir = Path(recipe.output_dir)
     launch = distributed.current()
     if launch.is_main:
@@ -164,4 +171,4 @@ def run(recipe: Recipe, force: bool = False) -> Path:
         )
         rundir.write_json(run_dir / "run.json", info)
         log.info("run directory: %s (%s/)", run_dir, final.name)
-    return run_dir
+    return TrainResult(run_dir, trainer)

@@ -1,0 +1,152 @@
+"""Training behaviour on a tiny random Llama: loss falls, LoRA leaves the base alone, full
+fine-tuning changes it, QLoRA keeps learning after generate(), the run directory is complete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from tunekit import models, recipe as recipe_mod, train
+from tunekit.errors import TunekitError
+from tunekit.hardware import Precision
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    return write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def load(tmp_path, raw, *overrides):
+    return recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
+
+
+def base_state(model_dir):
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def test_lora_lowers_loss_and_leaves_base_weights_unchanged(tmp_path, tiny_model, data_file):
+    recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run", training={"learning_rate": 1e-2}))
+    result = train.run(recipe)
+    history = losses(result.run_dir)
+    assert history[-1] < history[0] - 0.5, history
+
+    before = base_state(tiny_model)
+    model = result.trainer.model
+    base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+            for k, v in model.state_dict().items() if "lora_" not in k}
+    for name, tensor in before.items():
+        assert torch.equal(base[name].cpu(), tensor), f"base weight {name} changed"
+    adapter = load_file(str(result.run_dir / "adapter" / "adapter_model.safetensors"))
+    assert adapter and any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())
+
+
+def test_run_directory_contents_and_no_overwrite_without_force(tmp_path, tiny_model, data_file):
+    raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", training={"max_steps": 4},
+                      data={"eval_fraction": 0.25})
+    path = write_recipe(tmp_path / "r.yaml", raw)
+    res = run_cli("train", str(path))
+    assert res.returncode == 0, res.stderr
+    run_dir = tmp_path / "run"
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert (run_dir / "adapter" / "tokenizer.json").is_file()
+    assert not list(run_dir.rglob("adapter/*.bin"))
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "completed" and info["versions"]["transformers"]
+    assert info["command"][1:] == ["train", str(path)] and info["precision"]["name"] == "fp32"
+    assert info["data"]["eval"]["examples"] == 8 and info["eval_loss"] is not None
+    assert recipe_mod.load(run_dir / "recipe.yaml").training.max_steps == 4
+    assert len(losses(run_dir)) >= 4
+    assert (run_dir / "checkpoints" / "checkpoint-4").is_dir()
+    assert "precision: fp32" in res.stderr and "= 8 examples per optimizer step" in res.stderr
+
+    stamp = (run_dir / "run.json").stat().st_mtime_ns
+    again = run_cli("train", str(path))
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert "already exists; pass --force" in again.stderr.strip().splitlines()[-1]
+    assert (run_dir / "run.json").stat().st_mtime_ns == stamp
+    forced = run_cli("train", str(path), "--force", "--set", "training.max_steps=2")
+    assert forced.returncode == 0, forced.stderr
+    assert not (run_dir / "checkpoints" / "checkpoint-4").exists()
+
+
+def test_full_finetuning_changes_base_weights(tmp_path, tiny_model, data_file):
+    raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", adapter="none", lora=None,
+                      training={"max_steps": 10, "learning_rate": 1e-3})
+    result = train.run(load(tmp_path, raw))
+    history = losses(result.run_dir)
+    assert history[-1] < history[0] - 0.5, history
+    before = base_state(tiny_model)
+    after = load_file(str(result.run_dir / "model" / "model.safetensors"))
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(before), set(before) - set(changed)
+
+
+def _lora_grads(recipe, call_generate: bool, tokenizer):
+    torch.manual_seed(0)
+    model = models.load_for_training(recipe, Precision("fp32", "test"))
+    batch = tokenizer(["Reverse the word: catdog"], return_tensors="pt")
+    if call_generate:
+        model.eval()
+        with torch.no_grad():
+            model.generate(**batch, max_new_tokens=3, do_sample=False)
+        model.train()
+    # non-zero B so that the gradient of the lower A matrices depends on flow through the base layers
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.constant_(p, 0.01)
+    out = model(**batch, labels=batch["input_ids"])
+    out.loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def test_qlora_still_learns_after_generate(tmp_path, tiny_model, tiny_tokenizer, data_file):
+    raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", adapter="qlora", quantization={"quant_type": "nf4"})
+    recipe = load(tmp_path, raw)
+    clean = _lora_grads(recipe, False, tiny_tokenizer)
+    after_generate = _lora_grads(recipe, True, tiny_tokenizer)
+    first_layer_a = [n for n in clean if "layers.0." in n and "lora_A" in n]
+    assert first_layer_a and all(clean[n].abs().sum() > 0 for n in first_layer_a)
+    for name, grad in clean.items():
+        torch.testing.assert_close(after_generate[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    # and through the Trainer, with an eval pass (no-grad forwards) before training steps
+    result = train.run(load(tmp_path, {**raw, "data": {**raw["data"], "eval_fraction": 0.25},
+                                       "training": {**raw["training"], "eval_steps": 5, "learning_rate": 1e-2}}))
+    history = losses(result.run_dir)
+    assert history[-1] < history[0] - 0.5, history
+
+
+def test_flagship_recipe_settings_run_on_cpu_with_a_local_model(tmp_path, tiny_model, data_file):
+    """recipes/llama_qlora.yaml as shipped (QLoRA nf4, bf16, ZeRO-2, accumulation, checkpointing,
+    paged 8-bit AdamW), with only the model, data and length swapped for local, small ones."""
+    overrides = [
+        f"model.name_or_path={tiny_model}", f"data.train={data_file}", "data.eval_fraction=0.25",
+        "data.max_length=64", "training.max_steps=3", "training.logging_steps=1", "training.eval_steps=3",
+        "training.save_steps=3", f"output_dir={tmp_path / 'run'}", "model.attn_implementation=null",
+    ]
+    recipe = recipe_mod.load(ROOT / "recipes" / "llama_qlora.yaml", overrides)
+    assert recipe.adapter == "qlora" and recipe.training.deepspeed.endswith("ds_configs/zero2.json")
+    assert recipe.training.gradient_checkpointing and recipe.training.gradient_accumulation_steps == 8
+    # through the CLI, as users run it: DeepSpeed sets up process-wide state
+    res = run_cli("train", "recipes/llama_qlora.yaml", *[a for o in overrides for a in ("--set", o)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "completed" and info["precision"]["name"] == "bf16"
+    assert info["effective_batch"] == 16 and info["global_step"] == 3
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_fp16_on_cpu_is_refused_with_a_clear_message(tmp_path, tiny_model, data_file):
+    recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run", training={"precision": "fp16"}))
+    with pytest.raises(TunekitError, match="training.precision=fp16 needs a CUDA GPU"):
+        train.run(recipe)
