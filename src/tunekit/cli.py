@@ -36,6 +36,35 @@ def cmd_train(a) -> int:
     return 0
 
 
+def cmd_merge(a) -> int:
+    from pathlib import Path
+
+    from . import merge
+
+    merge.merge(Path(a.run_dir), Path(a.out) if a.out else None, a.dtype, a.force, a.tolerance)
+    return 0
+
+
+def cmd_eval(a) -> int:
+    from pathlib import Path
+
+    from . import evaluation
+    from .recipe import EvalConfig
+
+    targets = [evaluation.resolve_target(t, a.recipe, a.data) for t in [a.target] + ([a.compare] if a.compare else [])]
+    columns = []
+    for i, target in enumerate(targets):
+        base = target.recipe.eval or EvalConfig()
+        updates = {k: v for k, v in (("limit", a.limit), ("batch_size", a.batch_size),
+                                    ("max_new_tokens", a.max_new_tokens)) if v is not None}
+        cfg = EvalConfig.model_validate({**base.model_dump(), **updates})
+        out = Path(a.out) / ("target" if i == 0 else "compare") if a.out and a.compare else (Path(a.out) if a.out else None)
+        result = evaluation.evaluate(target, cfg, a.data, out, a.dtype, a.force)
+        columns.append((target.label, result["scores"]))
+    print(evaluation.format_table(columns))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
     parser.add_argument("--version", action="version", version=f"tunekit {__version__}")
@@ -49,6 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("merge", help="merge a run's adapter into its base and save deployable weights")
+    p.add_argument("run_dir", help="run directory written by `tunekit train`")
+    p.add_argument("--out", help="output directory (default: RUN_DIR/merged)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="saved dtype (default: the base model's)")
+    p.add_argument("--tolerance", type=float, default=1e-3,
+                   help="largest max |logit difference| between adapter and merged model accepted (default 1e-3)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
+    p.set_defaults(func=cmd_merge)
+
+    p = sub.add_parser("eval", help="generate on held-out data and score BLEU, chrF, ROUGE, exact match, loss")
+    p.add_argument("target", help="run directory, merged directory, or base model (hub id, directory, GGUF)")
+    p.add_argument("--recipe", help="recipe whose data and prompt settings a base-model target uses")
+    p.add_argument("--data", help="eval file (default: the recipe's eval data)")
+    p.add_argument("--limit", type=int, help="score only the first N examples")
+    p.add_argument("--batch-size", type=int, help="prompts per generate() call")
+    p.add_argument("--max-new-tokens", type=int, help="generation length cap")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="model dtype for eval (auto: bf16/fp16 on GPU, fp32 on CPU)")
+    p.add_argument("--compare", metavar="OTHER_TARGET", help="evaluate a second target and print both side by side")
+    p.add_argument("--out", help="output directory for metrics.json and predictions.jsonl")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
+    p.set_defaults(func=cmd_eval)
     return parser
 
 

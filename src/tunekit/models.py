@@ -75,9 +75,10 @@ def _hub_error(cfg_key: str, spec: str, exc: Exception) -> TunekitError:
     return TunekitError(f"{cfg_key}: cannot load {spec!r} ({first[:200]})")
 
 
-def load_tokenizer(cfg: ModelConfig):
-    spec = cfg.tokenizer or cfg.name_or_path
-    location = materialize(spec)
+def load_tokenizer(cfg: ModelConfig, directory: Path | None = None):
+    """The recipe's tokenizer, or the one saved in a run/merged `directory`."""
+    spec = str(directory) if directory is not None else cfg.tokenizer or cfg.name_or_path
+    location = spec if directory is not None else materialize(spec)
     try:
         tok = AutoTokenizer.from_pretrained(location, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -177,6 +178,9 @@ def load_for_training(recipe: Recipe, precision: Precision):
 
 def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dtype, quant=None):
     base = load_base(base_cfg, dtype, quant)
+    if quant is not None:
+        # as in training: the layers left unquantized (embeddings, norms, head) run in fp32
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     return PeftModel.from_pretrained(base, str(adapter_dir))
 
 

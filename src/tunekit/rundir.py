@@ -20,19 +20,27 @@ LIBRARIES = ("tunekit", "torch", "transformers", "peft", "accelerate", "datasets
              "safetensors", "sacrebleu", "rouge-score")
 
 
+def _occupied(path: Path) -> bool:
+    return path.exists() and (path.is_file() or any(path.iterdir()))
+
+
+def check_free(path: Path, force: bool, what: str = "output directory") -> None:
+    """Fail if `path` holds anything and --force was not given; touch nothing."""
+    if _occupied(path) and not force:
+        raise TunekitError(f"{what} {path} already exists; pass --force to overwrite it or choose another path")
+    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("/"))
+    if not os.access(parent, os.W_OK):
+        raise TunekitError(f"{what} {path}: {parent} is not writable")
+
+
 def claim(path: Path, force: bool, what: str = "output directory") -> None:
     """Fail if `path` holds anything, unless --force was given (then it is cleared)."""
-    if path.exists() and (path.is_file() or any(path.iterdir())):
-        if not force:
-            raise TunekitError(f"{what} {path} already exists; pass --force to overwrite it or choose another path")
+    check_free(path, force, what)
+    if _occupied(path):
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    parent = path.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(parent, os.W_OK):
-        raise TunekitError(f"{what} {path}: {parent} is not writable")
 
 
 @contextlib.contextmanager

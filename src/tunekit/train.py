@@ -171,4 +171,10 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
         )
         rundir.write_json(run_dir / "run.json", info)
         log.info("run directory: %s (%s/)", run_dir, final.name)
+        if recipe.eval is not None:
+            from . import evaluation
+
+            target = evaluation.resolve_target(str(run_dir))
+            result = evaluation.evaluate(target, recipe.eval, out=run_dir / "eval", force=True)
+            print(evaluation.format_table([(target.label, result["scores"])]))
     return TrainResult(run_dir, trainer)

@@ -1,0 +1,247 @@
+"""Evaluate a target (run directory, merged directory or base model): batched greedy generation
+on held-out prompts built exactly as in training, then BLEU/chrF/ROUGE/exact match and loss."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import data as data_mod
+from . import metrics, models, rundir
+from .errors import TunekitError
+from .hardware import DTYPES, has_cuda
+from .recipe import EvalConfig, Recipe
+from .recipe import load as load_recipe
+
+log = logging.getLogger("tunekit")
+
+RUN_MARKER = "run.json"
+MERGED_MARKER = "tunekit.json"
+
+
+@dataclass
+class Target:
+    kind: str  # run | merged | base
+    spec: str
+    recipe: Recipe
+    location: Path | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{Path(self.spec).name if self.kind != 'base' else self.spec}"
+
+
+def resolve_target(spec: str, recipe_path: str | None = None, data: str | None = None) -> Target:
+    path = Path(spec)
+    if path.is_dir() and (path / RUN_MARKER).is_file():
+        info = json.loads((path / RUN_MARKER).read_text())
+        if info.get("status") != "completed":
+            raise TunekitError(f"{spec}: the run did not complete (status {info.get('status')!r}); nothing to evaluate")
+        return Target("run", spec, load_recipe(path / "recipe.yaml"), path)
+    if path.is_dir() and (path / MERGED_MARKER).is_file():
+        return Target("merged", spec, load_recipe(path / "recipe.yaml"), path)
+    if recipe_path:
+        recipe = load_recipe(recipe_path, [f"model.name_or_path={spec}"])
+    elif data:
+        from .recipe import from_dict
+
+        recipe = from_dict({"model": {"name_or_path": spec}, "data": {"train": data}}, source="eval")
+    else:
+        raise TunekitError(f"{spec}: a base model needs --recipe RECIPE (for its data and prompt settings) or --data FILE")
+    return Target("base", spec, recipe)
+
+
+def eval_dtype(requested: str) -> torch.dtype:
+    if requested != "auto":
+        return DTYPES[requested]
+    if has_cuda():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32  # on CPU, bf16 generation changes greedy outputs with batch composition
+
+
+def load_model(target: Target, dtype: torch.dtype):
+    """The model as the target defines it: base + adapter (quantized base for QLoRA), full weights,
+    a merged directory, or the base model alone."""
+    recipe = target.recipe
+    if target.kind == "merged":
+        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location)}), dtype)
+    if target.kind == "base":
+        return models.load_base(recipe.model, dtype)
+    from .train import ADAPTER_DIR, MODEL_DIR
+
+    if (target.location / MODEL_DIR).is_dir():
+        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location / MODEL_DIR)}), dtype)
+    info = json.loads((target.location / RUN_MARKER).read_text())
+    quant = None
+    load_dtype = dtype
+    if recipe.quantization is not None:
+        # re-quantize exactly as in training (same load dtype), compute in the eval dtype
+        load_dtype = DTYPES[info["precision"]["name"]]
+        quant = models.quantization_config(recipe, _precision(info))
+        quant.bnb_4bit_compute_dtype = dtype
+    return models.load_adapter_model(recipe.model, target.location / ADAPTER_DIR, load_dtype, quant)
+
+
+def _precision(info: dict):
+    from .hardware import Precision
+
+    return Precision(info["precision"]["name"], info["precision"]["reason"])
+
+
+def records_for(target: Target, data: str | None) -> list[data_mod.Record]:
+    cfg = target.recipe.data
+    source = data or (target.recipe.eval.data if target.recipe.eval else None)
+    if source:
+        return data_mod.read_records(source, cfg.eval_split, "--data" if data else "eval.data")
+    records = data_mod.eval_records(cfg, target.recipe.training.seed)
+    if not records:
+        raise TunekitError(f"{target.spec}: no eval data; pass --data FILE or set data.eval / data.eval_fraction")
+    return records
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, batch_size: int,
+             max_new_tokens: int) -> list[str]:
+    """Greedy generation in batches of similar length, left-padded; outputs in input order."""
+    tokenizer.padding_side = "left"
+    lengths = [len(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: lengths[i])
+    outputs: list[str] = [""] * len(prompts)
+    device = next(model.parameters()).device
+    model.eval()
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
+                          add_special_tokens=add_special_tokens).to(device)
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        new = out[:, batch["input_ids"].shape[1]:]
+        for i, ids in zip(idx, new):
+            outputs[i] = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        log.info("eval: generated %d/%d", min(start + batch_size, len(order)), len(order))
+    return outputs
+
+
+@torch.no_grad()
+def token_loss(model, tokenizer, examples: list[data_mod.Example], batch_size: int) -> float:
+    """Mean cross-entropy per trained token (the training objective on held-out data)."""
+    tokenizer.padding_side = "right"
+    collate = data_mod.collator(tokenizer)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        batch = collate([{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels}
+                         for e in chunk]).to(device)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        labels = batch["labels"][:, 1:]
+        losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels,
+                                                   ignore_index=data_mod.IGNORE, reduction="sum")
+        total += losses.item()
+        count += int((labels != data_mod.IGNORE).sum())
+    return total / max(count, 1)
+
+
+def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Record], cfg: EvalConfig) -> tuple[dict, list[dict]]:
+    renderer = data_mod.Renderer(recipe.data, tokenizer)
+    rendered = [renderer.render(r) for r in records]
+    if cfg.limit:
+        rendered = rendered[: cfg.limit]
+    if any(r.prompt is None for r in rendered):
+        raise TunekitError("eval: format 'text' has no prompt/answer split to generate from; only loss applies")
+    started = time.perf_counter()
+    predictions = generate(model, tokenizer, [r.prompt for r in rendered], rendered[0].add_special_tokens,
+                           cfg.batch_size, cfg.max_new_tokens)
+    gen_seconds = time.perf_counter() - started
+    references = [r.reference for r in rendered]
+    scores = metrics.score(predictions, references, cfg.metrics)
+    scores.update(metrics.extra(predictions, references, cfg.extra_metrics))
+    if "loss" in cfg.metrics:
+        examples, _ = data_mod.build_examples(rendered, tokenizer, recipe.data)
+        if examples:
+            loss = token_loss(model, tokenizer, examples, cfg.batch_size)
+            scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
+    scores["examples"] = len(rendered)
+    scores["generation_seconds"] = round(gen_seconds, 2)
+    rows = [{"prompt": r.prompt, "reference": r.reference, "prediction": p} for r, p in zip(rendered, predictions)]
+    return scores, rows
+
+
+def default_out(target: Target) -> Path:
+    if target.location is not None:
+        return target.location / "eval"
+    return Path("runs") / f"eval-{Path(target.spec).stem.replace('/', '_')}"
+
+
+def evaluate(target: Target, cfg: EvalConfig, data: str | None = None, out: Path | None = None,
+             dtype: str = "auto", force: bool = False) -> dict:
+    out = out or default_out(target)
+    rundir.check_free(out, force, "eval output")
+    records = records_for(target, data)
+    torch_dtype = eval_dtype(dtype)
+    tokenizer = models.load_tokenizer(target.recipe.model,
+                                      target.location / _tokenizer_dir(target) if target.location else None)
+    model = load_model(target, torch_dtype)
+    log.info("eval %s: %d examples, batch %d, greedy, max %d new tokens, %s", target.label,
+             min(len(records), cfg.limit or len(records)), cfg.batch_size, cfg.max_new_tokens, torch_dtype)
+    scores, rows = evaluate_model(model, tokenizer, target.recipe, records, cfg)
+    result = {
+        "target": target.spec,
+        "kind": target.kind,
+        "scores": scores,
+        "settings": {
+            "data": data or "recipe eval split",
+            "greedy": True,
+            "batch_size": cfg.batch_size,
+            "max_new_tokens": cfg.max_new_tokens,
+            "dtype": str(torch_dtype).removeprefix("torch."),
+            "bleu_signature": scores.get("bleu_signature"),
+            "chrf_signature": scores.get("chrf_signature"),
+            "rouge": metrics.SETTINGS["rouge"],
+            "exact_match": metrics.SETTINGS["exact_match"],
+        },
+    }
+    with rundir.atomic_dir(out) as tmp:
+        rundir.write_json(tmp / "metrics.json", result)
+        (tmp / "predictions.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    log.info("eval written to %s", out)
+    return result
+
+
+def _tokenizer_dir(target: Target) -> str:
+    from .train import ADAPTER_DIR, MODEL_DIR
+
+    if target.kind == "merged":
+        return "."
+    return ADAPTER_DIR if (target.location / ADAPTER_DIR).is_dir() else MODEL_DIR
+
+
+TABLE_ROWS = [("bleu", "BLEU"), ("chrf", "chrF"), ("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"),
+              ("rougeL", "ROUGE-L"), ("rougeLsum", "ROUGE-Lsum"), ("exact_match", "exact match %"),
+              ("eval_loss", "eval loss"), ("perplexity", "perplexity"), ("examples", "examples")]
+
+
+def format_table(columns: list[tuple[str, dict]]) -> str:
+    """Scores side by side; a last 'change' column when there are two."""
+    headers = ["metric"] + [label for label, _ in columns] + (["change"] if len(columns) == 2 else [])
+    rows = []
+    for key, name in TABLE_ROWS:
+        values = [scores.get(key) for _, scores in columns]
+        if all(v is None for v in values):
+            continue
+        cells = [name] + ["-" if v is None else (f"{v:d}" if isinstance(v, int) else f"{v:.2f}") for v in values]
+        if len(columns) == 2 and None not in values and key != "examples":
+            cells.append(f"{values[1] - values[0]:+.2f}")
+        elif len(columns) == 2:
+            cells.append("")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in [headers] + rows) for i in range(len(headers))]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
