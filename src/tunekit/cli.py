@@ -23,14 +23,44 @@ def cmd_validate(a) -> int:
 
     recipe = recipe_mod.load(a.recipe, a.overrides)
     print(recipe_mod.to_yaml(recipe), end="")
+    if recipe.training.deepspeed and a.world_size:
+        import json
+
+        from . import dsconfig
+        from .hardware import resolve_precision
+
+        precision = resolve_precision(recipe.training.precision)
+        ds = dsconfig.resolve(dsconfig.read(recipe.training.deepspeed), recipe, a.world_size, precision.name,
+                              f"{a.recipe}: training.deepspeed {recipe.training.deepspeed}", _hidden_size(recipe))
+        print(f"# DeepSpeed config for world size {a.world_size}, precision {precision.name} ({precision.reason});")
+        print("# remaining \"auto\" values depend on the model's size and are filled at launch")
+        print(json.dumps(ds, indent=2))
     return 0
+
+
+def _hidden_size(recipe) -> int | None:
+    import json
+    from pathlib import Path
+
+    from .sources import resolve_model
+
+    source = resolve_model(recipe.model.name_or_path)
+    config = Path(source.location) / "config.json"
+    return json.loads(config.read_text()).get("hidden_size") if source.kind == "dir" else None
 
 
 def cmd_train(a) -> int:
     from . import recipe as recipe_mod
 
     recipe = recipe_mod.load(a.recipe, a.overrides)
-    from . import train
+    from . import distributed, train
+
+    requested = distributed.accelerate_cpu_request()
+    if requested:
+        logging.getLogger("tunekit").info(
+            "accelerate started one process for --num_processes %d on a machine without GPUs; "
+            "starting %d CPU processes (gloo) with torch.distributed.run", requested, requested)
+        return distributed.relaunch(requested, sys.argv[1:])
 
     train.run(recipe, force=a.force)
     return 0
@@ -72,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a recipe and print it with every default filled")
     _recipe_args(p)
+    p.add_argument("--world-size", type=int, default=0, metavar="N",
+                   help="also print the DeepSpeed config resolved for N processes")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("train", help="train a recipe into its run directory")
@@ -105,12 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
+    import os
+
     log = logging.getLogger("tunekit")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("tunekit: %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        # one voice in multi-process runs: other ranks report only problems
+        log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
         log.propagate = False
 
 

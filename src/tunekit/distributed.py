@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,6 +31,35 @@ def current() -> Launch:
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         cuda=torch.cuda.is_available(),
     )
+
+
+def accelerate_cpu_request() -> int | None:
+    """How many processes `accelerate launch --num_processes N` asked for, when it started only this one.
+
+    Without a GPU (and without --multi_gpu), accelerate's simple launcher runs a single process and
+    does not pass N on; its command line, our parent's, still says it."""
+    if "WORLD_SIZE" in os.environ or "ACCELERATE_USE_CPU" not in os.environ or torch.cuda.is_available():
+        return None
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if not any(a.endswith("accelerate") or a == "launch" for a in argv):
+        return None
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--num_processes=") else (
+            argv[i + 1] if arg == "--num_processes" and i + 1 < len(argv) else None)
+        if value is not None and value.isdigit() and int(value) > 1:
+            return int(value)
+    return None
+
+
+def relaunch(n: int, argv: list[str]) -> int:
+    """Start `n` CPU worker processes of the same tunekit command with torch's elastic launcher."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           "-m", "tunekit", *argv]
+    return subprocess.run(cmd, env=env).returncode
 
 
 def _free_port() -> int:

@@ -296,6 +296,10 @@ def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
             raise TunekitError(f"{source}: training.deepspeed: {ds}{line} is not valid JSON ({e.args[0].split(':')[0]})") from None
         if not isinstance(parsed, dict):
             raise TunekitError(f"{source}: training.deepspeed: {ds} must hold a JSON object")
+        from . import dsconfig
+
+        precision = None if recipe.training.precision == "auto" else recipe.training.precision
+        dsconfig.resolve(parsed, recipe, None, precision, f"{source}: training.deepspeed {ds}")
         updates["training"]["deepspeed"] = str(found)
     return recipe.model_copy(
         update={

@@ -12,7 +12,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from . import data as data_mod
-from . import distributed, models, rundir
+from . import distributed, dsconfig, models, rundir
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
@@ -43,7 +43,21 @@ class StopOnNonFinite(TrainerCallback):
                                "or check the data (last good checkpoint kept)")
 
 
-def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_eval: bool) -> TrainingArguments:
+def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int) -> dict | None:
+    """The recipe's DeepSpeed JSON with every "auto" that the recipe decides filled in."""
+    if recipe.training.deepspeed is None:
+        return None
+    from transformers import AutoConfig
+
+    model_cfg = AutoConfig.from_pretrained(models.materialize(recipe.model.name_or_path),
+                                           trust_remote_code=recipe.model.trust_remote_code)
+    hidden = getattr(model_cfg, "hidden_size", None)
+    return dsconfig.resolve(dsconfig.read(recipe.training.deepspeed), recipe, world_size, precision.name,
+                            f"training.deepspeed {recipe.training.deepspeed}", hidden)
+
+
+def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_eval: bool,
+                       ds: dict | None = None) -> TrainingArguments:
     t = recipe.training
     if t.save_steps:
         save = {"save_strategy": "steps", "save_steps": t.save_steps}
@@ -81,12 +95,12 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         save_total_limit=t.save_total_limit,
         seed=t.seed,
         data_seed=t.seed,
-        deepspeed=t.deepspeed,
+        deepspeed=ds,
         report_to="none",
         remove_unused_columns=False,
         **save,
         **evaluation,
-        **distributed.prepare(deepspeed=t.deepspeed is not None),
+        **distributed.prepare(deepspeed=ds is not None),
     )
 
 
@@ -100,10 +114,14 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
     """Train the recipe into its run directory."""
     run_dir = Path(recipe.output_dir)
     launch = distributed.current()
+    rundir.check_free(run_dir, force, "output_dir")
     if launch.is_main:
         rundir.claim(run_dir, force, "output_dir")
     precision = resolve_precision(recipe.training.precision)
     log.info("precision: %s (%s)", precision.name, precision.reason)
+    ds = deepspeed_config(recipe, precision, launch.world_size)
+    if ds is not None:
+        log.info("deepspeed: %s; %s", recipe.training.deepspeed, dsconfig.describe(ds))
 
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
@@ -111,7 +129,7 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
     log.info("prompt template: %s; prompt tokens %s", bundle.template,
              "masked" if recipe.data.mask_prompt else "trained")
 
-    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None)
+    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds)
     model = models.load_for_training(recipe, precision)
     total, trainable = models.count_parameters(model)
     log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
@@ -123,6 +141,8 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
     if launch.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(to_yaml(recipe), encoding="utf-8")
+        if ds is not None:
+            rundir.write_json(run_dir / "deepspeed.json", ds)
     info = {
         "status": "running",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
