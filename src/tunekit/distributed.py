@@ -44,7 +44,7 @@ def accelerate_cpu_request() -> int | None:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return None
-    if not any(a.endswith("accelerate") or a == "launch" for a in argv):
+    if not any("accelerate" in a for a in argv):
         return None
     for i, arg in enumerate(argv):
         value = arg.split("=", 1)[1] if arg.startswith("--num_processes=") else (
@@ -60,6 +60,16 @@ def relaunch(n: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            "-m", "tunekit", *argv]
     return subprocess.run(cmd, env=env).returncode
+
+
+def finish() -> None:
+    """Let every rank reach the end before any exits, then close the process group cleanly
+    (a rank that exits while the group's threads still run aborts with SIGABRT)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -187,7 +187,9 @@ def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dt
 def count_parameters(model) -> tuple[int, int]:
     total = trainable = 0
     for p in model.parameters():
-        n = p.numel() * (2 if p.__class__.__name__ == "Params4bit" else 1)
+        # ZeRO-3 leaves an empty placeholder and records the real size in ds_numel;
+        # a 4-bit tensor packs two parameters per byte
+        n = getattr(p, "ds_numel", p.numel()) * (2 if p.__class__.__name__ == "Params4bit" else 1)
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable

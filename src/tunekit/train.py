@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
 from . import distributed, dsconfig, models, rundir
@@ -130,6 +130,7 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
              "masked" if recipe.data.mask_prompt else "trained")
 
     args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds)
+    set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
     model = models.load_for_training(recipe, precision)
     total, trainable = models.count_parameters(model)
     log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
@@ -191,10 +192,11 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
         )
         rundir.write_json(run_dir / "run.json", info)
         log.info("run directory: %s (%s/)", run_dir, final.name)
-        if recipe.eval is not None:
-            from . import evaluation
+    distributed.finish()
+    if launch.is_main and recipe.eval is not None:
+        from . import evaluation
 
-            target = evaluation.resolve_target(str(run_dir))
-            result = evaluation.evaluate(target, recipe.eval, out=run_dir / "eval", force=True)
-            print(evaluation.format_table([(target.label, result["scores"])]))
+        target = evaluation.resolve_target(str(run_dir))
+        scores = evaluation.evaluate(target, recipe.eval, out=run_dir / "eval", force=True)["scores"]
+        print(evaluation.format_table([(target.label, scores)]))
     return TrainResult(run_dir, trainer)
