@@ -102,7 +102,7 @@ def test_accelerate_launch_runs_two_processes(recipe_file, ddp, tmp_path):
     assert_same_run(ddp, out)
 
 
-@pytest.mark.parametrize("config", ["zero1", "zero2_offload", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("config", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
 @pytest.mark.parametrize("adapter", ["lora", "none"])
 def test_zero_stages_train_lora_and_full_finetuning(recipe_file, tmp_path, tiny_model, config, adapter):
     out = tmp_path / "run"
