@@ -53,6 +53,12 @@ def cmd_train(a) -> int:
     from . import recipe as recipe_mod
 
     recipe = recipe_mod.load(a.recipe, a.overrides)
+    if not a.resume:  # fail fast, before torch is imported
+        from pathlib import Path
+
+        from .rundir import check_free
+
+        check_free(Path(recipe.output_dir), a.force, "output_dir")
     from . import distributed, train
 
     requested = distributed.accelerate_cpu_request()
@@ -62,7 +68,7 @@ def cmd_train(a) -> int:
             "starting %d CPU processes (gloo) with torch.distributed.run", requested, requested)
         return distributed.relaunch(requested, sys.argv[1:])
 
-    train.run(recipe, force=a.force)
+    train.run(recipe, force=a.force, resume=a.resume)
     return 0
 
 
@@ -109,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a recipe into its run directory")
     _recipe_args(p)
     p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in output_dir from its newest complete checkpoint")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("merge", help="merge a run's adapter into its base and save deployable weights")

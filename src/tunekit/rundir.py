@@ -28,9 +28,14 @@ def check_free(path: Path, force: bool, what: str = "output directory") -> None:
     """Fail if `path` holds anything and --force was not given; touch nothing."""
     if _occupied(path) and not force:
         raise TunekitError(f"{what} {path} already exists; pass --force to overwrite it or choose another path")
-    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("/"))
-    if not os.access(parent, os.W_OK):
-        raise TunekitError(f"{what} {path}: {parent} is not writable")
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        raise TunekitError(f"{what} {path}: {existing} is a file, not a directory; choose another path")
+    try:  # access() says yes to root even on read-only file systems: try for real
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise TunekitError(f"{what} {path}: {existing} is not writable ({e.strerror}); choose another path") from None
 
 
 def claim(path: Path, force: bool, what: str = "output directory") -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +12,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
-from . import distributed, dsconfig, models, rundir
+from . import checkpoints, distributed, dsconfig, models, preflight, rundir
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
@@ -33,14 +33,6 @@ class LossHistory(TrainerCallback):
         if state.is_world_process_zero and logs:
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
-
-
-class StopOnNonFinite(TrainerCallback):
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        loss = (logs or {}).get("loss")
-        if loss is not None and not math.isfinite(loss):
-            raise TunekitError(f"training loss became {loss} at step {state.global_step}; lower training.learning_rate "
-                               "or check the data (last good checkpoint kept)")
 
 
 def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int) -> dict | None:
@@ -98,6 +90,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         deepspeed=ds,
         report_to="none",
         remove_unused_columns=False,
+        logging_nan_inf_filter=False,  # a NaN loss must be seen, not averaged away
         **save,
         **evaluation,
         **distributed.prepare(deepspeed=ds is not None),
@@ -110,24 +103,46 @@ class TrainResult:
     trainer: Trainer
 
 
-def run(recipe: Recipe, force: bool = False) -> TrainResult:
-    """Train the recipe into its run directory."""
+def _check_resume(recipe: Recipe, run_dir: Path) -> Path:
+    """The checkpoint to resume from; the recipe must be the one the run started with."""
+    saved = run_dir / "recipe.yaml"
+    info_file = run_dir / "run.json"
+    if not saved.is_file() or not info_file.is_file():
+        raise TunekitError(f"--resume: {run_dir} is not a tunekit run directory; train without --resume")
+    if json.loads(info_file.read_text()).get("status") == "completed":
+        raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
+    if saved.read_text(encoding="utf-8") != to_yaml(recipe):
+        raise TunekitError(f"--resume: the recipe differs from {saved}, the one this run started with; "
+                           "resume with the same recipe and overrides")
+    return checkpoints.resume_point(run_dir)
+
+
+def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResult:
+    """Train the recipe into its run directory (or continue it from its newest complete checkpoint)."""
     run_dir = Path(recipe.output_dir)
     launch = distributed.current()
-    rundir.check_free(run_dir, force, "output_dir")
-    if launch.is_main:
-        rundir.claim(run_dir, force, "output_dir")
+    resume_from = _check_resume(recipe, run_dir) if resume else None
+    if resume_from is None:
+        rundir.check_free(run_dir, force, "output_dir")
     precision = resolve_precision(recipe.training.precision)
     log.info("precision: %s (%s)", precision.name, precision.reason)
     ds = deepspeed_config(recipe, precision, launch.world_size)
     if ds is not None:
         log.info("deepspeed: %s; %s", recipe.training.deepspeed, dsconfig.describe(ds))
 
+    # Tokenizer and data first: bad data fails here, before anything is written or loaded.
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
     bundle = data_mod.build(recipe.data, tokenizer, recipe.training.seed)
     log.info("prompt template: %s; prompt tokens %s", bundle.template,
              "masked" if recipe.data.mask_prompt else "trained")
+    if launch.is_main:
+        if resume_from is None:
+            rundir.claim(run_dir, force, "output_dir")
+            preflight.warn_if_disk_short(recipe, run_dir)
+        else:
+            log.info("resuming from %s", resume_from.name)
+            checkpoints.truncate_history(run_dir / "loss_history.jsonl", checkpoints.step_of(resume_from))
 
     args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds)
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
@@ -135,15 +150,10 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
     total, trainable = models.count_parameters(model)
     log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
              100 * trainable / max(total, 1), recipe.adapter)
+    effective = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     log.info("batch: world size %d x micro-batch %d x accumulation %d = %d examples per optimizer step",
-             args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps,
-             args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps)
+             args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps, effective)
 
-    if launch.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(to_yaml(recipe), encoding="utf-8")
-        if ds is not None:
-            rundir.write_json(run_dir / "deepspeed.json", ds)
     info = {
         "status": "running",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -154,11 +164,16 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
         "base_model": recipe.model.name_or_path,
         "parameters": {"total": total, "trainable": trainable},
         "world_size": args.world_size,
-        "effective_batch": args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        "effective_batch": effective,
+        "resumed_from": resume_from.name if resume_from else None,
         "data": {"template": bundle.template, "train": vars(bundle.train_stats),
                  "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
     }
     if launch.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(to_yaml(recipe), encoding="utf-8")
+        if ds is not None:
+            rundir.write_json(run_dir / "deepspeed.json", ds)
         rundir.write_json(run_dir / "run.json", info)
 
     trainer = Trainer(
@@ -168,16 +183,28 @@ def run(recipe: Recipe, force: bool = False) -> TrainResult:
         eval_dataset=bundle.eval,
         data_collator=data_mod.collator(tokenizer),
         processing_class=tokenizer,
-        callbacks=[LossHistory(run_dir / "loss_history.jsonl"), StopOnNonFinite()],
+        callbacks=[LossHistory(run_dir / "loss_history.jsonl"), checkpoints.MarkComplete(),
+                   checkpoints.StopOnNonFinite()],
     )
-    result = trainer.train()
+    try:
+        result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except BaseException as e:
+        if launch.is_main:
+            info.update(status="failed", error=str(e).splitlines()[0] if str(e) else type(e).__name__,
+                        failed_at_step=trainer.state.global_step)
+            rundir.write_json(run_dir / "run.json", info)
+        raise
 
     final = run_dir / (ADAPTER_DIR if recipe.adapter != "none" else MODEL_DIR)
     # save_model gathers ZeRO-3 shards and must run on every rank; only rank 0 writes files.
     tmp = run_dir / f".{final.name}.partial"
+    if launch.is_main and tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed while saving
     trainer.save_model(str(tmp))
     if launch.is_main:
         (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; the recipe and run.json say the same
+        if final.exists():
+            shutil.rmtree(final)
         tmp.rename(final)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         info.update(
