@@ -351,8 +351,14 @@ def build(cfg: DataConfig, tokenizer, seed: int) -> DataBundle:
     return DataBundle(_to_dataset(train_examples), eval_ds, train_stats, eval_stats, eval_rendered, renderer.template)
 
 
-def collator(tokenizer):
-    """Pads input_ids with the pad token and labels with -100 (DataCollatorForSeq2Seq does both)."""
-    from transformers import DataCollatorForSeq2Seq
+def collator(tokenizer, packing: bool = False, flash_attention: bool = False):
+    """Padded batches: input_ids padded with the pad token, labels with -100 (DataCollatorForSeq2Seq).
+    Packed: DataCollatorWithFlattening concatenates the micro-batch into one row, restarts position
+    ids per example and sets each example's first label to -100; attention builds a block-diagonal
+    causal mask from the position ids (or uses the flash-attention sequence boundaries), so no example
+    sees another."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
+    if packing:
+        return DataCollatorWithFlattening(separator_id=IGNORE, return_flash_attn_kwargs=flash_attention)
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)

@@ -82,6 +82,11 @@ class DataConfig(Section):
     max_length: int = Field(1024, ge=8, description="Tokens per example; longer examples are truncated and counted.")
     mask_prompt: bool = Field(True, description="Train only on completion/assistant tokens (prompt labels = -100).")
     max_examples: int | None = Field(None, gt=0, description="Use only the first N training examples.")
+    packing: bool = Field(
+        False,
+        description="Padding-free packing: each micro-batch becomes one row of concatenated examples with position ids "
+        "restarting per example and attention kept inside each example. Faster when lengths vary.",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "DataConfig":
@@ -99,6 +104,7 @@ class TrainingConfig(Section):
     micro_batch_size: int = Field(4, gt=0, description="Examples per device per forward pass.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding, unpacked runs).")
     learning_rate: float = Field(2e-4, gt=0, le=1.0, description="Peak learning rate.")
     lr_scheduler: Literal[
         "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial", "inverse_sqrt"

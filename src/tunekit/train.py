@@ -91,6 +91,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         report_to="none",
         remove_unused_columns=False,
         logging_nan_inf_filter=False,  # a NaN loss must be seen, not averaged away
+        train_sampling_strategy="group_by_length" if t.group_by_length else "random",
         **save,
         **evaluation,
         **distributed.prepare(deepspeed=ds is not None),
@@ -134,8 +135,10 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
     bundle = data_mod.build(recipe.data, tokenizer, recipe.training.seed)
-    log.info("prompt template: %s; prompt tokens %s", bundle.template,
-             "masked" if recipe.data.mask_prompt else "trained")
+    log.info("prompt template: %s; prompt tokens %s; %s", bundle.template,
+             "masked" if recipe.data.mask_prompt else "trained",
+             "packed (padding-free)" if recipe.data.packing else
+             "padded batches" + (", grouped by length" if recipe.training.group_by_length else ""))
     if launch.is_main:
         if resume_from is None:
             rundir.claim(run_dir, force, "output_dir")
@@ -181,7 +184,8 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
         args=args,
         train_dataset=bundle.train,
         eval_dataset=bundle.eval,
-        data_collator=data_mod.collator(tokenizer),
+        data_collator=data_mod.collator(tokenizer, recipe.data.packing,
+                                        recipe.model.attn_implementation == "flash_attention_2"),
         processing_class=tokenizer,
         callbacks=[LossHistory(run_dir / "loss_history.jsonl"), checkpoints.MarkComplete(),
                    checkpoints.StopOnNonFinite()],

@@ -1,0 +1,95 @@
+"""Padding-free packing keeps examples apart and the loss unchanged; length grouping cuts padding."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, Trainer
+
+from conftest import tiny_recipe, write_jsonl, write_recipe
+from tunekit import data as data_mod
+from tunekit import models, recipe as recipe_mod, train
+from tunekit.hardware import Precision
+
+# fp32 on CPU: packed and alone differ only by summation order (measured max 2e-7)
+TOL = 1e-5
+
+
+def mixed_rows(n: int = 48) -> list[dict]:
+    words = ["cat", "dog", "bird", "fish", "lion", "wolf", "bear", "frog"]
+    rows = []
+    for i in range(n):
+        k = 1 + (i * 7) % 12  # 1..12 words: lengths vary several-fold
+        text = " ".join(words[(i + j) % len(words)] for j in range(k))
+        rows.append({"instruction": "Reverse the words.", "input": text, "output": " ".join(text.split()[::-1])})
+    return rows
+
+
+def per_token_loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="none")
+
+
+def test_each_example_has_the_same_per_token_loss_packed_and_alone(tiny_model, tiny_tokenizer, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.config.use_cache = False  # as in training
+    bundle = data_mod.build(recipe_mod.DataConfig(train=str(write_jsonl(tmp_path / "d.jsonl", mixed_rows(6)))),
+                            tiny_tokenizer, seed=0)
+    features = [bundle.train[i] for i in range(len(bundle.train))]
+    batch = data_mod.collator(tiny_tokenizer, packing=True)(features)
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+    start = 0
+    for f in features:
+        n = len(f["input_ids"])
+        assert batch["position_ids"][0, start:start + n].tolist() == list(range(n))  # restart per example
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([f["input_ids"]])).logits[0]
+        labels = torch.tensor(f["labels"])
+        torch.testing.assert_close(per_token_loss(packed[start:start + n], labels),
+                                   per_token_loss(alone, labels), rtol=0, atol=TOL)
+        # the example's first label is the separator: the previous example never predicts into it
+        assert batch["labels"][0, start].item() == -100
+        start += n
+    assert start == batch["input_ids"].shape[1]
+
+
+def _run(tmp_path, tiny_model, name, **data):
+    file = write_jsonl(tmp_path / "mixed.jsonl", mixed_rows())
+    raw = tiny_recipe(tiny_model, file, tmp_path / name, data={"max_length": 128, **data},
+                      training={"max_steps": 5, "micro_batch_size": 8})
+    train.run(recipe_mod.load(write_recipe(tmp_path / f"{name}.yaml", raw)))
+    rows = [json.loads(line) for line in (tmp_path / name / "loss_history.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_packed_training_matches_padded_training(tmp_path, tiny_model):
+    """Same examples per step, loss averaged over trained tokens: the runs coincide step by step."""
+    padded = _run(tmp_path, tiny_model, "padded")
+    packed = _run(tmp_path, tiny_model, "packed", packing=True)
+    assert packed == __import__("pytest").approx(padded, rel=1e-4)
+    assert packed[-1] < packed[0]
+
+
+def test_group_by_length_reduces_padding(tmp_path, tiny_model, tiny_tokenizer):
+    # transformers sorts within mega-batches of up to 50 batches: enough data for several of them
+    file = write_jsonl(tmp_path / "mixed.jsonl", mixed_rows(480))
+
+    def padding_fraction(group: bool) -> float:
+        raw = tiny_recipe(tiny_model, file, tmp_path / "run", data={"max_length": 128},
+                          training={"group_by_length": group, "micro_batch_size": 8})
+        recipe = recipe_mod.load(write_recipe(tmp_path / "g.yaml", raw))
+        bundle = data_mod.build(recipe.data, tiny_tokenizer, 0)
+        args = train.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", False)
+        model = models.load_for_training(recipe, Precision("fp32", "test"))
+        trainer = Trainer(model=model, args=args, train_dataset=bundle.train,
+                          data_collator=data_mod.collator(tiny_tokenizer))
+        real = total = 0
+        for batch in trainer.get_train_dataloader():
+            real += int(batch["attention_mask"].sum())
+            total += batch["attention_mask"].numel()
+        return 1 - real / total
+
+    grouped, random_order = padding_fraction(True), padding_fraction(False)
+    assert grouped < 0.5 * random_order, (grouped, random_order)
