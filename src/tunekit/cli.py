@@ -101,6 +101,26 @@ def cmd_eval(a) -> int:
     return 0
 
 
+def cmd_plan(a) -> int:
+    from . import recipe as recipe_mod
+
+    recipe = recipe_mod.load(a.recipe, a.overrides)
+    from . import plan
+    from .hardware import resolve_precision
+
+    precision = recipe.training.precision
+    if precision == "auto":
+        precision = resolve_precision("auto").name
+    settings = plan.settings_from(recipe, a.world_size, precision, peak_tflops=a.peak_tflops,
+                                  utilization=a.utilization)
+    cfg, model = plan._meta_model(recipe)
+    result = plan.make(recipe, settings, cfg, model)
+    budget = plan.parse_size(a.gpu_memory) if a.gpu_memory else None
+    fixes = plan.suggestions(recipe, result, budget, cfg, model) if budget and result.peak > budget else []
+    print(plan.to_json(result) if a.json else plan.report(recipe, result, budget, fixes))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
     parser.add_argument("--version", action="version", version=f"tunekit {__version__}")
@@ -118,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in output_dir from its newest complete checkpoint")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plan", help="memory per device and time per step, before loading any weights")
+    _recipe_args(p)
+    p.add_argument("--world-size", type=int, default=1, metavar="N", help="number of devices (default 1)")
+    p.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 24GiB: prints a verdict and fixes")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per device (default: H100 bf16)")
+    p.add_argument("--utilization", type=float, default=0.4, help="fraction of peak reached (default 0.4)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("merge", help="merge a run's adapter into its base and save deployable weights")
     p.add_argument("run_dir", help="run directory written by `tunekit train`")

@@ -351,6 +351,26 @@ def build(cfg: DataConfig, tokenizer, seed: int) -> DataBundle:
     return DataBundle(_to_dataset(train_examples), eval_ds, train_stats, eval_stats, eval_rendered, renderer.template)
 
 
+class CountingCollator:
+    """Wraps a collator and counts real (non-padding) and computed tokens, for throughput and padding
+    numbers. Counts every batch it builds, eval batches during training included."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.real = 0
+        self.computed = 0
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        self.real += sum(len(f["input_ids"]) for f in features)
+        self.computed += batch["input_ids"].numel()
+        return batch
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1 - self.real / self.computed if self.computed else 0.0
+
+
 def collator(tokenizer, packing: bool = False, flash_attention: bool = False):
     """Padded batches: input_ids padded with the pad token, labels with -100 (DataCollatorForSeq2Seq).
     Packed: DataCollatorWithFlattening concatenates the micro-batch into one row, restarts position

@@ -98,6 +98,18 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
     )
 
 
+def peak_memory_gb() -> dict:
+    """Peak resident memory of this process and, on GPU, peak allocated CUDA memory."""
+    import resource
+
+    import torch
+
+    out = {"cpu_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2}
+    if torch.cuda.is_available():
+        out["cuda_allocated"] = torch.cuda.max_memory_allocated() / 1024**3
+    return out
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -179,13 +191,14 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
             rundir.write_json(run_dir / "deepspeed.json", ds)
         rundir.write_json(run_dir / "run.json", info)
 
+    collate = data_mod.CountingCollator(data_mod.collator(tokenizer, recipe.data.packing,
+                                                          recipe.model.attn_implementation == "flash_attention_2"))
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=bundle.train,
         eval_dataset=bundle.eval,
-        data_collator=data_mod.collator(tokenizer, recipe.data.packing,
-                                        recipe.model.attn_implementation == "flash_attention_2"),
+        data_collator=collate,
         processing_class=tokenizer,
         callbacks=[LossHistory(run_dir / "loss_history.jsonl"), checkpoints.MarkComplete(),
                    checkpoints.StopOnNonFinite()],
@@ -220,6 +233,16 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
             last_logged_loss=losses[-1] if losses else None,
             eval_loss=next((h["eval_loss"] for h in reversed(trainer.state.log_history) if "eval_loss" in h), None),
             output=final.name,
+            throughput={
+                "train_runtime_s": result.metrics.get("train_runtime"),
+                "tokens_real": collate.real,
+                "tokens_computed": collate.computed,
+                "padding_fraction": collate.padding_fraction,
+                "real_tokens_per_s": collate.real / result.metrics["train_runtime"]
+                if result.metrics.get("train_runtime") else None,
+                "note": "this process's batches, eval passes during training included",
+            },
+            peak_memory_gb=peak_memory_gb(),
         )
         rundir.write_json(run_dir / "run.json", info)
         log.info("run directory: %s (%s/)", run_dir, final.name)

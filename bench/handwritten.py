@@ -1,0 +1,60 @@
+"""The baseline: a LoRA fine-tuning script of the kind a user writes by hand with transformers and
+peft (after peft's causal-LM examples): every example padded to max_length, prompt tokens masked,
+plain Trainer. Prints a JSON line with its measurements. Used by bench/run.py."""
+
+import argparse
+import json
+import resource
+import time
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+
+p = argparse.ArgumentParser()
+p.add_argument("--model", required=True)
+p.add_argument("--train", required=True)
+p.add_argument("--out", required=True)
+p.add_argument("--max-length", type=int, default=256)
+p.add_argument("--batch-size", type=int, default=8)
+p.add_argument("--lr", type=float, default=1e-3)
+p.add_argument("--seed", type=int, default=0)
+a = p.parse_args()
+
+tok = AutoTokenizer.from_pretrained(a.model)
+rows = [json.loads(line) for line in open(a.train)]
+
+
+def encode(row):
+    user = row["instruction"] + "\n\n" + row["input"]
+    prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template([{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}],
+                                   tokenize=False)
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    enc = tok(full, add_special_tokens=False, truncation=True, max_length=a.max_length, padding="max_length")
+    labels = [t if (i >= n_prompt and m == 1) else -100 for i, (t, m) in enumerate(zip(enc["input_ids"], enc["attention_mask"]))]
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+
+
+ds = Dataset.from_list([encode(r) for r in rows])
+torch.manual_seed(a.seed)
+model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16)
+model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                         task_type="CAUSAL_LM"))
+args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=a.batch_size, num_train_epochs=1,
+                         learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, bf16=True, use_cpu=True,
+                         report_to="none", save_strategy="no", seed=a.seed, data_seed=a.seed, disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator)
+start = time.perf_counter()
+out = trainer.train()
+elapsed = time.perf_counter() - start
+model.save_pretrained(a.out + "/adapter")
+real = sum(sum(m) for m in ds["attention_mask"])
+computed = len(ds) * a.max_length
+losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+print(json.dumps({"train_runtime_s": out.metrics["train_runtime"], "wall_s": elapsed, "tokens_real": real,
+                  "tokens_computed": computed, "padding_fraction": 1 - real / computed,
+                  "real_tokens_per_s": real / out.metrics["train_runtime"],
+                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+                  "last_losses": losses[-3:]}))

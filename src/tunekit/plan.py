@@ -1,0 +1,274 @@
+"""`tunekit plan`: memory per device and time per step, from the recipe and the model's config only.
+
+Parameters are counted exactly on a model built on the meta device (no weights are read); bytes
+follow what tunekit actually loads: fp32 master weights for full fine-tuning, the frozen base in
+the training precision for LoRA, 4-bit codes plus quantization constants for QLoRA (with the layers
+left unquantized upcast to fp32, as prepare_model_for_kbit_training does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from . import dsconfig
+from .recipe import Recipe
+
+GiB = 1024**3
+QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
+DOUBLE_QUANT_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bit in blocks of 256
+OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2,
+                   "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
+
+
+@dataclass
+class Counts:
+    total: int
+    trainable: int
+    quantized: int  # weights stored in 4/8 bit
+    frozen_plain: int  # frozen weights kept in a float dtype
+
+
+@dataclass
+class Settings:
+    world_size: int = 1
+    micro_batch: int = 1
+    seq_len: int = 1024
+    precision: str = "bf16"
+    gradient_checkpointing: bool = False
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    optimizer: str = "adamw_torch"
+    peak_tflops: float = 989.0  # H100 SXM dense bf16
+    utilization: float = 0.4
+
+
+@dataclass
+class Plan:
+    settings: Settings
+    counts: Counts
+    parts: dict = field(default_factory=dict)  # bytes per device by part
+    cpu_bytes: int = 0  # moved to CPU RAM by offload
+    flops_per_step: float = 0.0
+    step_seconds: float = 0.0
+
+    @property
+    def peak(self) -> int:
+        return sum(self.parts.values())
+
+
+def _meta_model(recipe: Recipe):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .models import lora_config
+    from .sources import resolve_model
+
+    source = resolve_model(recipe.model.name_or_path)
+    if source.kind == "gguf":  # the config from the GGUF header, no tensors
+        from pathlib import Path
+
+        path = Path(source.location)
+        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        cfg = AutoConfig.from_pretrained(source.location, revision=recipe.model.revision,
+                                         trust_remote_code=recipe.model.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.model.trust_remote_code)
+    peft_cfg = lora_config(recipe)
+    if peft_cfg is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_cfg)
+    return cfg, model
+
+
+def count(recipe: Recipe, model) -> Counts:
+    total = trainable = quantized = 0
+    output = model.get_output_embeddings()
+    head = {id(p) for p in output.parameters()} if output is not None else set()
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:  # tied weights (embeddings = output head) count once
+                continue
+            seen.add(id(p))
+            n = p.numel()
+            total += n
+            if "lora_" in name or "modules_to_save" in name:
+                trainable += n
+            elif recipe.adapter == "none":
+                trainable += n
+            elif (recipe.quantization is not None and isinstance(module, torch.nn.Linear) and pname == "weight"
+                  and id(p) not in head):
+                quantized += n
+    return Counts(total, trainable, quantized, total - trainable - quantized)
+
+
+def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
+    if bits == 8:
+        return n * 1.0 + n / 4096 * 4  # int8 weights + one fp32 scale per row (approx.)
+    constants = (n / QLORA_BLOCK) * (1 + 4 / DOUBLE_QUANT_BLOCK) if double_quant else (n / QLORA_BLOCK) * 4
+    return n / 2 + constants
+
+
+def activation_bytes(cfg, s: Settings, lora: bool) -> tuple[float, float]:
+    """(decoder layers, logits) activation bytes per device kept for backward."""
+    h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or h // heads)
+    tokens = s.micro_batch * s.seq_len
+    elem = 4 if s.precision == "fp32" else 2
+    # Per token and layer: two norms' inputs and outputs, q/k/v, attention output, o_proj input,
+    # gate/up outputs, the SwiGLU product, down_proj input; LoRA also keeps each adapted input.
+    per_token = (6 * h + 2 * kv + 4 * inter) + ((4 * h + inter) if lora else 0)
+    full = layers * tokens * per_token * elem
+    if s.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
+        full = layers * tokens * h * elem + tokens * per_token * elem
+    # logits in the compute dtype, their fp32 copy for the loss, and its gradient
+    logits = tokens * vocab * (elem + 4 + 4)
+    return full, logits
+
+
+def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
+    if model is None:
+        cfg, model = _meta_model(recipe)
+    c = count(recipe, model)
+    w_elem = 4 if (recipe.adapter == "none" or s.precision == "fp32") else 2
+    parts: dict[str, float] = {}
+    q = recipe.quantization
+    if q is not None:
+        parts["weights (quantized, incl. constants)"] = quantized_bytes(c.quantized, q.bits, q.double_quant)
+        parts["weights (unquantized layers, fp32)"] = c.frozen_plain * 4
+    elif recipe.adapter != "none":
+        parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
+    parts["weights (trainable, fp32)"] = c.trainable * 4
+    parts["gradients (fp32)"] = c.trainable * 4
+    parts[f"optimizer ({s.optimizer})"] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
+    layers, logits = activation_bytes(cfg, s, recipe.lora is not None)
+    parts["activations" + (" (checkpointed)" if s.gradient_checkpointing else "")] = layers
+    parts["logits and loss"] = logits
+
+    n = s.world_size
+    cpu = 0.0
+    opt_key = f"optimizer ({s.optimizer})"
+    if s.zero_stage >= 1:
+        parts[opt_key] /= n
+    if s.zero_stage >= 2:
+        parts["gradients (fp32)"] /= n
+    if s.zero_stage >= 3:
+        for key in [k for k in parts if k.startswith("weights")]:
+            parts[key] /= n
+    if s.offload_optimizer and s.zero_stage >= 1:
+        cpu += parts.pop(opt_key)
+    if s.offload_params and s.zero_stage >= 3:
+        for key in [k for k in parts if k.startswith("weights")]:
+            cpu += parts.pop(key)
+
+    tokens = s.micro_batch * s.seq_len
+    # forward 2*P*T; backward 2*P*T for activation gradients, plus 2*P*T for weight gradients of what trains
+    trained_fraction = 1.0 if recipe.adapter == "none" else c.trainable / max(c.total, 1)
+    flops = (4 + 2 * trained_fraction) * c.total * tokens
+    if s.gradient_checkpointing:
+        flops += 2 * c.total * tokens  # the forward is run twice
+    step = flops * 1.0 / (s.peak_tflops * 1e12 * s.utilization)
+    return Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step)
+
+
+def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:
+    t = recipe.training
+    ds = dsconfig.read(t.deepspeed) if t.deepspeed else {}
+    zero = ds.get("zero_optimization") or {}
+    base = Settings(world_size=world_size, micro_batch=t.micro_batch_size, seq_len=recipe.data.max_length,
+                    precision=precision, gradient_checkpointing=t.gradient_checkpointing,
+                    zero_stage=dsconfig.zero_stage(ds),
+                    offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
+                    offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
+                    optimizer=t.optimizer)
+    return dataclasses.replace(base, **overrides)
+
+
+def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tuple[str, Plan]]:
+    """Cheapest changes first; each is re-planned and kept only if it lowers the peak."""
+    s = plan.settings
+    options: list[tuple[str, Recipe, Settings]] = []
+    if not s.gradient_checkpointing:
+        options.append(("training.gradient_checkpointing=true", recipe,
+                        dataclasses.replace(s, gradient_checkpointing=True)))
+    if s.micro_batch > 1:
+        half = max(1, s.micro_batch // 2)
+        options.append((f"training.micro_batch_size={half} with gradient_accumulation_steps x{s.micro_batch // half}",
+                        recipe, dataclasses.replace(s, micro_batch=half)))
+    if recipe.adapter == "lora":
+        from .recipe import QuantizationConfig
+
+        qrecipe = recipe.model_copy(update={"adapter": "qlora", "quantization": QuantizationConfig()})
+        options.append(("adapter=qlora (4-bit nf4 base)", qrecipe, s))
+    if recipe.adapter == "none":
+        from .recipe import LoraConfig
+
+        options.append(("adapter=lora", recipe.model_copy(update={"adapter": "lora", "lora": LoraConfig()}), s))
+    if s.world_size > 1:
+        for stage in (1, 2, 3):
+            if s.zero_stage < stage and not (stage == 3 and recipe.adapter == "qlora"):
+                options.append((f"deepspeed: ds_configs/zero{stage}.json", recipe,
+                                dataclasses.replace(s, zero_stage=stage)))
+    if not s.offload_optimizer:
+        stage = max(s.zero_stage, 2)
+        options.append((f"deepspeed: ds_configs/zero{stage if stage == 2 else 3}_offload.json", recipe,
+                        dataclasses.replace(s, zero_stage=stage, offload_optimizer=True,
+                                            offload_params=stage == 3)))
+    out = []
+    for label, r, st in options:
+        m = model if r.adapter == recipe.adapter else None
+        p = make(r, st, cfg, m) if m is not None else make(r, st)
+        if p.peak < plan.peak:
+            out.append((label, p))
+    return sorted(out, key=lambda lp: lp[1].peak)
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1024, "m": 1024**2, "g": GiB, "t": 1024**4}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))
+
+
+def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str, Plan]]) -> str:
+    s, c = plan.settings, plan.counts
+    lines = [
+        f"model: {recipe.model.name_or_path}  adapter: {recipe.adapter}  precision: {s.precision}",
+        f"parameters: {c.total:,} total, {c.trainable:,} trainable ({100 * c.trainable / max(c.total, 1):.2f}%)",
+        f"per device: world size {s.world_size}, micro-batch {s.micro_batch} x {s.seq_len} tokens, "
+        f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO stage {s.zero_stage}"
+        + (", optimizer offload" if s.offload_optimizer else "") + (", parameter offload" if s.offload_params else ""),
+        "",
+    ]
+    width = max(len(k) for k in plan.parts)
+    for key, value in plan.parts.items():
+        lines.append(f"  {key:<{width}}  {value / GiB:9.3f} GiB")
+    lines.append(f"  {'peak per device':<{width}}  {plan.peak / GiB:9.3f} GiB")
+    if plan.cpu_bytes:
+        lines.append(f"  {'offloaded to CPU RAM':<{width}}  {plan.cpu_bytes / GiB:9.3f} GiB")
+    lines += ["", f"training FLOPs per step per device: {plan.flops_per_step:.3e} "
+              f"({'6' if recipe.adapter == 'none' else '~4'} x parameters x tokens"
+              + (", +2 x for recomputation" if s.gradient_checkpointing else "") + ")",
+              f"estimated step time: {plan.step_seconds:.3f} s at {s.peak_tflops:g} TFLOP/s peak and "
+              f"{100 * s.utilization:.0f}% utilization"]
+    if budget is not None:
+        verdict = "fits" if plan.peak <= budget else "does NOT fit"
+        lines += ["", f"verdict: {verdict} in {budget / GiB:.1f} GiB ({plan.peak / GiB:.2f} GiB planned)"]
+        if plan.peak > budget:
+            for label, p in fixes:
+                mark = "fits" if p.peak <= budget else "still over"
+                lines.append(f"  - {label}: {p.peak / GiB:.2f} GiB ({mark})")
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps({"settings": dataclasses.asdict(plan.settings), "counts": dataclasses.asdict(plan.counts),
+                       "parts": plan.parts, "peak": plan.peak, "cpu_bytes": plan.cpu_bytes,
+                       "flops_per_step": plan.flops_per_step, "step_seconds": plan.step_seconds}, indent=2)

@@ -1,0 +1,102 @@
+"""tunekit plan: exact parameter counts, ZeRO arithmetic, 4-bit bytes, suggestions that help."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
+from tunekit import models, plan, recipe as recipe_mod
+from tunekit.hardware import Precision
+
+
+@pytest.fixture()
+def make_recipe(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}])
+
+    def _make(*overrides):
+        raw = tiny_recipe(tiny_model, data, tmp_path / "run")
+        return recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
+    return _make
+
+
+@pytest.mark.parametrize("overrides", [[], ["adapter=qlora"], ["adapter=none", "lora=null"],
+                                       ["lora.target_modules=[q_proj, v_proj]", "lora.r=4"]])
+def test_parameter_counts_match_the_built_model(make_recipe, overrides):
+    recipe = make_recipe(*overrides)
+    counts = plan.count(recipe, plan._meta_model(recipe)[1])
+    built = models.load_for_training(recipe, Precision("fp32", "test"))
+    total, trainable = models.count_parameters(built)
+    assert (counts.total, counts.trainable) == (total, trainable)
+    if recipe.adapter == "qlora":
+        quantized = sum(m.weight.numel() * 2 for m in built.modules() if isinstance(m, bnb.nn.Linear4bit))
+        assert counts.quantized == quantized
+
+
+def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
+    n = 64 * 256 * 4
+    assert plan.quantized_bytes(n, 4, double_quant=False) == n / 2 + (n / 64) * 4
+    assert plan.quantized_bytes(n, 4, double_quant=True) == n / 2 + (n / 64) * (1 + 4 / 256)
+    recipe = make_recipe("adapter=qlora", "quantization.double_quant=false")
+    built = models.load_for_training(recipe, Precision("fp32", "test"))
+    actual = 0
+    for m in built.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            actual += m.weight.numel() * m.weight.element_size() + m.weight.quant_state.absmax.numel() * 4
+    counts = plan.count(recipe, plan._meta_model(recipe)[1])
+    assert plan.quantized_bytes(counts.quantized, 4, False) == pytest.approx(actual, rel=1e-6)
+
+
+def test_zero_stages_divide_the_right_parts(make_recipe):
+    recipe = make_recipe("adapter=none", "lora=null")
+    cfg, model = plan._meta_model(recipe)
+    base = plan.Settings(world_size=4, micro_batch=2, seq_len=64, precision="bf16")
+    p0 = plan.make(recipe, base, cfg, model)
+    opt, grads, weights = "optimizer (adamw_torch)", "gradients (fp32)", "weights (trainable, fp32)"
+    p1 = plan.make(recipe, dataclasses.replace(base, zero_stage=1), cfg, model)
+    p2 = plan.make(recipe, dataclasses.replace(base, zero_stage=2), cfg, model)
+    p3 = plan.make(recipe, dataclasses.replace(base, zero_stage=3), cfg, model)
+    assert p0.parts[opt] == p0.counts.trainable * 8 and p0.parts[grads] == p0.counts.trainable * 4
+    assert p1.parts[opt] == p0.parts[opt] // 4 and p1.parts[grads] == p0.parts[grads]
+    assert p2.parts[grads] == p0.parts[grads] // 4 and p2.parts[weights] == p0.parts[weights]
+    assert p3.parts[weights] == p0.parts[weights] // 4
+    off = plan.make(recipe, dataclasses.replace(base, zero_stage=3, offload_optimizer=True, offload_params=True),
+                    cfg, model)
+    assert opt not in off.parts and weights not in off.parts
+    assert off.cpu_bytes == pytest.approx(p3.parts[opt] + p3.parts[weights], abs=2)
+    assert p0.peak > p1.peak > p2.peak > p3.peak > off.peak
+
+
+def test_checkpointing_and_flops(make_recipe):
+    recipe = make_recipe("adapter=none", "lora=null")
+    cfg, model = plan._meta_model(recipe)
+    s = plan.Settings(micro_batch=4, seq_len=128, precision="fp32")
+    p = plan.make(recipe, s, cfg, model)
+    assert p.flops_per_step == pytest.approx(6 * p.counts.total * 4 * 128)
+    ckpt = plan.make(recipe, dataclasses.replace(s, gradient_checkpointing=True), cfg, model)
+    assert ckpt.parts["activations (checkpointed)"] < p.parts["activations"]
+    assert ckpt.flops_per_step == pytest.approx(8 * p.counts.total * 4 * 128)
+
+
+def test_suggestions_each_lower_the_planned_peak(make_recipe):
+    recipe = make_recipe("training.micro_batch_size=8", "data.max_length=512")
+    cfg, model = plan._meta_model(recipe)
+    p = plan.make(recipe, plan.Settings(world_size=2, micro_batch=8, seq_len=512, precision="fp32"), cfg, model)
+    fixes = plan.suggestions(recipe, p, p.peak // 2, cfg, model)
+    labels = [label for label, _ in fixes]
+    assert any("gradient_checkpointing" in x for x in labels) and any("micro_batch_size=4" in x for x in labels)
+    assert all(fp.peak < p.peak for _, fp in fixes)
+
+
+def test_plan_cli_verdict(make_recipe, tmp_path):
+    make_recipe()
+    res = run_cli("plan", str(tmp_path / "r.yaml"), "--gpu-memory", "1MiB", "--world-size", "2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "verdict: does NOT fit in 0.0 GiB" in res.stdout and "gradient_checkpointing=true" in res.stdout
+    ok = run_cli("plan", str(tmp_path / "r.yaml"), "--gpu-memory", "80GiB")
+    assert "verdict: fits" in ok.stdout and "parameters: " in ok.stdout
+    assert plan.parse_size("24GiB") == 24 * 1024**3 and plan.parse_size("512M") == 512 * 1024**2
+    assert torch.__version__  # plan never needs real weights: it ran on the meta device
