@@ -43,7 +43,8 @@ model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16)
 model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
                                          task_type="CAUSAL_LM"))
 args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=a.batch_size, num_train_epochs=1,
-                         learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, bf16=True, use_cpu=True,
+                         learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, bf16=True,
+                         use_cpu=not torch.cuda.is_available(),
                          report_to="none", save_strategy="no", seed=a.seed, data_seed=a.seed, disable_tqdm=True)
 trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator)
 start = time.perf_counter()
@@ -57,4 +58,5 @@ print(json.dumps({"train_runtime_s": out.metrics["train_runtime"], "wall_s": ela
                   "tokens_computed": computed, "padding_fraction": 1 - real / computed,
                   "real_tokens_per_s": real / out.metrics["train_runtime"],
                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+                  "peak_cuda_gb": torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else None,
                   "last_losses": losses[-3:]}))

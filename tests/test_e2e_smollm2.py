@@ -53,3 +53,17 @@ def test_qlora_recipe_learns_on_cpu_across_eval_passes(tmp_path):
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
     info = json.loads((run_dir / "run.json").read_text())
     assert info["adapter"] == "qlora" and info["status"] == "completed"
+
+
+def test_full_finetuning_recipe_runs_and_saves_loadable_weights(tmp_path):
+    run_dir = tmp_path / "full"
+    res = run_cli("train", "recipes/smollm2_full.yaml", "--set", f"output_dir={run_dir}",
+                  "--set", "training.max_steps=4", "--set", "training.warmup_steps=0",
+                  "--set", "training.logging_steps=1", "--set", "eval=null")
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses, _ = _losses(run_dir)
+    assert losses[-1] < losses[0], losses
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
