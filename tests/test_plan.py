@@ -53,7 +53,7 @@ def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
 def test_zero_stages_divide_the_right_parts(make_recipe):
     recipe = make_recipe("adapter=none", "lora=null")
     cfg, model = plan._meta_model(recipe)
-    base = plan.Settings(world_size=4, micro_batch=2, seq_len=64, precision="bf16")
+    base = plan.Settings(world_size=4, micro_batch=2, seq_len=64, precision="fp32")
     p0 = plan.make(recipe, base, cfg, model)
     opt, grads, weights = "optimizer (adamw_torch)", "gradients (fp32)", "weights (trainable, fp32)"
     p1 = plan.make(recipe, dataclasses.replace(base, zero_stage=1), cfg, model)
@@ -68,6 +68,18 @@ def test_zero_stages_divide_the_right_parts(make_recipe):
     assert opt not in off.parts and weights not in off.parts
     assert off.cpu_bytes == pytest.approx(p3.parts[opt] + p3.parts[weights], abs=2)
     assert p0.peak > p1.peak > p2.peak > p3.peak > off.peak
+
+
+def test_deepspeed_mixed_precision_keeps_fp32_masters_with_the_optimizer(make_recipe):
+    recipe = make_recipe("adapter=none", "lora=null")
+    cfg, model = plan._meta_model(recipe)
+    s = plan.Settings(world_size=2, micro_batch=1, seq_len=32, precision="bf16", zero_stage=2)
+    p = plan.make(recipe, s, cfg, model)
+    n = p.counts.trainable
+    assert p.parts["weights (trainable, bf16)"] == n * 2
+    assert p.parts["master weights (fp32, in the optimizer)"] == n * 4 // 2
+    off = plan.make(recipe, dataclasses.replace(s, offload_optimizer=True), cfg, model)
+    assert "master weights (fp32, in the optimizer)" not in off.parts and off.cpu_bytes == n * 4 // 2 + n * 8 // 2
 
 
 def test_checkpointing_and_flops(make_recipe):

@@ -114,21 +114,31 @@ def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
     return n / 2 + constants
 
 
-def activation_bytes(cfg, s: Settings, lora: bool) -> tuple[float, float]:
-    """(decoder layers, logits) activation bytes per device kept for backward."""
+def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
+    """(decoder layers, logits) bytes per device that autograd keeps for the backward pass.
+
+    Per token and Llama-style layer: each RMSNorm keeps its input, the inverse RMS and the normalised
+    output (2 x 3h); attention keeps q, k, v, the rotary-embedded q and k with their rotate_half
+    copies, its output and the o_proj input (5h + 4kv); the SwiGLU MLP keeps gate, up, SiLU(gate) and
+    the product (4I). LoRA with dropout keeps one dropped copy of each adapted input (6h + I).
+    Attention probabilities (2 x heads x seq) only where no fused kernel is used (eager attention)."""
     h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or h // heads)
     tokens = s.micro_batch * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
-    # Per token and layer: two norms' inputs and outputs, q/k/v, attention output, o_proj input,
-    # gate/up outputs, the SwiGLU product, down_proj input; LoRA also keeps each adapted input.
-    per_token = (6 * h + 2 * kv + 4 * inter) + ((4 * h + inter) if lora else 0)
+    per_token = 6 * h + (5 * h + 4 * kv) + 4 * inter
+    if recipe.lora is not None and recipe.lora.dropout > 0:
+        per_token += 6 * h + inter
+    if recipe.model.attn_implementation == "eager":
+        per_token += 2 * heads * s.seq_len
     full = layers * tokens * per_token * elem
     if s.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
         full = layers * tokens * h * elem + tokens * per_token * elem
-    # logits in the compute dtype, their fp32 copy for the loss, and its gradient
-    logits = tokens * vocab * (elem + 4 + 4)
+    # Logits in the compute dtype plus the fp32 loss path (upcast, log-softmax, their gradients and
+    # temporaries): 32 bytes per logit, calibrated on measured peaks (bench/RESULTS.md); with a
+    # 49k vocabulary this term is larger than all decoder-layer activations of a small model.
+    logits = tokens * vocab * (elem + 32)
     return full, logits
 
 
@@ -144,25 +154,36 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
         parts["weights (unquantized layers, fp32)"] = c.frozen_plain * 4
     elif recipe.adapter != "none":
         parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
-    parts["weights (trainable, fp32)"] = c.trainable * 4
-    parts["gradients (fp32)"] = c.trainable * 4
-    parts[f"optimizer ({s.optimizer})"] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
-    layers, logits = activation_bytes(cfg, s, recipe.lora is not None)
+    opt_key = f"optimizer ({s.optimizer})"
+    if s.zero_stage > 0 and s.precision != "fp32":
+        # DeepSpeed mixed precision: the model trains in bf16/fp16 and the optimizer keeps fp32 masters
+        parts[f"weights (trainable, {s.precision})"] = c.trainable * 2
+        parts["gradients (fp32)"] = c.trainable * 4
+        parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
+        parts["master weights (fp32, in the optimizer)"] = c.trainable * 4
+    else:  # tunekit without DeepSpeed trains fp32 weights and autocasts: they are the master copy
+        parts["weights (trainable, fp32)"] = c.trainable * 4
+        parts["gradients (fp32)"] = c.trainable * 4
+        parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
+    layers, logits = activation_bytes(cfg, s, recipe)
     parts["activations" + (" (checkpointed)" if s.gradient_checkpointing else "")] = layers
     parts["logits and loss"] = logits
 
     n = s.world_size
     cpu = 0.0
-    opt_key = f"optimizer ({s.optimizer})"
+    master = "master weights (fp32, in the optimizer)"
+    optimizer_side = [k for k in (opt_key, master) if k in parts]
     if s.zero_stage >= 1:
-        parts[opt_key] /= n
+        for key in optimizer_side:
+            parts[key] /= n
     if s.zero_stage >= 2:
         parts["gradients (fp32)"] /= n
     if s.zero_stage >= 3:
         for key in [k for k in parts if k.startswith("weights")]:
             parts[key] /= n
     if s.offload_optimizer and s.zero_stage >= 1:
-        cpu += parts.pop(opt_key)
+        for key in optimizer_side:
+            cpu += parts.pop(key)
     if s.offload_params and s.zero_stage >= 3:
         for key in [k for k in parts if k.startswith("weights")]:
             cpu += parts.pop(key)
