@@ -27,7 +27,7 @@ def make_recipe(tmp_path, tiny_model):
                                        ["lora.target_modules=[q_proj, v_proj]", "lora.r=4"]])
 def test_parameter_counts_match_the_built_model(make_recipe, overrides):
     recipe = make_recipe(*overrides)
-    counts = plan.count(recipe, plan._meta_model(recipe)[1])
+    counts = plan.count(recipe, plan.meta_model(recipe)[1])
     built = models.load_for_training(recipe, Precision("fp32", "test"))
     total, trainable = models.count_parameters(built)
     assert (counts.total, counts.trainable) == (total, trainable)
@@ -46,13 +46,13 @@ def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
     for m in built.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             actual += m.weight.numel() * m.weight.element_size() + m.weight.quant_state.absmax.numel() * 4
-    counts = plan.count(recipe, plan._meta_model(recipe)[1])
+    counts = plan.count(recipe, plan.meta_model(recipe)[1])
     assert plan.quantized_bytes(counts.quantized, 4, False) == pytest.approx(actual, rel=1e-6)
 
 
 def test_zero_stages_divide_the_right_parts(make_recipe):
     recipe = make_recipe("adapter=none", "lora=null")
-    cfg, model = plan._meta_model(recipe)
+    cfg, model = plan.meta_model(recipe)
     base = plan.Settings(world_size=4, micro_batch=2, seq_len=64, precision="fp32")
     p0 = plan.make(recipe, base, cfg, model)
     opt, grads, weights = "optimizer (adamw_torch)", "gradients (fp32)", "weights (trainable, fp32)"
@@ -72,7 +72,7 @@ def test_zero_stages_divide_the_right_parts(make_recipe):
 
 def test_deepspeed_mixed_precision_keeps_fp32_masters_with_the_optimizer(make_recipe):
     recipe = make_recipe("adapter=none", "lora=null")
-    cfg, model = plan._meta_model(recipe)
+    cfg, model = plan.meta_model(recipe)
     s = plan.Settings(world_size=2, micro_batch=1, seq_len=32, precision="bf16", zero_stage=2)
     p = plan.make(recipe, s, cfg, model)
     n = p.counts.trainable
@@ -84,7 +84,7 @@ def test_deepspeed_mixed_precision_keeps_fp32_masters_with_the_optimizer(make_re
 
 def test_checkpointing_and_flops(make_recipe):
     recipe = make_recipe("adapter=none", "lora=null")
-    cfg, model = plan._meta_model(recipe)
+    cfg, model = plan.meta_model(recipe)
     s = plan.Settings(micro_batch=4, seq_len=128, precision="fp32")
     p = plan.make(recipe, s, cfg, model)
     assert p.flops_per_step == pytest.approx(6 * p.counts.total * 4 * 128)
@@ -95,7 +95,7 @@ def test_checkpointing_and_flops(make_recipe):
 
 def test_suggestions_each_lower_the_planned_peak(make_recipe):
     recipe = make_recipe("training.micro_batch_size=8", "data.max_length=512")
-    cfg, model = plan._meta_model(recipe)
+    cfg, model = plan.meta_model(recipe)
     p = plan.make(recipe, plan.Settings(world_size=2, micro_batch=8, seq_len=512, precision="fp32"), cfg, model)
     fixes = plan.suggestions(recipe, p, p.peak // 2, cfg, model)
     labels = [label for label, _ in fixes]

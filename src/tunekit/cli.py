@@ -113,7 +113,7 @@ def cmd_plan(a) -> int:
         precision = resolve_precision("auto").name
     settings = plan.settings_from(recipe, a.world_size, precision, peak_tflops=a.peak_tflops,
                                   utilization=a.utilization)
-    cfg, model = plan._meta_model(recipe)
+    cfg, model = plan.meta_model(recipe)
     result = plan.make(recipe, settings, cfg, model)
     budget = plan.parse_size(a.gpu_memory) if a.gpu_memory else None
     fixes = plan.suggestions(recipe, result, budget, cfg, model) if budget and result.peak > budget else []

@@ -60,7 +60,8 @@ class Plan:
         return sum(self.parts.values())
 
 
-def _meta_model(recipe: Recipe):
+def meta_model(recipe: Recipe):
+    """The model's config and the model (with its adapter) built on the meta device: no weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .models import lora_config
@@ -144,7 +145,7 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
 
 def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     if model is None:
-        cfg, model = _meta_model(recipe)
+        cfg, model = meta_model(recipe)
     c = count(recipe, model)
     w_elem = 4 if (recipe.adapter == "none" or s.precision == "fp32") else 2
     parts: dict[str, float] = {}
