@@ -117,3 +117,42 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run([sys.executable, "-m", "tunekit", *args], cwd=cwd or ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"}
+
+
+def assert_no_pickles(run_dir: Path) -> list[Path]:
+    """Every file under run_dir is text or a safetensors file that opens; none is a torch.save
+    archive (zip) or a raw pickle. Returns the safetensors files found."""
+    from safetensors import safe_open
+
+    found = []
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        head = path.read_bytes()[:4]
+        assert path.suffix not in PICKLE_SUFFIXES, path
+        assert not head.startswith(b"PK\x03\x04") and not head[:1] == b"\x80", f"{path} looks like a pickle"
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                list(f.keys())
+            found.append(path)
+    return found
+
+
+def cut_after_checkpoint(full: Path, cut: Path, step: int) -> Path:
+    """A copy of the finished run `full` as it stood when killed right after its step-`step` checkpoint:
+    later checkpoints and final outputs not yet written. output_dir is part of the recipe, so the
+    copy's recorded recipe names the copy."""
+    import shutil
+
+    shutil.copytree(full, cut)
+    for ckpt in (cut / "checkpoints").glob("checkpoint-*"):
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)
+    for name in ("adapter", "model", "eval"):
+        shutil.rmtree(cut / name, ignore_errors=True)
+    saved = cut / "recipe.yaml"
+    saved.write_text(saved.read_text().replace(f"output_dir: {full}\n", f"output_dir: {cut}\n"))
+    info = json.loads((cut / "run.json").read_text())
+    (cut / "run.json").write_text(json.dumps({**info, "status": "running"}))
+    return cut

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, assert_no_pickles, cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +32,8 @@ def recipe_file(tmp_path_factory, tiny_model):
     return write_recipe(root / "r.yaml", raw)
 
 
-def launch(recipe_file, out, nproc: int = 2, *overrides: str, launcher: str = "torchrun"):
-    sets = [a for o in (f"output_dir={out}", *overrides) for a in ("--set", o)]
+def launch(recipe_file, out, nproc: int = 2, *overrides: str, launcher: str = "torchrun", flags=()):
+    sets = [a for o in (f"output_dir={out}", *overrides) for a in ("--set", o)] + list(flags)
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:
@@ -112,6 +112,8 @@ def test_zero_stages_train_lora_and_full_finetuning(recipe_file, tmp_path, tiny_
     launch(recipe_file, out, 2, *overrides)
     losses = history(out)
     assert losses[-1] < losses[0] - 0.1, losses
+    shards = [p.name for p in assert_no_pickles(out) if p.parent.name.startswith("global_step")]
+    assert any(n.endswith("optim_states.safetensors") for n in shards), shards
     # the saved weights are ordinary, gathered tensors of full size
     from transformers import AutoModelForCausalLM
 
@@ -124,6 +126,24 @@ def test_zero_stages_train_lora_and_full_finetuning(recipe_file, tmp_path, tiny_
         adapter_weights = weights(out)
         assert all(v.numel() > 0 for v in adapter_weights.values())
         assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter_weights.items())
+
+
+@pytest.mark.parametrize("config,adapter", [("zero2", "lora"), ("zero3", "none")])
+def test_deepspeed_checkpoints_are_safetensors_and_resume_exactly(recipe_file, tmp_path, config, adapter):
+    overrides = [f"training.deepspeed=ds_configs/{config}.json", f"adapter={adapter}", "training.save_steps=2",
+                 "training.save_total_limit=10"]
+    if adapter == "none":
+        overrides += ["lora=null", "training.learning_rate=1e-3"]
+    full = tmp_path / "full"
+    launch(recipe_file, full, 2, *overrides)
+    assert_no_pickles(full)
+    cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
+    res = launch(recipe_file, cut, 2, *overrides, flags=["--resume"])
+    assert "resuming from checkpoint-2" in res.stderr
+    assert_no_pickles(cut)
+    assert history(cut) == history(full)
+    wa, wb = weights(full), weights(cut)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_zero3_run_merges_and_evaluates(recipe_file, tmp_path):

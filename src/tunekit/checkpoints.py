@@ -21,13 +21,11 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 class MarkComplete(TrainerCallback):
-    """on_save runs after the Trainer wrote the whole checkpoint: mark it, drop the pickled
-    TrainingArguments (the run's recipe.yaml says the same, and a pickle is not safe to load)."""
+    """on_save runs after the Trainer wrote the whole checkpoint: mark it complete."""
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            (ckpt / "training_args.bin").unlink(missing_ok=True)
             (ckpt / MARKER).write_text(json.dumps({"step": state.global_step}) + "\n")
 
 

@@ -1,4 +1,4 @@
-"""Recipe -> TrainingArguments -> plain transformers.Trainer -> run directory."""
+"""Recipe -> TrainingArguments -> transformers.Trainer (saving safetensors only) -> run directory."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from . import checkpoints, distributed, dsconfig, models, preflight, rundir
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
+from .trainer import SafeStateTrainer
 
 log = logging.getLogger("tunekit")
 
@@ -193,7 +194,7 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
 
     collate = data_mod.CountingCollator(data_mod.collator(tokenizer, recipe.data.packing,
                                                           recipe.model.attn_implementation == "flash_attention_2"))
-    trainer = Trainer(
+    trainer = SafeStateTrainer(
         model=model,
         args=args,
         train_dataset=bundle.train,
@@ -219,7 +220,6 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
         shutil.rmtree(tmp)  # left by a run killed while saving
     trainer.save_model(str(tmp))
     if launch.is_main:
-        (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle; the recipe and run.json say the same
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

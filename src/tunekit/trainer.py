@@ -1,0 +1,120 @@
+"""transformers.Trainer whose checkpoints hold no pickles.
+
+The stock Trainer writes optimizer.pt, scheduler.pt, scaler.pt and rng_state.pth with torch.save and a
+pickled training_args.bin; DeepSpeed writes its shards with torch.save too. Here the same state goes
+through statefile (safetensors), DeepSpeed engines get a safetensors checkpoint engine, and the
+TrainingArguments pickle is not written (the run's recipe.yaml holds the same settings).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+from transformers import Trainer
+
+from . import statefile
+
+log = logging.getLogger("tunekit")
+
+OPTIMIZER = "optimizer.safetensors"
+SCHEDULER = "scheduler.safetensors"
+SCALER = "scaler.safetensors"
+
+
+def _rng_file(args) -> str:
+    return "rng_state.safetensors" if args.world_size <= 1 else f"rng_state_{args.process_index}.safetensors"
+
+
+class SafeStateTrainer(Trainer):
+    # --- DeepSpeed: the Trainer assigns its engine to self.deepspeed right after building it and before
+    # loading a checkpoint into it; that is where the engine is switched to safetensors.
+    @property
+    def deepspeed(self):
+        return self.__dict__.get("_deepspeed_engine")
+
+    @deepspeed.setter
+    def deepspeed(self, engine):
+        if engine is not None:
+            from .dscheckpoint import use_safetensors
+
+            use_safetensors(engine)
+        self.__dict__["_deepspeed_engine"] = engine
+
+    def _uses_deepspeed_scheduler(self) -> bool:
+        if not self.is_deepspeed_enabled:
+            return False
+        from accelerate.utils import DeepSpeedSchedulerWrapper
+
+        return isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper)
+
+    # --- weights: Trainer._save minus torch.save(self.args)
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save and not self.is_distributed_loading_by_transformers:
+            return
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=self.args.should_save)
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+    # --- optimizer, scheduler, gradient scaler
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.is_deepspeed_enabled:
+            # DeepSpeed saves optimizer shards (and its own scheduler) through the engine installed above.
+            self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=self._is_peft())
+        elif self.args.should_save:
+            statefile.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER))
+        if self.args.should_save and not self._uses_deepspeed_scheduler():
+            statefile.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        if not self.is_deepspeed_enabled:
+            device = self.args.device if self.args.world_size > 1 and self.args.device.type != "cpu" else "cpu"
+            self.optimizer.load_state_dict(statefile.load(os.path.join(checkpoint, OPTIMIZER), device))
+        if not self._uses_deepspeed_scheduler():
+            self.lr_scheduler.load_state_dict(statefile.load(os.path.join(checkpoint, SCHEDULER)))
+
+    def _save_scaler(self, output_dir: str) -> None:
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and self.args.should_save:
+            statefile.save(scaler.state_dict(), os.path.join(output_dir, SCALER))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        scaler = getattr(self.accelerator, "scaler", None)
+        if checkpoint is not None and scaler is not None and os.path.isfile(os.path.join(checkpoint, SCALER)):
+            scaler.load_state_dict(statefile.load(os.path.join(checkpoint, SCALER)))
+
+    # --- random number generators (each process its own file)
+    def _save_rng_state(self, output_dir: str) -> None:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.random.get_rng_state_all()
+        os.makedirs(output_dir, exist_ok=True)
+        statefile.save(state, os.path.join(output_dir, _rng_file(self.args)))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, _rng_file(self.args))
+        if not os.path.isfile(path):  # saved under another world size
+            log.warning("%s has no RNG state for this process; random draws will differ from the first run", checkpoint)
+            return
+        state = statefile.load(path)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.random.set_rng_state(state["cpu"])
+        if torch.cuda.is_available() and "cuda" in state:
+            torch.cuda.random.set_rng_state_all(state["cuda"])
+
+    def _is_peft(self) -> bool:
+        from peft import PeftModel
+
+        return isinstance(self.accelerator.unwrap_model(self.model), PeftModel)
