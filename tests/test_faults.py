@@ -78,6 +78,15 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(resume_recipe, uninte
         assert torch.equal(a[key], b[key]), key
 
 
+def test_resume_refuses_a_checkpoint_without_readable_optimizer_state(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / checkpoints.MARKER).write_text("{}")
+    (ckpt / "optimizer.pt").write_bytes(b"PK\x03\x04")  # torch.save format, which tunekit never loads
+    with pytest.raises(TunekitError, match="no optimizer state tunekit can read"):
+        checkpoints.resume_point(tmp_path)
+
+
 def test_resume_restores_8bit_optimizer_state(resume_recipe, tmp_path):
     # Full fine-tuning, so the larger matrices get bitsandbytes' uint8 moments with their scales.
     args = ["--set", "training.optimizer=paged_adamw_8bit", "--set", "adapter=none", "--set", "lora=null",
