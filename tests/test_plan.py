@@ -89,7 +89,9 @@ def test_checkpointing_and_flops(make_recipe):
     p = plan.make(recipe, s, cfg, model)
     assert p.flops_per_step == pytest.approx(6 * p.counts.total * 4 * 128)
     ckpt = plan.make(recipe, dataclasses.replace(s, gradient_checkpointing=True), cfg, model)
-    assert ckpt.parts["activations (checkpointed)"] < p.parts["activations"]
+    assert (ckpt.parts["activations (checkpointed: layer inputs)"] + ckpt.parts["activations (one layer recomputed)"]
+            < p.parts["activations"])
+    assert ckpt.peak < p.peak
     assert ckpt.flops_per_step == pytest.approx(8 * p.counts.total * 4 * 128)
 
 
@@ -112,3 +114,33 @@ def test_plan_cli_verdict(make_recipe, tmp_path):
     assert "verdict: fits" in ok.stdout and "parameters: " in ok.stdout
     assert plan.parse_size("24GiB") == 24 * 1024**3 and plan.parse_size("512M") == 512 * 1024**2
     assert torch.__version__  # plan never needs real weights: it ran on the meta device
+
+
+def test_gradients_and_activations_are_not_live_together_in_one_process(make_recipe):
+    recipe = make_recipe("adapter=none", "lora=null")
+    cfg, model = plan.meta_model(recipe)
+    s = plan.Settings(micro_batch=2, seq_len=64, precision="fp32")
+    p = plan.make(recipe, s, cfg, model)
+    forward = p.parts["activations"] + p.parts["logits and loss"]
+    backward = p.parts["gradients (fp32)"]
+    held = p.parts["weights (trainable, fp32)"] + p.parts["optimizer (adamw_torch)"]
+    assert p.peak == held + max(forward, backward)
+    # accumulation keeps gradients across micro-batches, and several processes keep them in buckets
+    for other in (dataclasses.replace(s, accumulation=2), dataclasses.replace(s, world_size=2)):
+        q = plan.make(recipe, other, cfg, model)
+        assert q.peak == held + forward + backward
+
+
+def test_a_trained_tied_head_counts_its_gradient_accumulation(make_recipe):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    full = make_recipe("adapter=none", "lora=null")
+    assert plan.count(full, model).tied_trainable_head == 500 * 32
+    p = plan.make(full, plan.Settings(seq_len=16, precision="fp32"), cfg, model)
+    assert p.parts["gradient of the tied head, accumulating"] == 2 * 500 * 32 * 4
+    lora = make_recipe()
+    assert plan.count(lora, model).tied_trainable_head == 0  # a frozen head gets no gradient

@@ -29,6 +29,7 @@ class Counts:
     trainable: int
     quantized: int  # weights stored in 4/8 bit
     frozen_plain: int  # frozen weights kept in a float dtype
+    tied_trainable_head: int = 0  # output head shared with the input embeddings, and trained
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Settings:
     offload_optimizer: bool = False
     offload_params: bool = False
     optimizer: str = "adamw_torch"
+    accumulation: int = 1  # gradient accumulation steps
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     utilization: float = 0.4
 
@@ -54,10 +56,18 @@ class Plan:
     cpu_bytes: int = 0  # moved to CPU RAM by offload
     flops_per_step: float = 0.0
     step_seconds: float = 0.0
+    # Parts that are not live all step long, grouped by the moment they are live together; the peak
+    # is everything else plus the largest group. The loss path is freed at the start of the backward
+    # pass, before any checkpointed layer is recomputed. With one process, no DeepSpeed and no
+    # accumulation, gradients exist only from the backward pass to the optimizer step (the Trainer
+    # frees them after it), when activations are gone.
+    phases: tuple = ()
 
     @property
     def peak(self) -> int:
-        return sum(self.parts.values())
+        phased = {k for phase in self.phases for k in phase}
+        held = sum(v for k, v in self.parts.items() if k not in phased)
+        return held + max((sum(self.parts[k] for k in phase) for phase in self.phases), default=0)
 
 
 def meta_model(recipe: Recipe):
@@ -105,7 +115,11 @@ def count(recipe: Recipe, model) -> Counts:
             elif (recipe.quantization is not None and isinstance(module, torch.nn.Linear) and pname == "weight"
                   and id(p) not in head):
                 quantized += n
-    return Counts(total, trainable, quantized, total - trainable - quantized)
+    tied = 0
+    inputs = model.get_input_embeddings()
+    if recipe.adapter == "none" and output is not None and inputs is not None and output.weight is inputs.weight:
+        tied = output.weight.numel()
+    return Counts(total, trainable, quantized, total - trainable - quantized, tied)
 
 
 def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
@@ -115,32 +129,37 @@ def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
     return n / 2 + constants
 
 
-def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
-    """(decoder layers, logits) bytes per device that autograd keeps for the backward pass.
+def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float, float]:
+    """(decoder-layer activations, one layer recomputed, logits and loss) in bytes per device.
 
-    Per token and Llama-style layer: each RMSNorm keeps its input, the inverse RMS and the normalised
-    output (2 x 3h); attention keeps q, k, v, the rotary-embedded q and k with their rotate_half
-    copies, its output and the o_proj input (5h + 4kv); the SwiGLU MLP keeps gate, up, SiLU(gate) and
-    the product (4I). LoRA with dropout keeps one dropped copy of each adapted input (6h + I).
-    Attention probabilities (2 x heads x seq) only where no fused kernel is used (eager attention)."""
+    Per token and Llama-style layer autograd keeps: each RMSNorm its input, the inverse RMS and the
+    normalised output (2 x 3h, in fp32 whatever the precision: the norm upcasts); attention q, k, v,
+    the rotary-embedded q and k with their rotate_half copies, its output and the o_proj input
+    (5h + 4kv); the SwiGLU MLP gate, up, SiLU(gate) and the product (4I). LoRA with dropout keeps one
+    dropped copy of each adapted input (6h + I). Attention probabilities (2 x heads x seq) only where
+    no fused kernel is used (eager attention). With gradient checkpointing only each layer's input is
+    kept, and the backward pass recomputes one layer at a time. Checked against allocation traces
+    (bench/RESULTS.md)."""
     h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or h // heads)
     tokens = s.micro_batch * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
-    per_token = 6 * h + (5 * h + 4 * kv) + 4 * inter
+    per_token = 6 * h * 4 + (5 * h + 4 * kv + 4 * inter) * elem
     if recipe.lora is not None and recipe.lora.dropout > 0:
-        per_token += 6 * h + inter
+        # QLoRA's norms run in fp32 (prepare_model_for_kbit_training), so the inputs it drops are fp32
+        per_token += (6 * h + inter) * (4 if recipe.adapter == "qlora" else elem)
     if recipe.model.attn_implementation == "eager":
-        per_token += 2 * heads * s.seq_len
-    full = layers * tokens * per_token * elem
-    if s.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
-        full = layers * tokens * h * elem + tokens * per_token * elem
-    # Logits in the compute dtype plus the fp32 loss path (upcast, log-softmax, their gradients and
-    # temporaries): 32 bytes per logit, calibrated on measured peaks (bench/RESULTS.md); with a
-    # 49k vocabulary this term is larger than all decoder-layer activations of a small model.
-    logits = tokens * vocab * (elem + 32)
-    return full, logits
+        per_token += 2 * heads * s.seq_len * elem
+    if s.gradient_checkpointing:
+        kept, recomputed = layers * tokens * h * elem, tokens * per_token
+    else:
+        kept, recomputed = layers * tokens * per_token, 0
+    # Logits in the compute dtype, their fp32 upcast for the loss (none when already fp32), and
+    # 6 bytes per logit for the log-softmax output and the gradient temporaries of its backward
+    # (measured: 9.75 bytes per logit in total at fp32, where logits are 4 of them).
+    logits = tokens * vocab * (elem + (4 if elem != 4 else 0) + 6)
+    return kept, recomputed, logits
 
 
 def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
@@ -166,9 +185,19 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
         parts["weights (trainable, fp32)"] = c.trainable * 4
         parts["gradients (fp32)"] = c.trainable * 4
         parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
-    layers, logits = activation_bytes(cfg, s, recipe)
-    parts["activations" + (" (checkpointed)" if s.gradient_checkpointing else "")] = layers
+    kept, recomputed, logits = activation_bytes(cfg, s, recipe)
+    act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
+    parts[act_key] = kept
     parts["logits and loss"] = logits
+    if s.gradient_checkpointing:
+        parts["activations (one layer recomputed)"] = recomputed
+    autocast = s.precision != "fp32" and s.zero_stage == 0
+    if autocast:  # mixed precision keeps a 16-bit copy of each fp32 trained weight for its backward
+        parts[f"autocast copies of trained weights ({s.precision})"] = c.trainable * 2
+    if c.tied_trainable_head:
+        # The shared embedding/head matrix gets two fp32 gradient contributions (head, embedding
+        # lookup) that exist side by side with its .grad before they are summed (measured).
+        parts["gradient of the tied head, accumulating"] = 2 * c.tied_trainable_head * 4
 
     n = s.world_size
     cpu = 0.0
@@ -196,7 +225,12 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     if s.gradient_checkpointing:
         flops += 2 * c.total * tokens  # the forward is run twice
     step = flops * 1.0 / (s.peak_tflops * 1e12 * s.utilization)
-    return Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step)
+    phases = [(act_key, "logits and loss") + ((f"autocast copies of trained weights ({s.precision})",) if autocast else ())]
+    if s.gradient_checkpointing:
+        phases.append((act_key, "activations (one layer recomputed)"))
+    if s.world_size == 1 and s.zero_stage == 0 and s.accumulation == 1:
+        phases.append(tuple(k for k in ("gradients (fp32)", "gradient of the tied head, accumulating") if k in parts))
+    return Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step, tuple(phases))
 
 
 def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:
@@ -208,7 +242,7 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     zero_stage=dsconfig.zero_stage(ds),
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
-                    optimizer=t.optimizer)
+                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps)
     return dataclasses.replace(base, **overrides)
 
 
@@ -222,7 +256,8 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
     if s.micro_batch > 1:
         half = max(1, s.micro_batch // 2)
         options.append((f"training.micro_batch_size={half} with gradient_accumulation_steps x{s.micro_batch // half}",
-                        recipe, dataclasses.replace(s, micro_batch=half)))
+                        recipe, dataclasses.replace(s, micro_batch=half,
+                                                    accumulation=s.accumulation * (s.micro_batch // half))))
     if recipe.adapter == "lora":
         from .recipe import QuantizationConfig
 
@@ -269,10 +304,17 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         + (", optimizer offload" if s.offload_optimizer else "") + (", parameter offload" if s.offload_params else ""),
         "",
     ]
-    width = max(len(k) for k in plan.parts)
+    width = max(len(k) for k in plan.parts) + 6
     for key, value in plan.parts.items():
-        lines.append(f"  {key:<{width}}  {value / GiB:9.3f} GiB")
+        marks = "".join(f"[{i + 1}]" for i, phase in enumerate(plan.phases) if key in phase)
+        lines.append(f"  {key + (' ' + marks if marks else ''):<{width}}  {value / GiB:9.3f} GiB")
     lines.append(f"  {'peak per device':<{width}}  {plan.peak / GiB:9.3f} GiB")
+    moments = ["the end of the forward pass", "a recomputed layer's backward", "the end of the backward pass"]
+    if not plan.settings.gradient_checkpointing:
+        moments.pop(1)
+    if len(plan.phases) > 1:
+        lines.append("  (peak = the unmarked parts + the largest of the groups live together: "
+                     + ", ".join(f"[{i + 1}] at {m}" for i, m in enumerate(moments[:len(plan.phases)])) + ")")
     if plan.cpu_bytes:
         lines.append(f"  {'offloaded to CPU RAM':<{width}}  {plan.cpu_bytes / GiB:9.3f} GiB")
     lines += ["", f"training FLOPs per step per device: {plan.flops_per_step:.3e} "
@@ -280,6 +322,8 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
               + (", +2 x for recomputation" if s.gradient_checkpointing else "") + ")",
               f"estimated step time: {plan.step_seconds:.3f} s at {s.peak_tflops:g} TFLOP/s peak and "
               f"{100 * s.utilization:.0f}% utilization"]
+    lines.append("peak = live tensors (what torch.cuda.max_memory_allocated reports); the CUDA context and "
+                 "the allocator's cached blocks come on top")
     if budget is not None:
         verdict = "fits" if plan.peak <= budget else "does NOT fit"
         lines += ["", f"verdict: {verdict} in {budget / GiB:.1f} GiB ({plan.peak / GiB:.2f} GiB planned)"]
@@ -292,5 +336,5 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
 
 def to_json(plan: Plan) -> str:
     return json.dumps({"settings": dataclasses.asdict(plan.settings), "counts": dataclasses.asdict(plan.counts),
-                       "parts": plan.parts, "peak": plan.peak, "cpu_bytes": plan.cpu_bytes,
+                       "parts": plan.parts, "phases": plan.phases, "peak": plan.peak, "cpu_bytes": plan.cpu_bytes,
                        "flops_per_step": plan.flops_per_step, "step_seconds": plan.step_seconds}, indent=2)
