@@ -22,6 +22,15 @@ def _losses(run_dir):
     return [r["loss"] for r in rows if "loss" in r], [r["eval_loss"] for r in rows if "eval_loss" in r]
 
 
+def _train_shipped(recipe: str, run_dir, **overrides):
+    """Train a recipe from recipes/ as shipped, shortened by overrides, logging every step, no eval section."""
+    sets = {**overrides, "training.logging_steps": 1, "eval": "null"}
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    res = run_cli("train", f"recipes/{recipe}", "--set", f"output_dir={run_dir}", *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return _losses(run_dir)
+
+
 def test_demo_pipeline_shows_a_clear_gain(tmp_path):
     import subprocess
 
@@ -43,11 +52,8 @@ def test_qlora_recipe_learns_on_cpu_across_eval_passes(tmp_path):
     """recipes/smollm2_qlora.yaml as shipped, shortened: eval passes (no-grad forwards) between
     training steps must not stop the 4-bit model from learning."""
     run_dir = tmp_path / "qlora"
-    res = run_cli("train", "recipes/smollm2_qlora.yaml", "--set", f"output_dir={run_dir}",
-                  "--set", "training.max_steps=12", "--set", "training.eval_steps=4",
-                  "--set", "training.logging_steps=1", "--set", "eval=null")
-    assert res.returncode == 0, res.stderr[-3000:]
-    losses, eval_losses = _losses(run_dir)
+    losses, eval_losses = _train_shipped("smollm2_qlora.yaml", run_dir, **{"training.max_steps": 12,
+                                                                           "training.eval_steps": 4})
     assert len(eval_losses) >= 3
     assert eval_losses[-1] < 0.5 * eval_losses[0], eval_losses
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
@@ -57,11 +63,8 @@ def test_qlora_recipe_learns_on_cpu_across_eval_passes(tmp_path):
 
 def test_full_finetuning_recipe_runs_and_saves_loadable_weights(tmp_path):
     run_dir = tmp_path / "full"
-    res = run_cli("train", "recipes/smollm2_full.yaml", "--set", f"output_dir={run_dir}",
-                  "--set", "training.max_steps=4", "--set", "training.warmup_steps=0",
-                  "--set", "training.logging_steps=1", "--set", "eval=null")
-    assert res.returncode == 0, res.stderr[-3000:]
-    losses, _ = _losses(run_dir)
+    losses, _ = _train_shipped("smollm2_full.yaml", run_dir, **{"training.max_steps": 4,
+                                                                "training.warmup_steps": 0})
     assert losses[-1] < losses[0], losses
     from transformers import AutoModelForCausalLM
 

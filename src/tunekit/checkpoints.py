@@ -13,6 +13,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .errors import TunekitError
+from .trainer import OPTIMIZER
 
 log = logging.getLogger("tunekit")
 
@@ -88,7 +89,7 @@ def resume_point(run_dir: Path) -> Path:
     found = newest_complete(ckpt_dir)
     if found is None:
         raise TunekitError(f"--resume: no complete checkpoint in {ckpt_dir}; train again with --force")
-    if not (found / "optimizer.safetensors").is_file() and not list(found.glob("global_step*")):
-        raise TunekitError(f"--resume: {found} holds no optimizer state tunekit can read (optimizer.safetensors or "
+    if not (found / OPTIMIZER).is_file() and not list(found.glob("global_step*")):
+        raise TunekitError(f"--resume: {found} holds no optimizer state tunekit can read ({OPTIMIZER} or "
                            "DeepSpeed global_step*/); train again with --force")
     return found

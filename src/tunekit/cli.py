@@ -102,13 +102,11 @@ def cmd_eval(a) -> int:
 
 
 def cmd_plan(a) -> int:
-    from . import recipe as recipe_mod
-
-    recipe = recipe_mod.load(a.recipe, a.overrides)
-    from . import plan
+    from . import plan, recipe as recipe_mod
     from .hardware import resolve_precision
 
-    precision = recipe.training.precision
+    recipe = recipe_mod.load(a.recipe, a.overrides)
+    precision = recipe.training.precision  # planned as written: a GPU's precision need not exist here
     if precision == "auto":
         precision = resolve_precision("auto").name
     settings = plan.settings_from(recipe, a.world_size, precision, peak_tflops=a.peak_tflops,
