@@ -64,8 +64,16 @@ def relaunch(n: int, argv: list[str]) -> int:
 
 def finish() -> None:
     """Let every rank reach the end before any exits, then close the process group cleanly
-    (a rank that exits while the group's threads still run aborts with SIGABRT)."""
+    (a rank that exits while the group's threads still run aborts with SIGABRT).
+
+    Also forget the training run's DeepSpeed config: transformers keeps it in a module-level weak
+    reference that `from_pretrained` consults, so a model loaded afterwards in this process (the
+    end-of-training eval) would otherwise be built under `deepspeed.zero.Init` with the training
+    batch settings and fail DeepSpeed's batch-size assertion."""
     import torch.distributed as dist
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
