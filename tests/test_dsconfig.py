@@ -70,13 +70,6 @@ def test_precision_contradiction_with_fp16_recipe(make):
         recipe_mod.load(make({"zero_optimization": {"stage": 2}, "fp16": {"enabled": False}}, precision="fp16"))
 
 
-def test_qlora_with_zero3_is_refused_before_launch(make):
-    path = make("zero3.json")
-    with pytest.raises(TunekitError, match="adapter qlora with ZeRO-3 is refused: ZeRO-3 partitions parameters"):
-        recipe_mod.load(path, ["adapter=qlora"])
-    recipe_mod.load(make("zero2.json"), ["adapter=qlora"])  # ZeRO-2 is fine
-
-
 def test_describe():
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "train_batch_size": 16,
           "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}

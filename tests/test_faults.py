@@ -1,11 +1,13 @@
-"""Faults and bad input: resume after SIGKILL, no half-written outputs, NaN stops, one-line errors
-for bad data and bad recipes, pre-flight checks, safe defaults."""
+"""Faults: resume after SIGKILL (in training, in the end-of-training eval, in merge), no half-written
+outputs, one run per output directory, a full disk, NaN stops, pre-flight checks, safe defaults.
+Bad input is in test_bad_input.py."""
 
 from __future__ import annotations
 
 import json
 import logging
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +22,8 @@ from safetensors.torch import load_file
 from conftest import ROOT, assert_no_pickles, cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit import checkpoints, models, preflight, recipe as recipe_mod, statefile, train
 from tunekit.errors import TunekitError
+
+pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 
 RESUME_ARGS = ["--set", "training.max_steps=8", "--set", "training.save_steps=2", "--set", "training.save_total_limit=10",
                "--set", "lora.dropout=0.1"]  # dropout: the RNG state must be restored too
@@ -126,6 +130,9 @@ def test_resume_ignores_a_half_written_checkpoint(resume_recipe, uninterrupted, 
 
 def test_resume_refuses_other_recipe_or_missing_run(resume_recipe, uninterrupted, tmp_path):
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={tmp_path / 'none'}", "--resume")
+    assert res.returncode == 2 and f"--resume: output_dir {tmp_path / 'none'}: no such directory" in res.stderr
+    (tmp_path / "empty").mkdir()
+    res = run_cli("train", str(resume_recipe), "--set", f"output_dir={tmp_path / 'empty'}", "--resume")
     assert res.returncode == 2 and "not a tunekit run directory" in res.stderr
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={uninterrupted}", *RESUME_ARGS, "--resume")
     assert res.returncode == 2 and "already completed" in res.stderr
@@ -169,151 +176,122 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tm
     assert not (run_dir / "adapter").exists()
 
 
-# ---------------------------------------------------------------- bad data
-
-BAD_DATA = {
-    "malformed": ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"}\n{"instruction": "a" "output": "b"}\n',
-                  r"bad.jsonl line 3: malformed JSON"),
-    "missing_field": ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "answer": "b"}\n',
-                      r"bad.jsonl line 2: missing field 'output' \(fields present: instruction, answer\)"),
-    "wrong_type": ('{"instruction": "a", "output": ["b"]}\n', r"bad.jsonl line 1: field 'output' must be text, got list"),
-    "not_object": ('["a", "b"]\n', r"bad.jsonl line 1: expected a JSON object, got list"),
-    "non_utf8": (b'{"instruction": "a", "output": "b"}\n{"instruction": "caf\xe9", "output": "b"}\n',
-                 r"bad.jsonl line 2: not UTF-8 text \(byte 0xe9\)"),
-    "empty": ("\n\n", r"data.train: .*bad.jsonl holds no examples"),
-    "all_dropped": ('{"instruction": "' + "word " * 200 + '", "output": "b"}\n',
-                    r"no example has a trained token left after truncation to 64 tokens; raise data.max_length"),
-}
+# ---------------------------------------------------------------- kills after training, locks, full disk
 
 
-@pytest.mark.parametrize("case", sorted(BAD_DATA))
-def test_bad_data_one_line_error_names_file_and_line(case, tmp_path, tiny_model):
-    content, expected = BAD_DATA[case]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(content if isinstance(content, bytes) else content.encode())
+def wait_until(proc, ready, what: str, timeout: float = 300):
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the process ended before {what}: " + (proc.stderr.read() if proc.stderr else "")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _eval_pending(run_dir: Path) -> bool:
+    try:
+        return json.loads((run_dir / "run.json").read_text()).get("eval") == "pending"
+    except (OSError, ValueError):
+        return False
+
+
+def test_kill_during_end_of_training_eval_then_resume_finishes_only_the_eval(resume_recipe, tmp_path):
     out = tmp_path / "run"
-    res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, bad, out))))
-    assert res.returncode == 2, res.stderr[-2000:]
-    last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("tunekit: error: ") and re.search(expected, last), last
-    assert "Traceback" not in res.stderr
-    assert not out.exists()
+    # an eval long enough to be killed in
+    EVAL_ARGS = ["--set", "training.max_steps=4", "--set", "training.save_steps=2", "--set", "eval.limit=16",
+                 "--set", "eval.batch_size=1", "--set", "eval.max_new_tokens=200",
+                 "--set", f"eval.data={resume_recipe.parent / 'train.jsonl'}"]
+    cmd = [sys.executable, "-m", "tunekit", "train", str(resume_recipe), "--set", f"output_dir={out}", *EVAL_ARGS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(proc, lambda: _eval_pending(out), "the end-of-training eval")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "eval").exists()  # nothing that looks like a finished eval
+    trained = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    history_before = (out / "loss_history.jsonl").read_text()
+
+    res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *EVAL_ARGS, "--resume")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "completed before; running its end-of-training eval" in res.stderr
+    assert json.loads((out / "run.json").read_text())["eval"] == "completed"
+    assert json.loads((out / "eval" / "metrics.json").read_text())["scores"]["examples"] == 16
+    # the training was not run again
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == trained
+    assert (out / "loss_history.jsonl").read_text() == history_before
+    assert not list(out.glob(".eval.partial-*"))
+    res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *EVAL_ARGS, "--resume")
+    assert res.returncode == 2 and "already completed; nothing to resume" in res.stderr
 
 
-def test_eval_split_larger_than_data(tmp_path, tiny_model):
-    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(3))
+def test_merge_killed_mid_way_is_rerun_cleanly(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "tunekit", "merge", str(run_dir)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(proc, lambda: (run_dir / ".merged.lock").exists(), "merge started")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # what a kill while writing leaves: a partial directory and the dead process's lock file
+    (run_dir / ".merged.partial-x1y2").mkdir()
+    (run_dir / ".merged.partial-x1y2" / "model.safetensors").write_bytes(b"\0" * 64)
+    (run_dir / ".merged.lock").write_text("pid 999999: tunekit merge")
+    assert not (run_dir / "merged").exists()
+
+    res = run_cli("merge", str(run_dir))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "took over a stale lock" in res.stderr and "pid 999999" in res.stderr
+    assert not list(run_dir.glob(".merged.partial-*")) and not (run_dir / ".merged.lock").exists()
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "merged") is not None
+    assert json.loads((run_dir / "merged" / "tunekit.json").read_text())["parity"]["max_abs_diff"] < 1e-4
+
+
+def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(resume_recipe, tmp_path):
     out = tmp_path / "run"
-    raw = tiny_recipe(tiny_model, data, out, data={"eval_fraction": 0.9})
-    res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)))
-    assert res.returncode == 2 and "data.eval_fraction=0.9 of 3 examples leaves 3 for eval and 0 for training" in res.stderr
-    assert not out.exists()
+    args = ["--set", f"output_dir={out}", "--set", "training.max_steps=100000", "--set", "training.save_steps=1000"]
+    first = subprocess.Popen([sys.executable, "-m", "tunekit", "train", str(resume_recipe), *args], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(first, lambda: (out / "run.json").is_file(), "the first run started")
+        for extra in ([], ["--force"], ["--resume"]):  # --force must not wipe a run in progress either
+            res = run_cli("train", str(resume_recipe), *args, *extra)
+            assert res.returncode == 2, (extra, res.stderr[-2000:])
+            assert f"output_dir {out} is in use by another tunekit process (pid {first.pid}:" in res.stderr, extra
+        assert first.poll() is None and (out / "run.json").is_file()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # the killed run's lock is stale: the next run takes it over and says so
+    res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", "--set", "training.max_steps=2", "--force")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"took over a stale lock on {out} (pid {first.pid}:" in res.stderr
+    assert not (tmp_path / ".run.lock").exists()
 
 
-def test_bad_data_with_force_keeps_the_previous_run(tmp_path, tiny_model):
+def test_full_disk_while_checkpointing_ends_clearly_and_resumes(resume_recipe, uninterrupted, tmp_path):
+    """The file-size limit (what a full disk looks like to a writer) drops below a checkpoint's size
+    once checkpoint-2 is complete: the next checkpoint cannot be written."""
+    import resource
+
     out = tmp_path / "run"
-    out.mkdir()
-    (out / "run.json").write_text("{}")
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("{oops\n")
-    res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, bad, out))), "--force")
-    assert res.returncode == 2 and (out / "run.json").read_text() == "{}"
-
-
-# ---------------------------------------------------------------- bad recipes
-
-
-def _corpus(tmp: Path, model: Path, data: Path) -> list[tuple[str, object, str]]:
-    bad_json = tmp / "bad_ds.json"
-    bad_json.write_text('{"zero_optimization": {"stage": 2,,}}')
-    list_json = tmp / "list_ds.json"
-    list_json.write_text("[1, 2]")
-    hand_set = tmp / "hand_set.json"
-    hand_set.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.3}')
-    ok = {"model": {"name_or_path": str(model)}, "data": {"train": str(data)}}
-
-    def with_(**sections):
-        raw = json.loads(json.dumps(ok))
-        for key, value in sections.items():
-            raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) and isinstance(raw.get(key), dict) else value
-        return raw
-
-    return [
-        ("unknown top-level key", with_(trainig={}), "unknown key trainig; did you mean training?"),
-        ("unknown model key", with_(model={"nme_or_path": "x"}), "unknown key model.nme_or_path"),
-        ("unknown lora key", with_(lora={"rank": 4}), "unknown key lora.rank"),
-        ("unknown quantization key", with_(adapter="qlora", quantization={"bit": 4}), "unknown key quantization.bit"),
-        ("unknown data key", with_(data={"fromat": "chat"}), "did you mean data.format?"),
-        ("unknown fields key", with_(data={"fields": {"promt": "q"}}), "did you mean data.fields.prompt?"),
-        ("unknown training key", with_(training={"learnig_rate": 1}), "did you mean training.learning_rate?"),
-        ("unknown eval key", with_(eval={"max_new_token": 3}), "did you mean eval.max_new_tokens?"),
-        ("not a mapping", ["a", "b"], "must be a YAML mapping"),
-        ("empty recipe", None, "missing required key model"),
-        ("missing data", {"model": ok["model"]}, "missing required key data"),
-        ("missing model path", with_(model={"name_or_path": None}), "model.name_or_path: Input should be a valid string"),
-        ("lr not a number", with_(training={"learning_rate": "fast"}), "training.learning_rate: Input should be a valid number"),
-        ("lr negative", with_(training={"learning_rate": -1}), "training.learning_rate: Input should be greater than 0"),
-        ("lr too large", with_(training={"learning_rate": 5}), "training.learning_rate: Input should be less than or equal to 1"),
-        ("batch zero", with_(training={"micro_batch_size": 0}), "training.micro_batch_size: Input should be greater than 0"),
-        ("batch float", with_(training={"micro_batch_size": 2.5}), "training.micro_batch_size: Input should be a valid integer"),
-        ("bad precision", with_(training={"precision": "fp8"}), "training.precision: Input should be"),
-        ("bad scheduler", with_(training={"lr_scheduler": "zigzag"}), "training.lr_scheduler: Input should be"),
-        ("bad optimizer", with_(training={"optimizer": "adam9"}), "training.optimizer: Input should be"),
-        ("bad adapter", with_(adapter="dora"), "adapter: Input should be 'lora', 'qlora' or 'none'"),
-        ("bad format", with_(data={"format": "sharegpt"}), "data.format: Input should be"),
-        ("dropout out of range", with_(lora={"dropout": 1.5}), "lora.dropout: Input should be less than 1"),
-        ("rank zero", with_(lora={"r": 0}), "lora.r: Input should be greater than 0"),
-        ("bits 3", with_(adapter="qlora", quantization={"bits": 3}), "quantization.bits: Input should be 4 or 8"),
-        ("max_length tiny", with_(data={"max_length": 2}), "data.max_length: Input should be greater than or equal to 8"),
-        ("eval fraction 1", with_(data={"eval_fraction": 1.0}), "data.eval_fraction: Input should be less than 1"),
-        ("bool as string", with_(training={"gradient_checkpointing": "maybe"}), "training.gradient_checkpointing: Input should be a valid boolean"),
-        ("quantization without qlora", with_(quantization={"bits": 4}), "quantization settings given but adapter is 'lora'"),
-        ("lora with adapter none", with_(adapter="none", lora={"r": 4}), "lora settings given but adapter is 'none'"),
-        ("fp16 and bf16 both on", with_(adapter="qlora", quantization={"compute_dtype": "bf16"}, training={"precision": "fp16"}),
-         "fp16 and bf16 both on"),
-        ("eval and eval_fraction", with_(data={"eval": str(data), "eval_fraction": 0.1}), "data.eval and data.eval_fraction are both set"),
-        ("warmup twice", with_(training={"warmup_ratio": 0.1, "warmup_steps": 5}), "both set; keep one"),
-        ("chat with alpaca template", with_(data={"format": "chat", "template": "alpaca"}), "cannot render format chat"),
-        ("missing data file", with_(data={"train": "nope/missing.jsonl"}), "data.train: file 'nope/missing.jsonl' not found"),
-        ("missing eval file", with_(data={"eval": "missing_eval.jsonl"}), "data.eval: file 'missing_eval.jsonl' not found"),
-        ("missing model dir", with_(model={"name_or_path": "./models/none"}), "model.name_or_path: no such model directory"),
-        ("missing gguf", with_(model={"name_or_path": "nopkg/none.gguf"}), "GGUF file 'nopkg/none.gguf' not found"),
-        ("model dir without config", with_(model={"name_or_path": str(tmp)}), "has no config.json"),
-        ("missing deepspeed file", with_(training={"deepspeed": "ds_configs/zero9.json"}), "training.deepspeed: file 'ds_configs/zero9.json' not found"),
-        ("invalid deepspeed JSON", with_(training={"deepspeed": str(bad_json)}), "not valid JSON"),
-        ("deepspeed not an object", with_(training={"deepspeed": str(list_json)}), "must hold a JSON object"),
-        ("deepspeed contradiction", with_(training={"deepspeed": str(hand_set)}),
-         "gradient_clipping = 0.3 contradicts training.max_grad_norm = 1.0"),
-        ("qlora with zero3", with_(adapter="qlora", training={"deepspeed": "ds_configs/zero3.json"}), "adapter qlora with ZeRO-3 is refused"),
-        ("unwritable output dir", with_(output_dir="/proc/tunekit-run"), "output_dir /proc/tunekit-run: /proc is not writable"),
-        ("output dir under a file", with_(output_dir=str(data / "run")), "is a file, not a directory"),
-    ]
-
-
-def test_bad_recipe_corpus_each_exits_2_with_one_line_and_writes_nothing(tmp_path, tiny_model):
-    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(4))
-    corpus = _corpus(tmp_path, tiny_model, data)
-    assert len(corpus) >= 30
-    for i, (name, raw, expected) in enumerate(corpus):
-        path = tmp_path / f"r{i}.yaml"
-        if raw is not None and not (isinstance(raw, dict) and "output_dir" in raw):
-            raw = {**raw, "output_dir": str(tmp_path / f"out{i}")} if isinstance(raw, dict) else raw
-        path.write_text("" if raw is None else __import__("yaml").safe_dump(raw))
-        before = sorted(p.name for p in tmp_path.iterdir())
-        res = run_cli("train", str(path))
-        lines = res.stderr.strip().splitlines()
-        assert res.returncode == 2, (name, res.stderr[-1500:])
-        assert len(lines) == 1 and lines[0].startswith("tunekit: error: "), (name, res.stderr[-1500:])
-        assert expected in lines[0], (name, lines[0])
-        assert "Traceback" not in res.stderr
-        assert sorted(p.name for p in tmp_path.iterdir()) == before, name  # wrote nothing
-
-
-def test_recipes_cannot_execute_code(tmp_path):
-    marker = tmp_path / "pwned"
-    path = tmp_path / "r.yaml"
-    path.write_text(f'model: !!python/object/apply:os.system ["touch {marker}"]\ndata: {{train: x.jsonl}}\n')
-    res = run_cli("validate", str(path))
-    assert res.returncode == 2 and "invalid YAML" in res.stderr and not marker.exists()
+    cmd = [sys.executable, "-m", "tunekit", "train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_until(proc, lambda: (out / "checkpoints" / "checkpoint-2" / checkpoints.MARKER).exists(), "checkpoint-2")
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))  # the adapter alone is larger
+    stderr = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 2, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert re.match(r"tunekit: error: out of disk space in \S+ at step \d+ \(File too large\); free space, then add "
+                    r"--resume to continue from checkpoint-\d+$", last), last
+    assert "Traceback" not in stderr
+    info = json.loads((out / "run.json").read_text())
+    assert info["status"] == "failed" and not (out / "adapter").exists()
+    kept = checkpoints.newest_complete(out / "checkpoints")
+    assert kept.name == last.rsplit(" ", 1)[1]
+    res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS, "--resume")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"resuming from {kept.name}" in res.stderr
+    assert history(out) == history(uninterrupted)
 
 
 # ---------------------------------------------------------------- pre-flight and safety

@@ -14,6 +14,8 @@ from tunekit import merge as merge_mod
 from tunekit import models, recipe as recipe_mod
 from tunekit.errors import TunekitError
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
+
 
 def _train(tmp_path_factory, tiny_model, name, **sections):
     root = tmp_path_factory.mktemp(name)

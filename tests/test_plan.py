@@ -105,6 +105,7 @@ def test_suggestions_each_lower_the_planned_peak(make_recipe):
     assert all(fp.peak < p.peak for _, fp in fixes)
 
 
+@pytest.mark.slow
 def test_plan_cli_verdict(make_recipe, tmp_path):
     make_recipe()
     res = run_cli("plan", str(tmp_path / "r.yaml"), "--gpu-memory", "1MiB", "--world-size", "2")

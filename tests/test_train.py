@@ -14,6 +14,8 @@ from tunekit import models, recipe as recipe_mod, train
 from tunekit.errors import TunekitError
 from tunekit.hardware import Precision
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
+
 
 @pytest.fixture()
 def data_file(tmp_path):

@@ -6,22 +6,88 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import __version__
 from .errors import TunekitError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (usage is one `--help` away) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# Argument types: each refuses a bad value with a message argparse prefixes with the argument's name.
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _finite(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def size(text: str) -> int:
+    from .plan import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def override(text: str) -> str:
+    from .recipe import parse_override
+
+    try:
+        parse_override(text)
+    except TunekitError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--set {text!r}: ")) from None
+    return text
+
+
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="YAML recipe file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", type=override,
                    help="override a recipe field by dotted key, e.g. --set training.learning_rate=1e-4 (repeatable)")
 
 
 def cmd_validate(a) -> int:
     from . import recipe as recipe_mod
 
-    recipe = recipe_mod.load(a.recipe, a.overrides)
+    from .modelinfo import fit_max_length
+
+    recipe = fit_max_length(recipe_mod.load(a.recipe, a.overrides))
     print(recipe_mod.to_yaml(recipe), end="")
     if recipe.training.deepspeed and a.world_size:
         import json
@@ -53,12 +119,14 @@ def cmd_train(a) -> int:
     from . import recipe as recipe_mod
 
     recipe = recipe_mod.load(a.recipe, a.overrides)
-    if not a.resume:  # fail fast, before torch is imported
+    if not a.resume and os.environ.get("RANK", "0") == "0":  # fail fast, before torch is imported
         from pathlib import Path
 
-        from .rundir import check_free
+        from .rundir import check_free, check_writable, exclusive
 
-        check_free(Path(recipe.output_dir), a.force, "output_dir")
+        check_writable(Path(recipe.output_dir), "output_dir")
+        with exclusive(Path(recipe.output_dir)):  # a run in progress is named, not reported as "exists"
+            check_free(Path(recipe.output_dir), a.force, "output_dir")
     from . import distributed, train
 
     requested = distributed.accelerate_cpu_request()
@@ -87,6 +155,10 @@ def cmd_eval(a) -> int:
     from . import evaluation
     from .recipe import EvalConfig
 
+    for flag, value in (("--data", a.data), ("--recipe", a.recipe)):
+        if value is not None and not Path(value).is_file():
+            raise TunekitError(f"{flag} {value}: " + ("is a directory; give a file" if Path(value).is_dir() else
+                                                      "file not found"))
     targets = [evaluation.resolve_target(t, a.recipe, a.data) for t in [a.target] + ([a.compare] if a.compare else [])]
     columns = []
     for i, target in enumerate(targets):
@@ -105,7 +177,9 @@ def cmd_plan(a) -> int:
     from . import plan, recipe as recipe_mod
     from .hardware import resolve_precision
 
-    recipe = recipe_mod.load(a.recipe, a.overrides)
+    from .modelinfo import fit_max_length
+
+    recipe = fit_max_length(recipe_mod.load(a.recipe, a.overrides))
     precision = recipe.training.precision  # planned as written: a GPU's precision need not exist here
     if precision == "auto":
         precision = resolve_precision("auto").name
@@ -113,20 +187,20 @@ def cmd_plan(a) -> int:
                                   utilization=a.utilization)
     cfg, model = plan.meta_model(recipe)
     result = plan.make(recipe, settings, cfg, model)
-    budget = plan.parse_size(a.gpu_memory) if a.gpu_memory else None
+    budget = a.gpu_memory
     fixes = plan.suggestions(recipe, result, budget, cfg, model) if budget and result.peak > budget else []
     print(plan.to_json(result) if a.json else plan.report(recipe, result, budget, fixes))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
+    parser = Parser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
     parser.add_argument("--version", action="version", version=f"tunekit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("validate", help="check a recipe and print it with every default filled")
     _recipe_args(p)
-    p.add_argument("--world-size", type=int, default=0, metavar="N",
+    p.add_argument("--world-size", type=positive_int, metavar="N",
                    help="also print the DeepSpeed config resolved for N processes")
     p.set_defaults(func=cmd_validate)
 
@@ -139,10 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="memory per device and time per step, before loading any weights")
     _recipe_args(p)
-    p.add_argument("--world-size", type=int, default=1, metavar="N", help="number of devices (default 1)")
-    p.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 24GiB: prints a verdict and fixes")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per device (default: H100 bf16)")
-    p.add_argument("--utilization", type=float, default=0.4, help="fraction of peak reached (default 0.4)")
+    p.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="number of devices (default 1)")
+    p.add_argument("--gpu-memory", type=size, metavar="SIZE",
+                   help="memory per device, e.g. 24GiB: prints a verdict and fixes")
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
+                   help="peak TFLOP/s per device (default: H100 bf16)")
+    p.add_argument("--utilization", type=fraction, default=0.4, help="fraction of peak reached (default 0.4)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -150,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="run directory written by `tunekit train`")
     p.add_argument("--out", help="output directory (default: RUN_DIR/merged)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="saved dtype (default: the base model's)")
-    p.add_argument("--tolerance", type=float, default=1e-3,
+    p.add_argument("--tolerance", type=positive_float, default=1e-3,
                    help="largest max |logit difference| between adapter and merged model accepted (default 1e-3)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
     p.set_defaults(func=cmd_merge)
@@ -159,9 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="run directory, merged directory, or base model (hub id, directory, GGUF)")
     p.add_argument("--recipe", help="recipe whose data and prompt settings a base-model target uses")
     p.add_argument("--data", help="eval file (default: the recipe's eval data)")
-    p.add_argument("--limit", type=int, help="score only the first N examples")
-    p.add_argument("--batch-size", type=int, help="prompts per generate() call")
-    p.add_argument("--max-new-tokens", type=int, help="generation length cap")
+    p.add_argument("--limit", type=positive_int, help="score only the first N examples")
+    p.add_argument("--batch-size", type=positive_int, help="prompts per generate() call")
+    p.add_argument("--max-new-tokens", type=positive_int, help="generation length cap")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="model dtype for eval (auto: bf16/fp16 on GPU, fp32 on CPU)")
     p.add_argument("--compare", metavar="OTHER_TARGET", help="evaluate a second target and print both side by side")
@@ -172,8 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-    import os
-
     log = logging.getLogger("tunekit")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -182,6 +256,9 @@ def _setup_logging() -> None:
         # one voice in multi-process runs: other ranks report only problems
         log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
         log.propagate = False
+    # bitsandbytes warns on import, on CPUs with avx512_bf16, that an optional kernel package is
+    # missing; its own fallback is used (and training turns that path off anyway, see models.py)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

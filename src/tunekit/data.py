@@ -15,6 +15,7 @@ from .recipe import DataConfig
 log = logging.getLogger("tunekit")
 
 IGNORE = -100
+ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
@@ -209,6 +210,9 @@ class Renderer:
                 raise TunekitError(
                     f"{record.where}: message {i} must be an object with text fields {f.role!r} and {f.content!r}"
                 )
+            if m[f.role] not in ROLES:
+                raise TunekitError(f"{record.where}: message {i} has role {m[f.role]!r}; use one of "
+                                   f"{', '.join(ROLES)} (or map the column names with data.fields.role)")
             messages.append({"role": m[f.role], "content": m[f.content]})
         if not any(m["role"] == "assistant" for m in messages):
             raise TunekitError(f"{record.where}: conversation has no assistant message to train on")

@@ -1,5 +1,6 @@
 """DeepSpeed config against the recipe: fill every "auto" the recipe decides, and refuse a hand-set
-value that contradicts it, naming both. Pure Python: no torch, no deepspeed import.
+value that contradicts it, naming both; then let DeepSpeed's own config model judge the rest.
+Pure Python apart from that last check, which imports deepspeed.
 
 transformers fills "auto" too, but only once the Trainer is built, and on machines without a GPU it
 assumes one process (train_batch_size comes out wrong under torchrun); resolving here lets
@@ -24,18 +25,88 @@ def zero_stage(ds: dict) -> int:
     return int((ds.get("zero_optimization") or {}).get("stage", 0) or 0)
 
 
-def read(path: str) -> dict:
-    return json.loads(Path(path).read_text())
+# DeepSpeed's pydantic section models, by the JSON key they read, to name a rejected key in full
+SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+            "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+            "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+            "DeepSpeedMonitorConfig": "monitor", "CompileConfig": "compile", "CommsLoggerConfig": "comms_logger"}
 
 
-def static_checks(ds: dict, adapter: str, source: str) -> None:
-    """Recipe-level refusals that need no world size."""
-    if adapter == "qlora" and zero_stage(ds) == 3:
-        raise TunekitError(
-            f"{source}: adapter qlora with ZeRO-3 is refused: ZeRO-3 partitions parameters across "
-            "processes, and bitsandbytes 4-bit weights with their quantization state cannot be partitioned and "
-            "gathered by it here; use ds_configs/zero2.json or zero2_offload.json (the 4-bit base is already small)"
-        )
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def read(path: str | Path, source: str | None = None) -> dict:
+    """The JSON object in `path`; a key given twice in one object, at any depth, is refused
+    (json.loads keeps the last silently)."""
+    where = source or str(path)
+    try:
+        parsed = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as e:
+        raise TunekitError(f"{where} line {e.lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise TunekitError(f"{where}: not UTF-8 text") from None
+    except ValueError as e:  # from _unique_keys
+        raise TunekitError(f"{where}: {e}; keep one") from None
+    if not isinstance(parsed, dict):
+        raise TunekitError(f"{where}: must hold a JSON object")
+    return parsed
+
+
+def _without_auto(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_auto(v) for k, v in node.items() if v != AUTO}
+    return node
+
+
+def check_with_deepspeed(ds: dict, source: str) -> None:
+    """Validate with DeepSpeed's own config class, as `deepspeed.initialize` will at launch.
+
+    Values still "auto" are filled by transformers from the model at launch; they are left out here,
+    so DeepSpeed judges them by its defaults. Outside a process group DeepSpeed assumes one process,
+    which is why the batch triple is only checked when it is self-consistent for world size 1."""
+    from pydantic import ValidationError
+
+    with _quiet_deepspeed():
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        trial = _without_auto(ds)
+        trial.pop("train_batch_size", None)  # depends on the world size; resolve() checks it
+        trial.setdefault("train_micro_batch_size_per_gpu", 1)
+        try:
+            DeepSpeedConfig(trial)
+        except ValidationError as e:
+            err = e.errors()[0]
+            section = SECTIONS.get(e.title, e.title)
+            key = ".".join([section, *(str(p) for p in err["loc"])])
+            raise TunekitError(f"{source}: {key}: DeepSpeed rejects {json.dumps(err.get('input'))}: "
+                               f"{err['msg']}") from None
+        except (AssertionError, ValueError, KeyError, TypeError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise TunekitError(f"{source}: DeepSpeed rejects this config: {first}") from None
+
+
+def _quiet_deepspeed():
+    """Importing deepspeed logs its accelerator choice at WARNING; that line is noise here."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def quiet():
+        logger = logging.getLogger("DeepSpeed")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+    return quiet()
 
 
 # (path in the DeepSpeed JSON, what the recipe says, which recipe key says it)
@@ -73,7 +144,6 @@ def resolve(ds: dict, recipe, world_size: int | None, precision: str | None, sou
             hidden_size: int | None = None) -> dict:
     """A copy of `ds` with every recipe-decided "auto" filled; contradictions raise.
     Values that depend on the model's size are filled when `hidden_size` is known."""
-    static_checks(ds, recipe.adapter, source)
     out = copy.deepcopy(ds)
     for path, want, key in _expected(recipe, world_size, precision):
         node = out

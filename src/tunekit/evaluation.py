@@ -18,6 +18,7 @@ from .errors import TunekitError
 from .hardware import DTYPES, has_cuda
 from .recipe import EvalConfig, Recipe
 from .recipe import load as load_recipe
+from .sources import resolve_model
 
 log = logging.getLogger("tunekit")
 
@@ -46,12 +47,19 @@ def resolve_target(spec: str, recipe_path: str | None = None, data: str | None =
         return Target("run", spec, load_recipe(path / "recipe.yaml"), path)
     if path.is_dir() and (path / MERGED_MARKER).is_file():
         return Target("merged", spec, load_recipe(path / "recipe.yaml"), path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise TunekitError(f"{spec}: neither a run directory ({RUN_MARKER}) nor a merged one ({MERGED_MARKER}) "
+                           "nor a model directory (config.json)")
+    source = resolve_model(spec, "eval target")  # a missing local file or folder is named as such
     if recipe_path:
         recipe = load_recipe(recipe_path, [f"model.name_or_path={spec}"])
     elif data:
         from .recipe import from_dict
 
         recipe = from_dict({"model": {"name_or_path": spec}, "data": {"train": data}}, source="eval")
+    elif source.kind == "hub":
+        raise TunekitError(f"{spec}: no such directory here; as a hub model id, a base model needs --recipe RECIPE "
+                           "(for its data and prompt settings) or --data FILE")
     else:
         raise TunekitError(f"{spec}: a base model needs --recipe RECIPE (for its data and prompt settings) or --data FILE")
     return Target("base", spec, recipe)
@@ -182,7 +190,12 @@ def default_out(target: Target) -> Path:
 def evaluate(target: Target, cfg: EvalConfig, data: str | None = None, out: Path | None = None,
              dtype: str = "auto", force: bool = False) -> dict:
     out = out or default_out(target)
-    rundir.check_free(out, force, "eval output")
+    with rundir.exclusive(out, "eval output"):
+        rundir.check_free(out, force, "eval output")
+        return _evaluate(target, cfg, data, out, dtype)
+
+
+def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtype: str) -> dict:
     records = records_for(target, data)
     torch_dtype = eval_dtype(dtype)
     tokenizer = models.load_tokenizer(target.recipe.model,

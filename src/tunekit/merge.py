@@ -119,7 +119,7 @@ def model_card(recipe, run_dir: Path, parity: Parity, dtype: str) -> str:
 
 def merge(run_dir: Path, out: Path | None = None, dtype: str | None = None, force: bool = False,
           tolerance: float = 1e-3) -> Path:
-    run_dir = Path(run_dir)
+    run_dir = rundir.require_dir(Path(run_dir), "run directory")
     info_file = run_dir / RUN_MARKER
     if not info_file.is_file():
         raise TunekitError(f"{run_dir}: not a tunekit run directory (no {RUN_MARKER})")
@@ -130,7 +130,12 @@ def merge(run_dir: Path, out: Path | None = None, dtype: str | None = None, forc
     if info.get("status") != "completed" or not adapter_dir.is_dir():
         raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
     out = Path(out) if out else run_dir / "merged"
-    rundir.check_free(out, force, "merge output")
+    with rundir.exclusive(out, "merge output"):
+        rundir.check_free(out, force, "merge output")
+        return _merge(run_dir, info, adapter_dir, out, dtype, tolerance)
+
+
+def _merge(run_dir: Path, info: dict, adapter_dir: Path, out: Path, dtype: str | None, tolerance: float) -> Path:
     recipe = load_recipe(run_dir / "recipe.yaml")
     dtype = dtype or _default_dtype(recipe)
 

@@ -4,7 +4,6 @@ and one-line errors that name the dotted key and suggest the closest valid one."
 from __future__ import annotations
 
 import difflib
-import json
 import types
 import typing
 from pathlib import Path
@@ -20,7 +19,8 @@ DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: YAML reads `.inf`/`.nan` (and pydantic the strings "inf"/"nan") as floats
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -242,7 +242,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key.strip() or any(not p for p in key.strip().split(".")):
         raise TunekitError(f"--set {item!r}: expected dotted.key=value, e.g. --set training.learning_rate=1e-4")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = safe_load_unique(raw, f"--set {item!r}") if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
@@ -295,17 +295,13 @@ def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
         found = _resolve_file(ds, base)
         if found is None or not found.is_file():
             raise TunekitError(f"{source}: training.deepspeed: file {ds!r} not found (see ds_configs/)")
-        try:
-            parsed = json.loads(found.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            line = f" line {e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
-            raise TunekitError(f"{source}: training.deepspeed: {ds}{line} is not valid JSON ({e.args[0].split(':')[0]})") from None
-        if not isinstance(parsed, dict):
-            raise TunekitError(f"{source}: training.deepspeed: {ds} must hold a JSON object")
         from . import dsconfig
 
+        where = f"{source}: training.deepspeed {ds}"
+        parsed = dsconfig.read(found, where)
         precision = None if recipe.training.precision == "auto" else recipe.training.precision
-        dsconfig.resolve(parsed, recipe, None, precision, f"{source}: training.deepspeed {ds}")
+        dsconfig.check_with_deepspeed(parsed, where)  # first: resolve() reads values DeepSpeed may refuse
+        dsconfig.resolve(parsed, recipe, None, precision, where)
         updates["training"]["deepspeed"] = str(found)
     return recipe.model_copy(
         update={
@@ -337,10 +333,12 @@ def from_dict(raw: Any, source: str = "recipe", base: Path | None = None, name: 
 
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise TunekitError(f"recipe {str(path)!r} is a directory; give a YAML recipe file, e.g. recipes/smollm2_lora.yaml")
     if not path.is_file():
         raise TunekitError(f"recipe file {str(path)!r} not found")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = safe_load_unique(path.read_text(encoding="utf-8"), str(path))
     except UnicodeDecodeError:
         raise TunekitError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as e:
@@ -349,6 +347,38 @@ def read_yaml(path: str | Path) -> dict:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise TunekitError(f"{path}{where}: invalid YAML ({problem})") from None
     return {} if raw is None else raw
+
+
+def safe_load_unique(text: str, where: str) -> Any:
+    """yaml.safe_load, refusing a key given twice in one mapping at any depth."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, where)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, where: str, prefix: str = "") -> None:
+    """PyYAML lets a repeated key silently replace the first; a recipe must say each thing once.
+    Walks the composed node tree, so the error can name the dotted key and both lines."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            dotted = f"{prefix}.{key}" if prefix else key
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise TunekitError(f"{where} line {line}: duplicate key {dotted} (first set on line {seen[key]}); "
+                                   "keep one")
+            seen[key] = line
+            _refuse_duplicate_keys(value_node, where, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, where, f"{prefix}[{i}]")
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> Recipe:

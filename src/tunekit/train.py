@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
+import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -12,7 +16,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
-from . import checkpoints, distributed, dsconfig, models, preflight, rundir
+from . import checkpoints, distributed, dsconfig, modelinfo, models, preflight, rundir
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
@@ -22,6 +26,7 @@ log = logging.getLogger("tunekit")
 
 ADAPTER_DIR = "adapter"  # LoRA / QLoRA runs
 MODEL_DIR = "model"  # full fine-tuning runs
+EVAL_DIR = "eval"  # end-of-training eval: metrics.json, predictions.jsonl
 
 
 class LossHistory(TrainerCallback):
@@ -114,28 +119,76 @@ def peak_memory_gb() -> dict:
 @dataclass
 class TrainResult:
     run_dir: Path
-    trainer: Trainer
+    trainer: Trainer | None  # None when --resume only finished the end-of-training eval
 
 
-def _check_resume(recipe: Recipe, run_dir: Path) -> Path:
-    """The checkpoint to resume from; the recipe must be the one the run started with."""
+def _check_resume(recipe: Recipe, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None when training finished and only the end-of-training
+    eval is left (a run stopped during it). The recipe must be the one the run started with."""
+    rundir.require_dir(run_dir, "--resume: output_dir")
     saved = run_dir / "recipe.yaml"
     info_file = run_dir / "run.json"
     if not saved.is_file() or not info_file.is_file():
         raise TunekitError(f"--resume: {run_dir} is not a tunekit run directory; train without --resume")
-    if json.loads(info_file.read_text()).get("status") == "completed":
-        raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
     if saved.read_text(encoding="utf-8") != to_yaml(recipe):
         raise TunekitError(f"--resume: the recipe differs from {saved}, the one this run started with; "
                            "resume with the same recipe and overrides")
+    if json.loads(info_file.read_text()).get("status") == "completed":
+        if recipe.eval is not None and not (run_dir / EVAL_DIR / "metrics.json").is_file():
+            return None
+        raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
     return checkpoints.resume_point(run_dir)
 
 
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _out_of_space(e: BaseException) -> str | None:
+    """The reason, when `e` says the disk (or the file-size limit) is full. safetensors reports I/O
+    errors as SafetensorError("... (os error 28)"), not as OSError, so its text is read too."""
+    if isinstance(e, OSError) and e.errno in FULL:
+        return e.strerror
+    found = re.search(r"os error (\d+)", str(e))
+    if found and int(found.group(1)) in FULL:
+        return os.strerror(int(found.group(1)))
+    return None
+
+
 def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResult:
-    """Train the recipe into its run directory (or continue it from its newest complete checkpoint)."""
+    """Train the recipe into its run directory (or continue it from its newest complete checkpoint),
+    then run its end-of-training eval. The main process holds the run directory throughout."""
     run_dir = Path(recipe.output_dir)
     launch = distributed.current()
-    resume_from = _check_resume(recipe, run_dir) if resume else None
+    if resume:
+        rundir.require_dir(run_dir, "--resume: output_dir")  # before the lock, which would create its parent
+    recipe = modelinfo.fit_max_length(recipe)
+    with rundir.exclusive(run_dir) if launch.is_main else contextlib.nullcontext():
+        resume_from = _check_resume(recipe, run_dir) if resume else None
+        if resume and resume_from is None:
+            log.info("training in %s completed before; running its end-of-training eval", run_dir)
+            trainer = None
+        else:
+            trainer = _train(recipe, run_dir, launch, force, resume_from)
+        if launch.is_main and recipe.eval is not None:
+            end_of_training_eval(recipe, run_dir)
+    return TrainResult(run_dir, trainer)
+
+
+def end_of_training_eval(recipe: Recipe, run_dir: Path) -> None:
+    """Score the finished run as `tunekit eval RUN_DIR` would; eval/ appears only once complete, and
+    run.json says whether it is pending, so that --resume can finish it."""
+    from . import evaluation
+
+    info_file = run_dir / "run.json"
+    rundir.write_json(info_file, {**json.loads(info_file.read_text()), "eval": "pending"})
+    target = evaluation.resolve_target(str(run_dir))
+    scores = evaluation.evaluate(target, recipe.eval, out=run_dir / EVAL_DIR, force=True)["scores"]
+    rundir.write_json(info_file, {**json.loads(info_file.read_text()), "eval": "completed"})
+    print(evaluation.format_table([(target.label, scores)]))
+
+
+def _train(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bool,
+           resume_from: Path | None) -> Trainer:
     if resume_from is None:
         rundir.check_free(run_dir, force, "output_dir")
     precision = resolve_precision(recipe.training.precision)
@@ -207,10 +260,22 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
     try:
         result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except BaseException as e:
+        for callback in trainer.callback_handler.callbacks:  # close the progress bar before the error line
+            bar = getattr(callback, "training_bar", None)
+            if bar is not None:
+                bar.close()
         if launch.is_main:
             info.update(status="failed", error=str(e).splitlines()[0] if str(e) else type(e).__name__,
                         failed_at_step=trainer.state.global_step)
-            rundir.write_json(run_dir / "run.json", info)
+            with contextlib.suppress(OSError):  # the disk may be full
+                rundir.write_json(run_dir / "run.json", info)
+        reason = _out_of_space(e)
+        if reason:
+            last = checkpoints.newest_complete(run_dir / "checkpoints")
+            raise TunekitError(
+                f"out of disk space in {run_dir} at step {trainer.state.global_step} ({reason}); free space, then "
+                f"add --resume to continue from {last.name if last else 'the start (no checkpoint was complete)'}"
+            ) from None
         raise
 
     final = run_dir / (ADAPTER_DIR if recipe.adapter != "none" else MODEL_DIR)
@@ -247,10 +312,4 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
         rundir.write_json(run_dir / "run.json", info)
         log.info("run directory: %s (%s/)", run_dir, final.name)
     distributed.finish()
-    if launch.is_main and recipe.eval is not None:
-        from . import evaluation
-
-        target = evaluation.resolve_target(str(run_dir))
-        scores = evaluation.evaluate(target, recipe.eval, out=run_dir / "eval", force=True)["scores"]
-        print(evaluation.format_table([(target.label, scores)]))
-    return TrainResult(run_dir, trainer)
+    return trainer
