@@ -119,6 +119,21 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
                           capture_output=True, text=True, timeout=timeout)
 
 
+def launch(recipe_file, out, nproc: int = 2, *overrides: str, launcher: str = "torchrun", flags=(),
+           timeout: int = 900):
+    """`tunekit train` in `nproc` CPU processes (gloo) under torchrun or accelerate launch; must exit 0."""
+    sets = [a for o in (f"output_dir={out}", *overrides) for a in ("--set", o)] + list(flags)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    res = subprocess.run([*cmd, "-m", "tunekit", "train", str(recipe_file), *sets], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res
+
+
 PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"}
 
 

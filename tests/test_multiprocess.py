@@ -4,15 +4,12 @@ without offload, LoRA and full fine-tuning, and equivalence with a single proces
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_no_pickles, cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import assert_no_pickles, cut_after_checkpoint, launch, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -30,19 +27,6 @@ def recipe_file(tmp_path_factory, tiny_model):
     data = write_jsonl(root / "train.jsonl", reverse_rows(32))
     raw = tiny_recipe(tiny_model, data, root / "unused", training={"max_steps": 6})
     return write_recipe(root / "r.yaml", raw)
-
-
-def launch(recipe_file, out, nproc: int = 2, *overrides: str, launcher: str = "torchrun", flags=()):
-    sets = [a for o in (f"output_dir={out}", *overrides) for a in ("--set", o)] + list(flags)
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc)]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    res = subprocess.run([*cmd, "-m", "tunekit", "train", str(recipe_file), *sets], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    return res
 
 
 def history(run_dir):
@@ -126,6 +110,19 @@ def test_zero_stages_train_lora_and_full_finetuning(recipe_file, tmp_path, tiny_
         adapter_weights = weights(out)
         assert all(v.numel() > 0 for v in adapter_weights.values())
         assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter_weights.items())
+
+
+def test_qlora_under_zero3_equals_qlora_under_ddp(recipe_file, tmp_path):
+    """ZeRO-3 needs the packed 4-bit weights stored in the dtype of the other weights; the quantized
+    values, and so the training, are the same as with DDP's uint8 storage."""
+    runs = {}
+    for name, ds in (("ddp", "null"), ("zero3", "ds_configs/zero3.json")):
+        runs[name] = tmp_path / name
+        launch(recipe_file, runs[name], 2, "adapter=qlora", f"training.deepspeed={ds}", "training.max_steps=4")
+    info = json.loads((runs["zero3"] / "run.json").read_text())
+    assert info["parameters"] == json.loads((runs["ddp"] / "run.json").read_text())["parameters"]
+    assert history(runs["zero3"])[-1] < history(runs["zero3"])[0]
+    assert_same_run(runs["ddp"], runs["zero3"])
 
 
 @pytest.mark.parametrize("config,adapter", [("zero2", "lora"), ("zero3", "none")])

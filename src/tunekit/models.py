@@ -102,8 +102,16 @@ def quantization_config(recipe: Recipe, precision: Precision) -> BitsAndBytesCon
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=DTYPES[compute],
-        bnb_4bit_quant_storage=torch.uint8,
+        # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype: the packed
+        # 4-bit weights must be stored in the dtype of the other weights (peft's QLoRA + ZeRO-3 recipe)
+        bnb_4bit_quant_storage=precision.dtype if _zero3(recipe) else torch.uint8,
     )
+
+
+def _zero3(recipe: Recipe) -> bool:
+    from . import dsconfig
+
+    return bool(recipe.training.deepspeed) and dsconfig.zero_stage(dsconfig.read(recipe.training.deepspeed)) == 3
 
 
 def lora_config(recipe: Recipe) -> PeftLoraConfig | None:
@@ -188,8 +196,8 @@ def count_parameters(model) -> tuple[int, int]:
     total = trainable = 0
     for p in model.parameters():
         # ZeRO-3 leaves an empty placeholder and records the real size in ds_numel;
-        # a 4-bit tensor packs two parameters per byte
-        n = getattr(p, "ds_numel", p.numel()) * (2 if p.__class__.__name__ == "Params4bit" else 1)
+        # a 4-bit tensor packs two parameters per byte of its storage dtype
+        n = getattr(p, "ds_numel", p.numel()) * (2 * p.element_size() if p.__class__.__name__ == "Params4bit" else 1)
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable
