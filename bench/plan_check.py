@@ -126,8 +126,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="tunekit-plan-"))
     data = work / "d.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n')
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_model, build_tokenizer
+    from tunekit.tiny import build_model, build_tokenizer
 
     tiny = work / "tiny"
     tiny.mkdir()

@@ -1,5 +1,5 @@
-"""Shared fixtures: a tiny random Llama model and a small byte-level BPE tokenizer, built locally
-once per session, plus helpers to write data and recipes."""
+"""Shared fixtures: a tiny random Llama model and a small byte-level BPE tokenizer (tunekit.tiny),
+built once per session, plus helpers to write data and recipes and to run the CLI."""
 
 from __future__ import annotations
 
@@ -12,54 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tunekit.tiny import build_model, build_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Translate to French: good morning. Bonjour.",
-    "Reverse the word: cat -> tac. Reverse the word: dog -> god.",
-    "café straße naïve façade 東京 北京 上海",
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
-    "### Instruction:\n### Input:\n### Response:\n",
-    "0 1 2 3 4 5 6 7 8 9 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
-]
-
-
-def build_tokenizer(path: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|pad|>", "<|bos|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>",
-                                   pad_token="<|pad|>")
-    fast.chat_template = CHATML
-    fast.save_pretrained(path)
-    return fast
-
-
-def build_model(path: Path, tokenizer, seed: int = 0) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")

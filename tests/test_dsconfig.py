@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conftest import ROOT, run_cli, write_jsonl, write_recipe
-from tunekit import dsconfig, recipe as recipe_mod
+from tunekit import dsconfig, recipe as recipe_mod, train
+from tunekit.hardware import Precision
 from tunekit.errors import TunekitError
 
 
@@ -31,9 +32,7 @@ def make(tmp_path, tiny_model):
 @pytest.mark.parametrize("name", ["zero1.json", "zero2.json", "zero2_offload.json", "zero3.json", "zero3_offload.json"])
 def test_shipped_configs_resolve_every_auto(make, name):
     path = make(name, learning_rate=3e-4, max_grad_norm=0.5)
-    res = run_cli("validate", str(path), "--world-size", "2")
-    assert res.returncode == 0, res.stderr
-    ds = json.loads(res.stdout.split("# remaining")[1].split("\n", 1)[1])
+    ds = train.deepspeed_config(recipe_mod.load(path), Precision("fp32", "test"), world_size=2)
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 0.5
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
@@ -58,7 +57,18 @@ def test_hand_set_contradictions_are_refused_naming_both(make, ds, expected):
 
 def test_train_batch_size_checked_against_world_size(make):
     path = make({"zero_optimization": {"stage": 2}, "train_batch_size": 32})
-    assert run_cli("validate", str(path), "--world-size", "2").returncode == 0
+    assert train.deepspeed_config(recipe_mod.load(path), Precision("fp32", "test"), world_size=2)
+    with pytest.raises(TunekitError, match="train_batch_size = 32 contradicts"):
+        train.deepspeed_config(recipe_mod.load(path), Precision("fp32", "test"), world_size=1)
+
+
+@pytest.mark.slow
+def test_validate_prints_the_resolved_config_and_refuses_a_contradiction(make):
+    path = make({"zero_optimization": {"stage": 2}, "train_batch_size": 32})
+    ok = run_cli("validate", str(path), "--world-size", "2")
+    assert ok.returncode == 0, ok.stderr
+    ds = json.loads(ok.stdout.split("# DeepSpeed config for world size 2")[1].split("\n", 1)[1])
+    assert ds["train_batch_size"] == 32 and ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
     res = run_cli("validate", str(path), "--world-size", "1")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert ("train_batch_size = 32 contradicts training.micro_batch_size x training.gradient_accumulation_steps "

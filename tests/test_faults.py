@@ -12,8 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections import namedtuple
 from pathlib import Path
-from shutil import _ntuple_diskusage as shutil_usage
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from tunekit.errors import TunekitError
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 
+shutil_usage = namedtuple("usage", "total used free")  # what shutil.disk_usage returns
 RESUME_ARGS = ["--set", "training.max_steps=8", "--set", "training.save_steps=2", "--set", "training.save_total_limit=10",
                "--set", "lora.dropout=0.1"]  # dropout: the RNG state must be restored too
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit import data as data_mod
 from tunekit import merge as merge_mod
-from tunekit import models, recipe as recipe_mod
+from tunekit import models, recipe as recipe_mod, rundir
 from tunekit.errors import TunekitError
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
@@ -42,20 +42,13 @@ def qlora_run(tmp_path_factory, tiny_model):
 def _inputs(run_dir):
     recipe = recipe_mod.load(run_dir / "recipe.yaml")
     tok = models.load_tokenizer(recipe.model, run_dir / "adapter")
-    return recipe, merge_mod._parity_batch(recipe, tok)
+    return recipe, merge_mod.parity_batch(recipe, tok)
 
 
 def _adapter_logits(run_dir, batch):
-    recipe = recipe_mod.load(run_dir / "recipe.yaml")
-    info = json.loads((run_dir / "run.json").read_text())
-    quant = None
-    dtype = torch.float32
-    if recipe.quantization is not None:
-        quant = models.quantization_config(recipe, merge_mod._precision(info))
-        quant.bnb_4bit_compute_dtype = torch.float32
-        dtype = torch.bfloat16
-    model = models.load_adapter_model(recipe.model, run_dir / "adapter", dtype, quant)
-    return merge_mod._logits(model, batch)
+    """The adapter model as trained (QLoRA: re-quantized from the training dtype), computing in fp32."""
+    model = rundir.load_trained(rundir.resolve_target(str(run_dir)), torch.float32)
+    return merge_mod.logits(model, batch)
 
 
 @pytest.mark.parametrize("which", ["lora_run", "qlora_run"])
@@ -77,7 +70,7 @@ def test_merged_directory_reloads_with_adapter_logits(which, request):
     _, batch = _inputs(run_dir)
     reloaded = AutoModelForCausalLM.from_pretrained(merged)  # plain transformers, no tunekit, no peft
     assert getattr(reloaded.config, "quantization_config", None) is None
-    got = merge_mod._logits(reloaded, batch)
+    got = merge_mod.logits(reloaded, batch)
     want = _adapter_logits(run_dir, batch)
     mask = batch["attention_mask"].bool()
     assert (got[mask] - want[mask]).abs().max().item() < 1e-4
@@ -93,7 +86,7 @@ def test_qlora_merge_into_original_weights_would_differ(qlora_run):
     naive = PeftModel.from_pretrained(base, str(qlora_run / "adapter")).merge_and_unload()
     want = _adapter_logits(qlora_run, batch)
     mask = batch["attention_mask"].bool()
-    assert (merge_mod._logits(naive, batch)[mask] - want[mask]).abs().max().item() > 1e-3
+    assert (merge_mod.logits(naive, batch)[mask] - want[mask]).abs().max().item() > 1e-3
 
 
 def test_failed_parity_or_crash_leaves_nothing_at_target(lora_run, tmp_path, monkeypatch):
@@ -175,9 +168,9 @@ def test_batched_generation_matches_one_at_a_time(lora_run):
     recipe = recipe_mod.load(lora_run / "recipe.yaml")
     from tunekit import evaluation
 
-    target = evaluation.resolve_target(str(lora_run))
+    target = rundir.resolve_target(str(lora_run))
     tok = models.load_tokenizer(recipe.model, lora_run / "adapter")
-    model = evaluation.load_model(target, torch.float32)
+    model = rundir.load_trained(target, torch.float32)
     prompts = [r.prompt for r in (data_mod.Renderer(recipe.data, tok).render(x)
                                   for x in data_mod.eval_records(recipe.data, 0))]
     batched = evaluation.generate(model, tok, prompts, False, batch_size=8, max_new_tokens=6)

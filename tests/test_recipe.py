@@ -54,7 +54,7 @@ def test_validate_cli_prints_resolved_recipe_and_exits_2_on_error(tmp_path, base
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(path):
     r = recipe_mod.load(path)
-    assert r.output_dir
+    assert r.output_dir == f"runs/{path.stem}"
 
 
 def test_help_is_fast_and_does_not_import_torch():

@@ -80,10 +80,10 @@ def truncate_history(history: Path, step: int) -> None:
     history.write_text("".join(line + "\n" for line in kept))
 
 
-def resume_point(run_dir: Path) -> Path:
-    ckpt_dir = run_dir / "checkpoints"
+def resume_point(ckpt_dir: Path) -> Path:
+    """The newest complete checkpoint in `ckpt_dir`, after removing those a kill left incomplete."""
     if not ckpt_dir.is_dir():
-        raise TunekitError(f"--resume: {run_dir} has no checkpoints/ to resume from; train without --resume")
+        raise TunekitError(f"--resume: {ckpt_dir.parent} has no {ckpt_dir.name}/ to resume from; train without --resume")
     for p in discard_incomplete(ckpt_dir):
         log.warning("removed incomplete checkpoint %s (interrupted while being written)", p.name)
     found = newest_complete(ckpt_dir)

@@ -84,7 +84,6 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_validate(a) -> int:
     from . import recipe as recipe_mod
-
     from .modelinfo import fit_max_length
 
     recipe = fit_max_length(recipe_mod.load(a.recipe, a.overrides))
@@ -92,42 +91,32 @@ def cmd_validate(a) -> int:
     if recipe.training.deepspeed and a.world_size:
         import json
 
-        from . import dsconfig
         from .hardware import resolve_precision
+        from .train import deepspeed_config
 
         precision = resolve_precision(recipe.training.precision)
-        ds = dsconfig.resolve(dsconfig.read(recipe.training.deepspeed), recipe, a.world_size, precision.name,
-                              f"{a.recipe}: training.deepspeed {recipe.training.deepspeed}", _hidden_size(recipe))
-        print(f"# DeepSpeed config for world size {a.world_size}, precision {precision.name} ({precision.reason});")
-        print("# remaining \"auto\" values depend on the model's size and are filled at launch")
+        ds = deepspeed_config(recipe, precision, a.world_size)
+        print(f"# DeepSpeed config for world size {a.world_size}, precision {precision.name} ({precision.reason})")
         print(json.dumps(ds, indent=2))
     return 0
 
 
-def _hidden_size(recipe) -> int | None:
-    import json
+def cmd_train(a) -> int:
     from pathlib import Path
 
-    from .sources import resolve_model
-
-    source = resolve_model(recipe.model.name_or_path)
-    config = Path(source.location) / "config.json"
-    return json.loads(config.read_text()).get("hidden_size") if source.kind == "dir" else None
-
-
-def cmd_train(a) -> int:
     from . import recipe as recipe_mod
+    from .outputs import check_free, check_writable, exclusive, require_dir
 
     recipe = recipe_mod.load(a.recipe, a.overrides)
-    if not a.resume and os.environ.get("RANK", "0") == "0":  # fail fast, before torch is imported
-        from pathlib import Path
-
-        from .rundir import check_free, check_writable, exclusive
-
-        check_writable(Path(recipe.output_dir), "output_dir")
-        with exclusive(Path(recipe.output_dir)):  # a run in progress is named, not reported as "exists"
-            check_free(Path(recipe.output_dir), a.force, "output_dir")
-    from . import distributed, train
+    out = Path(recipe.output_dir)
+    main_process = os.environ.get("RANK", "0") == "0"
+    if a.resume:
+        require_dir(out, "--resume: output_dir")
+    elif main_process:  # fail fast, before torch is imported
+        check_writable(out, "output_dir")
+        with exclusive(out):  # a run in progress is named, not reported as "exists"
+            check_free(out, a.force, "output_dir")
+    from . import distributed, evaluation, train
 
     requested = distributed.accelerate_cpu_request()
     if requested:
@@ -136,7 +125,13 @@ def cmd_train(a) -> int:
             "starting %d CPU processes (gloo) with torch.distributed.run", requested, requested)
         return distributed.relaunch(requested, sys.argv[1:])
 
-    train.run(recipe, force=a.force, resume=a.resume)
+    if not main_process:
+        train.run(recipe, force=a.force, resume=a.resume)
+        return 0
+    with exclusive(out):  # held from training through the end-of-training eval
+        result = train.run(recipe, force=a.force, resume=a.resume)
+        if result.recipe.eval is not None:
+            evaluation.end_of_training(result.recipe, out)
     return 0
 
 

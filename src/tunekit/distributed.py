@@ -16,7 +16,6 @@ import torch
 class Launch:
     world_size: int
     rank: int
-    local_rank: int
     cuda: bool
 
     @property
@@ -28,7 +27,6 @@ def current() -> Launch:
     return Launch(
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
         rank=int(os.environ.get("RANK", 0)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         cuda=torch.cuda.is_available(),
     )
 

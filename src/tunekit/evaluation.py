@@ -7,99 +7,25 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import data as data_mod
-from . import metrics, models, rundir
+from . import metrics, models, outputs
 from .errors import TunekitError
-from .hardware import DTYPES, has_cuda
+from .hardware import DTYPES
 from .recipe import EvalConfig, Recipe
-from .recipe import load as load_recipe
-from .sources import resolve_model
+from .rundir import EVAL_DIR, RunRecord, Target, load_trained, resolve_target
 
 log = logging.getLogger("tunekit")
-
-RUN_MARKER = "run.json"
-MERGED_MARKER = "tunekit.json"
-
-
-@dataclass
-class Target:
-    kind: str  # run | merged | base
-    spec: str
-    recipe: Recipe
-    location: Path | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind}:{Path(self.spec).name if self.kind != 'base' else self.spec}"
-
-
-def resolve_target(spec: str, recipe_path: str | None = None, data: str | None = None) -> Target:
-    path = Path(spec)
-    if path.is_dir() and (path / RUN_MARKER).is_file():
-        info = json.loads((path / RUN_MARKER).read_text())
-        if info.get("status") != "completed":
-            raise TunekitError(f"{spec}: the run did not complete (status {info.get('status')!r}); nothing to evaluate")
-        return Target("run", spec, load_recipe(path / "recipe.yaml"), path)
-    if path.is_dir() and (path / MERGED_MARKER).is_file():
-        return Target("merged", spec, load_recipe(path / "recipe.yaml"), path)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise TunekitError(f"{spec}: neither a run directory ({RUN_MARKER}) nor a merged one ({MERGED_MARKER}) "
-                           "nor a model directory (config.json)")
-    source = resolve_model(spec, "eval target")  # a missing local file or folder is named as such
-    if recipe_path:
-        recipe = load_recipe(recipe_path, [f"model.name_or_path={spec}"])
-    elif data:
-        from .recipe import from_dict
-
-        recipe = from_dict({"model": {"name_or_path": spec}, "data": {"train": data}}, source="eval")
-    elif source.kind == "hub":
-        raise TunekitError(f"{spec}: no such directory here; as a hub model id, a base model needs --recipe RECIPE "
-                           "(for its data and prompt settings) or --data FILE")
-    else:
-        raise TunekitError(f"{spec}: a base model needs --recipe RECIPE (for its data and prompt settings) or --data FILE")
-    return Target("base", spec, recipe)
-
 
 def eval_dtype(requested: str) -> torch.dtype:
     if requested != "auto":
         return DTYPES[requested]
-    if has_cuda():
+    if torch.cuda.is_available():
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32  # on CPU, bf16 generation changes greedy outputs with batch composition
-
-
-def load_model(target: Target, dtype: torch.dtype):
-    """The model as the target defines it: base + adapter (quantized base for QLoRA), full weights,
-    a merged directory, or the base model alone."""
-    recipe = target.recipe
-    if target.kind == "merged":
-        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location)}), dtype)
-    if target.kind == "base":
-        return models.load_base(recipe.model, dtype)
-    from .train import ADAPTER_DIR, MODEL_DIR
-
-    if (target.location / MODEL_DIR).is_dir():
-        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location / MODEL_DIR)}), dtype)
-    info = json.loads((target.location / RUN_MARKER).read_text())
-    quant = None
-    load_dtype = dtype
-    if recipe.quantization is not None:
-        # re-quantize exactly as in training (same load dtype), compute in the eval dtype
-        load_dtype = DTYPES[info["precision"]["name"]]
-        quant = models.quantization_config(recipe, _precision(info))
-        quant.bnb_4bit_compute_dtype = dtype
-    return models.load_adapter_model(recipe.model, target.location / ADAPTER_DIR, load_dtype, quant)
-
-
-def _precision(info: dict):
-    from .hardware import Precision
-
-    return Precision(info["precision"]["name"], info["precision"]["reason"])
 
 
 def records_for(target: Target, data: str | None) -> list[data_mod.Record]:
@@ -183,24 +109,23 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Reco
 
 def default_out(target: Target) -> Path:
     if target.location is not None:
-        return target.location / "eval"
+        return target.location / EVAL_DIR
     return Path("runs") / f"eval-{Path(target.spec).stem.replace('/', '_')}"
 
 
 def evaluate(target: Target, cfg: EvalConfig, data: str | None = None, out: Path | None = None,
              dtype: str = "auto", force: bool = False) -> dict:
     out = out or default_out(target)
-    with rundir.exclusive(out, "eval output"):
-        rundir.check_free(out, force, "eval output")
+    with outputs.exclusive(out, "eval output"):
+        outputs.check_free(out, force, "eval output")
         return _evaluate(target, cfg, data, out, dtype)
 
 
 def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtype: str) -> dict:
     records = records_for(target, data)
     torch_dtype = eval_dtype(dtype)
-    tokenizer = models.load_tokenizer(target.recipe.model,
-                                      target.location / _tokenizer_dir(target) if target.location else None)
-    model = load_model(target, torch_dtype)
+    tokenizer = models.load_tokenizer(target.recipe.model, target.tokenizer_dir)
+    model = load_trained(target, torch_dtype)
     log.info("eval %s: %d examples, batch %d, greedy, max %d new tokens, %s", target.label,
              min(len(records), cfg.limit or len(records)), cfg.batch_size, cfg.max_new_tokens, torch_dtype)
     scores, rows = evaluate_model(model, tokenizer, target.recipe, records, cfg)
@@ -220,20 +145,25 @@ def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtyp
             "exact_match": metrics.SETTINGS["exact_match"],
         },
     }
-    with rundir.atomic_dir(out) as tmp:
-        rundir.write_json(tmp / "metrics.json", result)
+    with outputs.atomic_dir(out) as tmp:
+        outputs.write_json(tmp / "metrics.json", result)
         (tmp / "predictions.jsonl").write_text(
             "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     log.info("eval written to %s", out)
     return result
 
 
-def _tokenizer_dir(target: Target) -> str:
-    from .train import ADAPTER_DIR, MODEL_DIR
-
-    if target.kind == "merged":
-        return "."
-    return ADAPTER_DIR if (target.location / ADAPTER_DIR).is_dir() else MODEL_DIR
+def end_of_training(recipe: Recipe, run_dir: Path) -> dict:
+    """Score a finished run as `tunekit eval RUN_DIR` would, with the recipe's eval settings. eval/
+    appears only once complete, and run.json says it is pending until then, so that `--resume` can
+    finish it."""
+    record = RunRecord.load(run_dir)
+    record.update(run_dir, eval="pending")
+    target = resolve_target(str(run_dir))
+    result = evaluate(target, recipe.eval, out=run_dir / EVAL_DIR, force=True)
+    record.update(run_dir, eval="completed")
+    print(format_table([(target.label, result["scores"])]))
+    return result
 
 
 TABLE_ROWS = [("bleu", "BLEU"), ("chrf", "chrF"), ("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"),

@@ -21,10 +21,6 @@ class Precision:
         return DTYPES[self.name]
 
 
-def has_cuda() -> bool:
-    return torch.cuda.is_available()
-
-
 def cpu_has_bf16() -> bool:
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -33,7 +29,7 @@ def cpu_has_bf16() -> bool:
 
 def resolve_precision(requested: str) -> Precision:
     """Turn the recipe's precision into a concrete one, refusing what the hardware cannot do."""
-    cuda = has_cuda()
+    cuda = torch.cuda.is_available()
     if requested == "auto":
         if cuda:
             if torch.cuda.is_bf16_supported():

@@ -17,13 +17,14 @@ import torch
 from peft import PeftModel
 
 from . import data as data_mod
-from . import models, rundir
+from . import models, outputs
 from .errors import TunekitError
-from .evaluation import MERGED_MARKER, RUN_MARKER, _precision
 from .hardware import DTYPES
+from .modelinfo import model_config
 from .recipe import load as load_recipe
 from .recipe import to_yaml
-from .train import ADAPTER_DIR, MODEL_DIR
+from .rundir import (ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, MODEL_DIR, RECIPE_FILE, RUN_FILE, RunRecord, is_run,
+                     quantization_as_trained)
 
 log = logging.getLogger("tunekit")
 
@@ -39,7 +40,7 @@ class Parity:
                 f"over {self.positions} positions")
 
 
-def _parity_batch(recipe, tokenizer, n: int = 4):
+def parity_batch(recipe, tokenizer, n: int = 4):
     """A few real examples from the run's own data, tokenized as in training."""
     records = data_mod.eval_records(recipe.data, recipe.training.seed) or \
         data_mod.read_records(recipe.data.train, recipe.data.train_split, "data.train")
@@ -53,7 +54,7 @@ def _parity_batch(recipe, tokenizer, n: int = 4):
 
 
 @torch.no_grad()
-def _logits(model, batch) -> torch.Tensor:
+def logits(model, batch) -> torch.Tensor:
     model.eval()
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
 
@@ -66,18 +67,16 @@ def compare(reference: torch.Tensor, merged: torch.Tensor, mask: torch.Tensor) -
                   positions=int(keep.sum()))
 
 
-def _merged_model(recipe, info: dict, adapter_dir: Path, batch) -> tuple[torch.nn.Module, torch.Tensor]:
+def _merged_model(recipe, record: RunRecord, adapter_dir: Path, batch) -> tuple[torch.nn.Module, torch.Tensor]:
     """Return the merged fp32 model and the adapter model's logits on `batch` (the reference)."""
     if recipe.quantization is None:
         model = models.load_adapter_model(recipe.model, adapter_dir, torch.float32)
-        reference = _logits(model, batch)
+        reference = logits(model, batch)
         return model.merge_and_unload(), reference
     # Same load dtype as training so that the 4-bit codes and scales are the ones trained against.
-    load_dtype = DTYPES[info["precision"]["name"]]
-    quant = models.quantization_config(recipe, _precision(info))
-    quant.bnb_4bit_compute_dtype = torch.float32
+    load_dtype, quant = quantization_as_trained(recipe, record, torch.float32)
     adapter_model = models.load_adapter_model(recipe.model, adapter_dir, load_dtype, quant)
-    reference = _logits(adapter_model, batch)
+    reference = logits(adapter_model, batch)
     del adapter_model
     base = models.load_base(recipe.model, load_dtype, quant)
     for module in base.modules():  # dequantize straight to fp32, without rounding to the load dtype
@@ -90,10 +89,7 @@ def _merged_model(recipe, info: dict, adapter_dir: Path, batch) -> tuple[torch.n
 
 
 def _default_dtype(recipe) -> str:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(models.materialize(recipe.model.name_or_path),
-                                     trust_remote_code=recipe.model.trust_remote_code)
+    cfg = model_config(recipe.model)
     dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     names = {v: k for k, v in DTYPES.items()}
     if isinstance(dtype, str):
@@ -103,7 +99,7 @@ def _default_dtype(recipe) -> str:
 
 def model_card(recipe, run_dir: Path, parity: Parity, dtype: str) -> str:
     scores = ""
-    metrics_file = run_dir / "eval" / "metrics.json"
+    metrics_file = run_dir / EVAL_DIR / "metrics.json"
     if metrics_file.is_file():
         result = json.loads(metrics_file.read_text())
         rows = [f"| {k} | {v:.2f} |" for k, v in result["scores"].items() if isinstance(v, float)]
@@ -119,45 +115,45 @@ def model_card(recipe, run_dir: Path, parity: Parity, dtype: str) -> str:
 
 def merge(run_dir: Path, out: Path | None = None, dtype: str | None = None, force: bool = False,
           tolerance: float = 1e-3) -> Path:
-    run_dir = rundir.require_dir(Path(run_dir), "run directory")
-    info_file = run_dir / RUN_MARKER
-    if not info_file.is_file():
-        raise TunekitError(f"{run_dir}: not a tunekit run directory (no {RUN_MARKER})")
-    info = json.loads(info_file.read_text())
+    run_dir = outputs.require_dir(Path(run_dir), "run directory")
+    if not is_run(run_dir):
+        raise TunekitError(f"{run_dir}: not a tunekit run directory (no {RUN_FILE})")
+    record = RunRecord.load(run_dir)
     if (run_dir / MODEL_DIR).is_dir():
         raise TunekitError(f"{run_dir}: a full fine-tuning run; its weights in {MODEL_DIR}/ are already merged")
     adapter_dir = run_dir / ADAPTER_DIR
-    if info.get("status") != "completed" or not adapter_dir.is_dir():
+    if record.status != "completed" or not adapter_dir.is_dir():
         raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
     out = Path(out) if out else run_dir / "merged"
-    with rundir.exclusive(out, "merge output"):
-        rundir.check_free(out, force, "merge output")
-        return _merge(run_dir, info, adapter_dir, out, dtype, tolerance)
+    with outputs.exclusive(out, "merge output"):
+        outputs.check_free(out, force, "merge output")
+        return _merge(run_dir, record, adapter_dir, out, dtype, tolerance)
 
 
-def _merge(run_dir: Path, info: dict, adapter_dir: Path, out: Path, dtype: str | None, tolerance: float) -> Path:
-    recipe = load_recipe(run_dir / "recipe.yaml")
+def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype: str | None,
+           tolerance: float) -> Path:
+    recipe = load_recipe(run_dir / RECIPE_FILE)
     dtype = dtype or _default_dtype(recipe)
 
     tokenizer = models.load_tokenizer(recipe.model, adapter_dir)
-    batch = _parity_batch(recipe, tokenizer)
+    batch = parity_batch(recipe, tokenizer)
     log.info("merging %s adapter into %s in fp32", recipe.adapter, recipe.model.name_or_path)
-    merged, reference = _merged_model(recipe, info, adapter_dir, batch)
-    parity = compare(reference, _logits(merged, batch), batch["attention_mask"])
+    merged, reference = _merged_model(recipe, record, adapter_dir, batch)
+    parity = compare(reference, logits(merged, batch), batch["attention_mask"])
     log.info(parity.line())
     if not parity.max_abs_diff <= tolerance:
         raise TunekitError(f"merge refused: {parity.line()} exceeds tolerance {tolerance:g}; nothing written to {out}")
 
     merged = merged.to(DTYPES[dtype])
     merged.config.use_cache = True
-    with rundir.atomic_dir(out) as tmp:
+    with outputs.atomic_dir(out) as tmp:
         merged.save_pretrained(tmp, max_shard_size="2GB")
         tokenizer.padding_side = "left"
         tokenizer.save_pretrained(tmp)
-        shutil.copy(run_dir / "recipe.yaml", tmp / "recipe.yaml")
-        rundir.write_json(tmp / MERGED_MARKER, {
+        shutil.copy(run_dir / RECIPE_FILE, tmp / RECIPE_FILE)
+        outputs.write_json(tmp / MERGED_MARKER, {
             "source_run": str(run_dir.resolve()), "base_model": recipe.model.name_or_path, "adapter": recipe.adapter,
-            "dtype": dtype, "parity": vars(parity), "tolerance": tolerance, "versions": rundir.versions(),
+            "dtype": dtype, "parity": vars(parity), "tolerance": tolerance, "versions": outputs.versions(),
         })
         (tmp / "README.md").write_text(model_card(recipe, run_dir, parity, dtype), encoding="utf-8")
     log.info("merged model written to %s (%s)", out, dtype)

@@ -71,7 +71,6 @@ BUILTIN = {"bleu": bleu, "chrf": chrf, "rouge": rouge, "exact_match": exact_matc
 SETTINGS = {
     "rouge": "F-measure x100, mean over examples; Unicode-aware tokenizer (NFKC, lower-case, CJK per character), no stemming",
     "exact_match": "x100, after NFKC and whitespace normalisation",
-    "bleu": "sacreBLEU corpus BLEU; tokenizer 13a, or zh when references contain CJK",
 }
 
 

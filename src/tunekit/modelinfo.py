@@ -1,11 +1,11 @@
-"""What a model's own files say about it (architecture config, context window), read without
-loading any weights: config.json of a directory, the header of a GGUF file, or a hub config."""
+"""What a model's own files say about it (its transformers config, its context window), read
+without loading any weights: config.json of a directory or the Hub, or the header of a GGUF file."""
 
 from __future__ import annotations
 
-import json
+import copy
+import functools
 import logging
-from pathlib import Path
 
 from .errors import TunekitError
 from .recipe import ModelConfig, Recipe
@@ -17,40 +17,36 @@ log = logging.getLogger("tunekit")
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
-def _hub_config(cfg: ModelConfig) -> dict | None:
-    """config.json of a hub model, from the local cache or the Hub; None when neither has it."""
-    from huggingface_hub import constants
-    from transformers.utils import cached_file
-
-    try:
-        path = cached_file(cfg.name_or_path, "config.json", revision=cfg.revision,
-                           local_files_only=constants.HF_HUB_OFFLINE, _raise_exceptions_for_missing_entries=False)
-    except (OSError, ValueError):
-        return None
-    return json.loads(Path(path).read_text()) if path else None
+def model_config(cfg: ModelConfig):
+    """The model's transformers config, without weights: config.json of a directory or the Hub, or
+    the metadata of a GGUF file (read from its header, no conversion). Raises OSError/ValueError when
+    a hub model's config cannot be reached. Read once per process; each caller gets its own copy."""
+    return copy.deepcopy(_read_config(cfg))
 
 
-def _gguf_context(path: Path) -> int | None:
-    from gguf import GGUFReader
+@functools.lru_cache(maxsize=8)
+def _read_config(cfg: ModelConfig):
+    from transformers import AutoConfig
 
-    reader = GGUFReader(str(path))
-    arch = reader.fields.get("general.architecture")
-    field = reader.fields.get(f"{arch.contents()}.context_length") if arch is not None else None
-    return int(field.contents()) if field is not None else None
+    source = resolve_model(cfg.name_or_path)
+    if source.kind == "gguf":
+        from transformers import CONFIG_MAPPING
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        header = dict(load_gguf_checkpoint(source.location, return_tensors=False)["config"])
+        header.pop("_model_name_or_path", None)
+        return CONFIG_MAPPING[header.pop("model_type")](**header)
+    return AutoConfig.from_pretrained(source.location, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
 
 
 def context_window(cfg: ModelConfig) -> tuple[int, str] | None:
     """(tokens, where it was read) for the model, or None when its config cannot be reached."""
-    source = resolve_model(cfg.name_or_path)
-    if source.kind == "gguf":
-        n = _gguf_context(Path(source.location))
-        return (n, f"context_length in the GGUF header of {Path(source.location).name}") if n else None
-    config = (json.loads((Path(source.location) / "config.json").read_text()) if source.kind == "dir"
-              else _hub_config(cfg))
-    if not config:
+    try:
+        config = model_config(cfg)
+    except (OSError, ValueError):
         return None
     for key in CONTEXT_KEYS:
-        value = config.get(key)
+        value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value, f"{key} in the config of {cfg.name_or_path}"
     return None

@@ -73,20 +73,12 @@ class Plan:
 
 def meta_model(recipe: Recipe):
     """The model's config and the model (with its adapter) built on the meta device: no weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from .modelinfo import model_config
     from .models import lora_config
-    from .sources import resolve_model
 
-    source = resolve_model(recipe.model.name_or_path)
-    if source.kind == "gguf":  # the config from the GGUF header, no tensors
-        from pathlib import Path
-
-        path = Path(source.location)
-        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    else:
-        cfg = AutoConfig.from_pretrained(source.location, revision=recipe.model.revision,
-                                         trust_remote_code=recipe.model.trust_remote_code)
+    cfg = model_config(recipe.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.model.trust_remote_code)
     peft_cfg = lora_config(recipe)

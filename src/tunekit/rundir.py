@@ -1,161 +1,185 @@
-"""Output directories: refuse to overwrite without --force, write finished outputs atomically,
-and record what produced them."""
+"""The run directory that `tunekit train` writes, in one place: its layout, the typed record kept in
+run.json (written only by `RunRecord.save`), when a run may be resumed, what a path given to eval or
+merge is (a run, a merged model, a base model), and the model as it was trained."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
+import dataclasses
 import json
-import os
-import platform
-import shutil
-import sys
-import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
+import torch
+
+from . import checkpoints, models, outputs
 from .errors import TunekitError
+from .hardware import DTYPES, Precision
+from .recipe import Recipe, to_yaml
+from .recipe import load as load_recipe
+from .sources import resolve_model
 
-LIBRARIES = ("tunekit", "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "deepspeed",
-             "safetensors", "sacrebleu", "rouge-score")
-
-
-def require_dir(path: Path, what: str) -> Path:
-    """`path` must be an existing directory; say which of the two it is not."""
-    if not path.exists():
-        raise TunekitError(f"{what} {path}: no such directory")
-    if not path.is_dir():
-        raise TunekitError(f"{what} {path}: is a file, not a directory")
-    return path
-
-
-def _occupied(path: Path) -> bool:
-    return path.exists() and (path.is_file() or any(path.iterdir()))
+RUN_FILE = "run.json"
+RECIPE_FILE = "recipe.yaml"
+ADAPTER_DIR = "adapter"  # LoRA / QLoRA runs
+MODEL_DIR = "model"  # full fine-tuning runs
+EVAL_DIR = "eval"  # end-of-training eval: metrics.json, predictions.jsonl
+CHECKPOINTS_DIR = "checkpoints"
+HISTORY_FILE = "loss_history.jsonl"
+DEEPSPEED_FILE = "deepspeed.json"
+MERGED_MARKER = "tunekit.json"  # in a directory written by `tunekit merge`
 
 
-def check_free(path: Path, force: bool, what: str = "output directory") -> None:
-    """Fail if `path` cannot be written or holds anything and --force was not given; touch nothing."""
-    check_writable(path, what)
-    if _occupied(path) and not force:
-        raise TunekitError(f"{what} {path} already exists; pass --force to overwrite it or choose another path")
+@dataclass
+class RunRecord:
+    """What run.json says about a run. Unknown keys in an older or newer file are ignored."""
+
+    status: str  # running | completed | failed
+    started: str
+    command: list[str]
+    versions: dict[str, str]
+    precision: dict[str, str]  # name, reason
+    adapter: str
+    base_model: str
+    parameters: dict[str, int]  # total, trainable
+    world_size: int
+    effective_batch: int
+    data: dict
+    resumed_from: str | None = None
+    finished: str | None = None
+    global_step: int | None = None
+    train_loss: float | None = None
+    first_logged_loss: float | None = None
+    last_logged_loss: float | None = None
+    eval_loss: float | None = None
+    output: str | None = None  # ADAPTER_DIR or MODEL_DIR once complete
+    throughput: dict = field(default_factory=dict)
+    peak_memory_gb: dict = field(default_factory=dict)
+    error: str | None = None
+    failed_at_step: int | None = None
+    eval: str | None = None  # pending | completed, for runs whose recipe has an eval section
+
+    def save(self, run_dir: Path) -> None:
+        outputs.write_json(run_dir / RUN_FILE, dataclasses.asdict(self))
+
+    def update(self, run_dir: Path, **changes) -> None:
+        for key, value in changes.items():
+            if not hasattr(self, key):
+                raise AttributeError(f"RunRecord has no field {key!r}")
+            setattr(self, key, value)
+        self.save(run_dir)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunRecord":
+        raw = json.loads((run_dir / RUN_FILE).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    @property
+    def trained_precision(self) -> Precision:
+        return Precision(self.precision["name"], self.precision["reason"])
 
 
-def check_writable(path: Path, what: str = "output directory") -> None:
-    """Fail if `path` could not be created or written: its nearest existing ancestor must be a writable directory."""
-    existing = next(p for p in [path, *path.parents] if p.exists())
-    if not existing.is_dir():
-        raise TunekitError(f"{what} {path}: {existing} is a file, not a directory; choose another path")
-    try:  # access() says yes to root even on read-only file systems: try for real
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise TunekitError(f"{what} {path}: {existing} is not writable ({e.strerror}); choose another path") from None
+def is_run(path: Path) -> bool:
+    return path.is_dir() and (path / RUN_FILE).is_file()
 
 
-def claim(path: Path, force: bool, what: str = "output directory") -> None:
-    """Fail if `path` holds anything, unless --force was given (then it is cleared)."""
-    check_free(path, force, what)
-    if _occupied(path):
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+def weights_dir(run_dir: Path) -> Path:
+    """adapter/ of a LoRA or QLoRA run, model/ of a full fine-tuning run."""
+    return run_dir / (MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else ADAPTER_DIR)
 
 
-@contextlib.contextmanager
-def atomic_dir(target: Path) -> Iterator[Path]:
-    """Yield a temporary directory beside `target`; rename it into place only on success. Holding
-    `target`'s lock, it first removes partial directories that killed writers left behind."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive(target, "output"):
-        for stale in target.parent.glob(f".{target.name}.partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-        try:
-            yield tmp
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+# ---------------------------------------------------------------- resume
 
 
-_held: dict[Path, int] = {}  # lock file -> open descriptor, for the locks this process holds
+def check_resume(recipe: Recipe, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None when training finished and only the end-of-training
+    eval is left (a run stopped during it). The recipe must be the one the run started with."""
+    outputs.require_dir(run_dir, "--resume: output_dir")
+    saved = run_dir / RECIPE_FILE
+    if not saved.is_file() or not (run_dir / RUN_FILE).is_file():
+        raise TunekitError(f"--resume: {run_dir} is not a tunekit run directory; train without --resume")
+    if saved.read_text(encoding="utf-8") != to_yaml(recipe):
+        raise TunekitError(f"--resume: the recipe differs from {saved}, the one this run started with; "
+                           "resume with the same recipe and overrides")
+    if RunRecord.load(run_dir).status == "completed":
+        if eval_pending(recipe, run_dir):
+            return None
+        raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
+    return checkpoints.resume_point(run_dir / CHECKPOINTS_DIR)
 
 
-def lock_path(output_dir: Path) -> Path:
-    """Beside the directory, not in it: --force clears the directory while the lock must stay put."""
-    return output_dir.parent / f".{output_dir.name}.lock"
+def eval_pending(recipe: Recipe, run_dir: Path) -> bool:
+    return recipe.eval is not None and not (run_dir / EVAL_DIR / "metrics.json").is_file()
 
 
-@contextlib.contextmanager
-def exclusive(output_dir: Path, what: str = "output_dir") -> Iterator[None]:
-    """Hold `output_dir` for this process: a second tunekit process on it is refused at once, naming
-    the holder's pid. The kernel drops an flock when its holder dies, so a lock file left by a killed
-    run is stale by construction and is taken over (and said so). Re-entrant within one process."""
-    path = lock_path(Path(output_dir).absolute())
-    if path in _held:
-        yield
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, stale = _acquire(path, output_dir, what)
-    except OSError as e:
-        raise TunekitError(f"{what} {output_dir}: cannot create its lock file {path} ({e.strerror}); "
-                           "choose another path") from None
-    if stale:
-        import logging
-
-        logging.getLogger("tunekit").info("took over a stale lock on %s (%s, no longer running)", output_dir, stale)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}: {' '.join(command_line())}".encode(), 0)
-    _held[path] = fd
-    try:
-        yield
-    finally:
-        del _held[path]
-        path.unlink(missing_ok=True)  # before unlocking: a process that opened it meanwhile retries
-        os.close(fd)
+# ---------------------------------------------------------------- targets for eval and merge
 
 
-def _acquire(path: Path, output_dir: Path, what: str) -> tuple[int, str]:
-    import fcntl
+@dataclass
+class Target:
+    kind: str  # run | merged | base
+    spec: str
+    recipe: Recipe
+    location: Path | None = None
 
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "pid unknown"
-            os.close(fd)
-            raise TunekitError(f"{what} {output_dir} is in use by another tunekit process ({holder}); wait for it "
-                               "to finish or stop it, or choose another output_dir") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:  # else the holder unlinked it between our open and our lock: try the new file
-            return fd, os.pread(fd, 300, 0).decode(errors="replace").strip()
-        os.close(fd)
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{Path(self.spec).name if self.kind != 'base' else self.spec}"
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        if self.location is None:
+            return None
+        return self.location if self.kind == "merged" else weights_dir(self.location)
 
 
-def write_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+def resolve_target(spec: str, recipe_path: str | None = None, data: str | None = None) -> Target:
+    path = Path(spec)
+    if is_run(path):
+        record = RunRecord.load(path)
+        if record.status != "completed":
+            raise TunekitError(f"{spec}: the run did not complete (status {record.status!r}); nothing to evaluate")
+        return Target("run", spec, load_recipe(path / RECIPE_FILE), path)
+    if path.is_dir() and (path / MERGED_MARKER).is_file():
+        return Target("merged", spec, load_recipe(path / RECIPE_FILE), path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise TunekitError(f"{spec}: neither a run directory ({RUN_FILE}) nor a merged one ({MERGED_MARKER}) "
+                           "nor a model directory (config.json)")
+    source = resolve_model(spec, "eval target")  # a missing local file or folder is named as such
+    if recipe_path:
+        recipe = load_recipe(recipe_path, [f"model.name_or_path={spec}"])
+    elif data:
+        from .recipe import from_dict
+
+        recipe = from_dict({"model": {"name_or_path": spec}, "data": {"train": data}}, source="eval")
+    elif source.kind == "hub":
+        raise TunekitError(f"{spec}: no such directory here; as a hub model id, a base model needs --recipe RECIPE "
+                           "(for its data and prompt settings) or --data FILE")
+    else:
+        raise TunekitError(f"{spec}: a base model needs --recipe RECIPE (for its data and prompt settings) or --data FILE")
+    return Target("base", spec, recipe)
 
 
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+def quantization_as_trained(recipe: Recipe, record: RunRecord, compute: torch.dtype):
+    """(load dtype, bitsandbytes config) that re-quantize the base exactly as in training (the same
+    load dtype gives the same 4-bit codes and scales), computing in `compute`."""
+    quant = models.quantization_config(recipe, record.trained_precision)
+    quant.bnb_4bit_compute_dtype = compute
+    return DTYPES[record.precision["name"]], quant
 
 
-def command_line() -> list[str]:
-    program = "python -m tunekit" if sys.argv[0].endswith("__main__.py") else Path(sys.argv[0]).name
-    return [program, *sys.argv[1:]]
+def load_trained(target: Target, dtype: torch.dtype):
+    """The model as the target defines it: base + adapter (quantized base for QLoRA), full weights,
+    a merged directory, or the base model alone."""
+    recipe = target.recipe
+    if target.kind == "merged":
+        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location)}), dtype)
+    if target.kind == "base":
+        return models.load_base(recipe.model, dtype)
+    weights = weights_dir(target.location)
+    if weights.name == MODEL_DIR:
+        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(weights)}), dtype)
+    if recipe.quantization is None:
+        return models.load_adapter_model(recipe.model, weights, dtype)
+    load_dtype, quant = quantization_as_trained(recipe, RunRecord.load(target.location), dtype)
+    return models.load_adapter_model(recipe.model, weights, load_dtype, quant)

@@ -16,8 +16,6 @@ class ModelSource:
     kind: Literal["hub", "dir", "gguf"]
     location: str  # hub id, directory, or GGUF file path
 
-    def describe(self) -> str:
-        return f"{self.kind}:{self.location}"
 
 
 def _package_file(spec: str) -> Path | None:

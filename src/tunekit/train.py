@@ -16,17 +16,16 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
-from . import checkpoints, distributed, dsconfig, modelinfo, models, preflight, rundir
+from . import checkpoints, distributed, dsconfig, modelinfo, models, outputs, preflight, rundir
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
+from .rundir import (ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, MODEL_DIR, RECIPE_FILE,
+                     RunRecord)
 from .trainer import SafeStateTrainer
 
 log = logging.getLogger("tunekit")
 
-ADAPTER_DIR = "adapter"  # LoRA / QLoRA runs
-MODEL_DIR = "model"  # full fine-tuning runs
-EVAL_DIR = "eval"  # end-of-training eval: metrics.json, predictions.jsonl
 
 
 class LossHistory(TrainerCallback):
@@ -45,17 +44,14 @@ def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int) -> d
     """The recipe's DeepSpeed JSON with every "auto" that the recipe decides filled in."""
     if recipe.training.deepspeed is None:
         return None
-    from transformers import AutoConfig
-
-    model_cfg = AutoConfig.from_pretrained(models.materialize(recipe.model.name_or_path),
-                                           trust_remote_code=recipe.model.trust_remote_code)
-    hidden = getattr(model_cfg, "hidden_size", None)
+    hidden = getattr(modelinfo.model_config(recipe.model), "hidden_size", None)
     return dsconfig.resolve(dsconfig.read(recipe.training.deepspeed), recipe, world_size, precision.name,
                             f"training.deepspeed {recipe.training.deepspeed}", hidden)
 
 
 def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_eval: bool,
-                       ds: dict | None = None) -> TrainingArguments:
+                       ds: dict | None = None, process_group: dict | None = None) -> TrainingArguments:
+    """The Trainer's arguments for the recipe; `process_group` holds what `distributed.prepare` set up."""
     t = recipe.training
     if t.save_steps:
         save = {"save_strategy": "steps", "save_steps": t.save_steps}
@@ -72,7 +68,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
     else:
         evaluation = {"eval_strategy": "epoch"}
     return TrainingArguments(
-        output_dir=str(run_dir / "checkpoints"),
+        output_dir=str(run_dir / CHECKPOINTS_DIR),
         per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -100,7 +96,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         train_sampling_strategy="group_by_length" if t.group_by_length else "random",
         **save,
         **evaluation,
-        **distributed.prepare(deepspeed=ds is not None),
+        **(process_group or {}),
     )
 
 
@@ -119,78 +115,48 @@ def peak_memory_gb() -> dict:
 @dataclass
 class TrainResult:
     run_dir: Path
-    trainer: Trainer | None  # None when --resume only finished the end-of-training eval
+    recipe: Recipe  # as trained (data.max_length fitted to the model)
+    trainer: Trainer | None  # None when --resume found only the end-of-training eval left
 
 
-def _check_resume(recipe: Recipe, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from, or None when training finished and only the end-of-training
-    eval is left (a run stopped during it). The recipe must be the one the run started with."""
-    rundir.require_dir(run_dir, "--resume: output_dir")
-    saved = run_dir / "recipe.yaml"
-    info_file = run_dir / "run.json"
-    if not saved.is_file() or not info_file.is_file():
-        raise TunekitError(f"--resume: {run_dir} is not a tunekit run directory; train without --resume")
-    if saved.read_text(encoding="utf-8") != to_yaml(recipe):
-        raise TunekitError(f"--resume: the recipe differs from {saved}, the one this run started with; "
-                           "resume with the same recipe and overrides")
-    if json.loads(info_file.read_text()).get("status") == "completed":
-        if recipe.eval is not None and not (run_dir / EVAL_DIR / "metrics.json").is_file():
-            return None
-        raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
-    return checkpoints.resume_point(run_dir)
+@dataclass
+class Prepared:
+    """Everything `fit` needs, built by `prepare` before any weights are trained."""
 
-
-FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-
-
-def _out_of_space(e: BaseException) -> str | None:
-    """The reason, when `e` says the disk (or the file-size limit) is full. safetensors reports I/O
-    errors as SafetensorError("... (os error 28)"), not as OSError, so its text is read too."""
-    if isinstance(e, OSError) and e.errno in FULL:
-        return e.strerror
-    found = re.search(r"os error (\d+)", str(e))
-    if found and int(found.group(1)) in FULL:
-        return os.strerror(int(found.group(1)))
-    return None
+    recipe: Recipe
+    run_dir: Path
+    launch: distributed.Launch
+    resume_from: Path | None
+    trainer: Trainer
+    collate: data_mod.CountingCollator
+    record: RunRecord
 
 
 def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResult:
-    """Train the recipe into its run directory (or continue it from its newest complete checkpoint),
-    then run its end-of-training eval. The main process holds the run directory throughout."""
+    """Train the recipe into its run directory, or continue it from its newest complete checkpoint.
+    The main process holds the run directory throughout. The end-of-training eval is the command's
+    next step (`evaluation.end_of_training`), not part of training."""
     run_dir = Path(recipe.output_dir)
     launch = distributed.current()
     if resume:
-        rundir.require_dir(run_dir, "--resume: output_dir")  # before the lock, which would create its parent
+        outputs.require_dir(run_dir, "--resume: output_dir")  # before the lock, which would create its parent
     recipe = modelinfo.fit_max_length(recipe)
-    with rundir.exclusive(run_dir) if launch.is_main else contextlib.nullcontext():
-        resume_from = _check_resume(recipe, run_dir) if resume else None
+    with outputs.exclusive(run_dir) if launch.is_main else contextlib.nullcontext():
+        resume_from = rundir.check_resume(recipe, run_dir) if resume else None
         if resume and resume_from is None:
-            log.info("training in %s completed before; running its end-of-training eval", run_dir)
-            trainer = None
-        else:
-            trainer = _train(recipe, run_dir, launch, force, resume_from)
-        if launch.is_main and recipe.eval is not None:
-            end_of_training_eval(recipe, run_dir)
-    return TrainResult(run_dir, trainer)
+            log.info("training in %s completed before; only its end-of-training eval is left", run_dir)
+            return TrainResult(run_dir, recipe, None)
+        prepared = prepare(recipe, run_dir, launch, force, resume_from)
+        result = fit(prepared)
+        finalize(prepared, result)
+    return TrainResult(run_dir, recipe, prepared.trainer)
 
 
-def end_of_training_eval(recipe: Recipe, run_dir: Path) -> None:
-    """Score the finished run as `tunekit eval RUN_DIR` would; eval/ appears only once complete, and
-    run.json says whether it is pending, so that --resume can finish it."""
-    from . import evaluation
-
-    info_file = run_dir / "run.json"
-    rundir.write_json(info_file, {**json.loads(info_file.read_text()), "eval": "pending"})
-    target = evaluation.resolve_target(str(run_dir))
-    scores = evaluation.evaluate(target, recipe.eval, out=run_dir / EVAL_DIR, force=True)["scores"]
-    rundir.write_json(info_file, {**json.loads(info_file.read_text()), "eval": "completed"})
-    print(evaluation.format_table([(target.label, scores)]))
-
-
-def _train(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bool,
-           resume_from: Path | None) -> Trainer:
+def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bool,
+            resume_from: Path | None) -> Prepared:
+    """Data, output directory, process group, model and Trainer; writes recipe.yaml and run.json."""
     if resume_from is None:
-        rundir.check_free(run_dir, force, "output_dir")
+        outputs.check_free(run_dir, force, "output_dir")
     precision = resolve_precision(recipe.training.precision)
     log.info("precision: %s (%s)", precision.name, precision.reason)
     ds = deepspeed_config(recipe, precision, launch.world_size)
@@ -207,13 +173,14 @@ def _train(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: boo
              "padded batches" + (", grouped by length" if recipe.training.group_by_length else ""))
     if launch.is_main:
         if resume_from is None:
-            rundir.claim(run_dir, force, "output_dir")
+            outputs.claim(run_dir, force, "output_dir")
             preflight.warn_if_disk_short(recipe, run_dir)
         else:
             log.info("resuming from %s", resume_from.name)
-            checkpoints.truncate_history(run_dir / "loss_history.jsonl", checkpoints.step_of(resume_from))
+            checkpoints.truncate_history(run_dir / HISTORY_FILE, checkpoints.step_of(resume_from))
 
-    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds)
+    process_group = distributed.prepare(deepspeed=ds is not None)  # may create the process group
+    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
     model = models.load_for_training(recipe, precision)
     total, trainable = models.count_parameters(model)
@@ -223,27 +190,21 @@ def _train(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: boo
     log.info("batch: world size %d x micro-batch %d x accumulation %d = %d examples per optimizer step",
              args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps, effective)
 
-    info = {
-        "status": "running",
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": rundir.command_line(),
-        "versions": rundir.versions(),
-        "precision": {"name": precision.name, "reason": precision.reason},
-        "adapter": recipe.adapter,
-        "base_model": recipe.model.name_or_path,
-        "parameters": {"total": total, "trainable": trainable},
-        "world_size": args.world_size,
-        "effective_batch": effective,
-        "resumed_from": resume_from.name if resume_from else None,
-        "data": {"template": bundle.template, "train": vars(bundle.train_stats),
-                 "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
-    }
+    record = RunRecord(
+        status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=outputs.command_line(),
+        versions=outputs.versions(), precision={"name": precision.name, "reason": precision.reason},
+        adapter=recipe.adapter, base_model=recipe.model.name_or_path,
+        parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
+        resumed_from=resume_from.name if resume_from else None,
+        data={"template": bundle.template, "train": vars(bundle.train_stats),
+              "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
+    )
     if launch.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(to_yaml(recipe), encoding="utf-8")
+        (run_dir / RECIPE_FILE).write_text(to_yaml(recipe), encoding="utf-8")
         if ds is not None:
-            rundir.write_json(run_dir / "deepspeed.json", ds)
-        rundir.write_json(run_dir / "run.json", info)
+            outputs.write_json(run_dir / DEEPSPEED_FILE, ds)
+        record.save(run_dir)
 
     collate = data_mod.CountingCollator(data_mod.collator(tokenizer, recipe.data.packing,
                                                           recipe.model.attn_implementation == "flash_attention_2"))
@@ -254,62 +215,86 @@ def _train(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: boo
         eval_dataset=bundle.eval,
         data_collator=collate,
         processing_class=tokenizer,
-        callbacks=[LossHistory(run_dir / "loss_history.jsonl"), checkpoints.MarkComplete(),
-                   checkpoints.StopOnNonFinite()],
+        callbacks=[LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()],
     )
+    return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _out_of_space(e: BaseException) -> str | None:
+    """The reason, when `e` says the disk (or the file-size limit) is full. safetensors reports I/O
+    errors as SafetensorError("... (os error 28)"), not as OSError, so its text is read too."""
+    if isinstance(e, OSError) and e.errno in FULL:
+        return e.strerror
+    found = re.search(r"os error (\d+)", str(e))
+    if found and int(found.group(1)) in FULL:
+        return os.strerror(int(found.group(1)))
+    return None
+
+
+def fit(p: Prepared):
+    """The Trainer's loop; a failure is recorded in run.json, and a full disk becomes one line."""
+    trainer = p.trainer
     try:
-        result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        return trainer.train(resume_from_checkpoint=str(p.resume_from) if p.resume_from else None)
     except BaseException as e:
         for callback in trainer.callback_handler.callbacks:  # close the progress bar before the error line
             bar = getattr(callback, "training_bar", None)
             if bar is not None:
                 bar.close()
-        if launch.is_main:
-            info.update(status="failed", error=str(e).splitlines()[0] if str(e) else type(e).__name__,
-                        failed_at_step=trainer.state.global_step)
+        if p.launch.is_main:
+            p.record.status = "failed"
+            p.record.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            p.record.failed_at_step = trainer.state.global_step
             with contextlib.suppress(OSError):  # the disk may be full
-                rundir.write_json(run_dir / "run.json", info)
+                p.record.save(p.run_dir)
         reason = _out_of_space(e)
         if reason:
-            last = checkpoints.newest_complete(run_dir / "checkpoints")
+            last = checkpoints.newest_complete(p.run_dir / CHECKPOINTS_DIR)
             raise TunekitError(
-                f"out of disk space in {run_dir} at step {trainer.state.global_step} ({reason}); free space, then "
+                f"out of disk space in {p.run_dir} at step {trainer.state.global_step} ({reason}); free space, then "
                 f"add --resume to continue from {last.name if last else 'the start (no checkpoint was complete)'}"
             ) from None
         raise
 
-    final = run_dir / (ADAPTER_DIR if recipe.adapter != "none" else MODEL_DIR)
+
+def finalize(p: Prepared, result) -> None:
+    """The final adapter or model, renamed into place once complete, and the completed run.json."""
+    trainer, run_dir = p.trainer, p.run_dir
+    final = run_dir / (ADAPTER_DIR if p.recipe.adapter != "none" else MODEL_DIR)
     # save_model gathers ZeRO-3 shards and must run on every rank; only rank 0 writes files.
     tmp = run_dir / f".{final.name}.partial"
-    if launch.is_main and tmp.exists():
+    if p.launch.is_main and tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed while saving
     trainer.save_model(str(tmp))
-    if launch.is_main:
+    if p.launch.is_main:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        info.update(
+        history = trainer.state.log_history
+        losses = [h["loss"] for h in history if "loss" in h]
+        runtime = result.metrics.get("train_runtime")
+        p.record.update(
+            run_dir,
             status="completed",
             finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             global_step=trainer.state.global_step,
             train_loss=result.training_loss,
             first_logged_loss=losses[0] if losses else None,
             last_logged_loss=losses[-1] if losses else None,
-            eval_loss=next((h["eval_loss"] for h in reversed(trainer.state.log_history) if "eval_loss" in h), None),
+            eval_loss=next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None),
             output=final.name,
             throughput={
-                "train_runtime_s": result.metrics.get("train_runtime"),
-                "tokens_real": collate.real,
-                "tokens_computed": collate.computed,
-                "padding_fraction": collate.padding_fraction,
-                "real_tokens_per_s": collate.real / result.metrics["train_runtime"]
-                if result.metrics.get("train_runtime") else None,
+                "train_runtime_s": runtime,
+                "tokens_real": p.collate.real,
+                "tokens_computed": p.collate.computed,
+                "padding_fraction": p.collate.padding_fraction,
+                "real_tokens_per_s": p.collate.real / runtime if runtime else None,
                 "note": "this process's batches, eval passes during training included",
             },
             peak_memory_gb=peak_memory_gb(),
         )
-        rundir.write_json(run_dir / "run.json", info)
         log.info("run directory: %s (%s/)", run_dir, final.name)
     distributed.finish()
-    return trainer

@@ -1,0 +1,54 @@
+"""A tiny random Llama and a small byte-level BPE tokenizer with a ChatML template, built locally in
+seconds: what the tests and benchmarks train when they need a model but not a pretrained one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Translate to French: good morning. Bonjour.",
+    "Reverse the word: cat -> tac. Reverse the word: dog -> god.",
+    "café straße naïve façade 東京 北京 上海",
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:\n### Input:\n### Response:\n",
+    "0 1 2 3 4 5 6 7 8 9 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+]
+
+
+def build_tokenizer(path: Path):
+    """Train a 400-token byte-level BPE on a fixed corpus and save it to `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|pad|>", "<|bos|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_model(path: Path, tokenizer, seed: int = 0) -> None:
+    """Save a 2-layer, 64-wide random Llama (512-token context) and `tokenizer` to `path`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
