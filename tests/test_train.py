@@ -51,6 +51,35 @@ def test_lora_lowers_loss_and_leaves_base_weights_unchanged(tmp_path, tiny_model
     assert adapter and any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())
 
 
+@pytest.mark.parametrize("variant", ["use_dora", "use_rslora", "lr_ratio"])
+def test_lora_variants_train_keep_the_base_and_merge_to_the_adapter(variant, tmp_path, tiny_model, data_file):
+    """DoRA, rsLoRA and LoRA+ end to end: train, base unchanged, merged logits equal adapter logits."""
+    lora = {"use_dora": True} if variant == "use_dora" else {"use_rslora": True} if variant == "use_rslora" else {
+        "lr_ratio": 16.0}
+    raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", lora=lora,
+                      training={"learning_rate": 5e-3, "max_steps": 12, "save_steps": 12})
+    res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    history = losses(run_dir)
+    assert history[-1] < history[0] - 0.3, history
+    config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    if variant == "use_dora":
+        assert config["use_dora"] and any("lora_magnitude_vector" in k for k in adapter)
+    if variant == "use_rslora":
+        assert config["use_rslora"]
+    if variant == "lr_ratio":  # LoRA+: the optimizer's groups, as checkpointed
+        from tunekit import statefile
+
+        state = statefile.load(run_dir / "checkpoints" / "checkpoint-12" / "optimizer.safetensors")
+        rates = sorted({g["lr"] for g in state["param_groups"] if g["params"]})  # constant schedule
+        assert rates == pytest.approx([5e-3, 16 * 5e-3]), state["param_groups"]
+    merged = run_cli("merge", str(run_dir))
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert json.loads((run_dir / "merged" / "tunekit.json").read_text())["parity"]["max_abs_diff"] < 1e-4
+
+
 def test_run_directory_contents_and_no_overwrite_without_force(tmp_path, tiny_model, data_file):
     raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", training={"max_steps": 4},
                       data={"eval_fraction": 0.25})

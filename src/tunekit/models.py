@@ -125,6 +125,8 @@ def lora_config(recipe: Recipe) -> PeftLoraConfig | None:
         target_modules=lc.target_modules,
         modules_to_save=lc.modules_to_save or None,
         bias=lc.bias,
+        use_dora=lc.use_dora,
+        use_rslora=lc.use_rslora,
         task_type="CAUSAL_LM",
     )
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import TunekitError
 
-Precision = Literal["auto", "bf16", "fp16", "fp32"]
+PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # as written; hardware.Precision is the resolved one
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
@@ -44,13 +44,19 @@ class LoraConfig(Section):
     )
     modules_to_save: list[str] = Field(default_factory=list, description="Modules trained fully and saved with the adapter.")
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
+    use_dora: bool = Field(False, description="DoRA: train each weight's magnitude and direction separately "
+                           "(better at low rank, slower steps; merges like LoRA).")
+    use_rslora: bool = Field(False, description="rsLoRA: scale by alpha/sqrt(r) instead of alpha/r, "
+                             "so that higher ranks keep learning.")
+    lr_ratio: float | None = Field(None, ge=1.0, description="LoRA+: the B matrices learn at learning_rate x lr_ratio "
+                                   "(16 in the LoRA+ paper); null trains A and B at one rate.")
 
 
 class QuantizationConfig(Section):
     bits: Literal[4, 8] = Field(4, description="Load the frozen base in 4-bit (QLoRA) or 8-bit.")
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     double_quant: bool = Field(True, description="Quantize the quantization constants too (saves ~0.4 bit/param).")
-    compute_dtype: Precision = Field("auto", description="dtype of 4-bit matmuls; 'auto' follows training.precision.")
+    compute_dtype: PrecisionName = Field("auto", description="dtype of 4-bit matmuls; 'auto' follows training.precision.")
 
 
 class FieldMap(Section):
@@ -98,7 +104,7 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    precision: Precision = Field("auto", description="'auto' picks bf16 where the hardware supports it, else fp16 on GPU, else fp32.")
+    precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, else fp16 on GPU, else fp32.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
     micro_batch_size: int = Field(4, gt=0, description="Examples per device per forward pass.")
@@ -299,6 +305,10 @@ def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
 
         where = f"{source}: training.deepspeed {ds}"
         parsed = dsconfig.read(found, where)
+        if recipe.lora is not None and recipe.lora.lr_ratio is not None and "optimizer" in parsed:
+            raise TunekitError(f"{source}: lora.lr_ratio (LoRA+) needs the Trainer's optimizer, but training.deepspeed "
+                               f"{ds} defines DeepSpeed's own; use a config without an optimizer section "
+                               "(ds_configs/zero2.json, zero3.json) or drop lora.lr_ratio")
         precision = None if recipe.training.precision == "auto" else recipe.training.precision
         dsconfig.check_with_deepspeed(parsed, where)  # first: resolve() reads values DeepSpeed may refuse
         dsconfig.resolve(parsed, recipe, None, precision, where)

@@ -216,6 +216,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         data_collator=collate,
         processing_class=tokenizer,
         callbacks=[LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()],
+        loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
     )
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
 

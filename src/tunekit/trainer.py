@@ -30,6 +30,25 @@ def _rng_file(args) -> str:
 
 
 class SafeStateTrainer(Trainer):
+    def __init__(self, *args, loraplus_lr_ratio: float | None = None, **kwargs):
+        self.loraplus_lr_ratio = loraplus_lr_ratio
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio. The Trainer
+        calls this under DeepSpeed too, unless the DeepSpeed config brings its own optimizer (refused
+        with LoRA+ when the recipe is loaded)."""
+        if self.loraplus_lr_ratio is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from peft.optimizers import create_loraplus_optimizer
+
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+        kwargs = dict(kwargs)
+        self.optimizer = create_loraplus_optimizer(self.model, optimizer_cls, lr=kwargs.pop("lr"),
+                                                   loraplus_lr_ratio=self.loraplus_lr_ratio,
+                                                   loraplus_weight_decay=self.args.weight_decay, **kwargs)
+        return self.optimizer
+
     # --- DeepSpeed: the Trainer assigns its engine to self.deepspeed right after building it and before
     # loading a checkpoint into it; that is where the engine is switched to safetensors.
     @property
