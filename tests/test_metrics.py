@@ -71,3 +71,21 @@ def test_score_selects_metrics_and_checks_lengths():
     with pytest.raises(ValueError):
         metrics.score(["a"], ["a", "b"], ["bleu"])
     assert math.isclose(metrics.score(["a b c d"], ["a b c d"], ["bleu"])["bleu"], 100)
+
+
+def test_the_registry_drives_the_recipe_schema_and_the_table():
+    """A metric is added by registering one function in metrics.py; the recipe accepts its name, its
+    default list includes it, and the eval table shows every score key it returns."""
+    import typing
+
+    from tunekit import evaluation
+    from tunekit.recipe import EvalConfig
+
+    allowed = typing.get_args(typing.get_args(EvalConfig.model_fields["metrics"].annotation)[0])
+    assert list(allowed) == list(metrics.METRICS) == EvalConfig().metrics
+    rows = dict(evaluation.table_rows())
+    for metric in metrics.METRICS.values():
+        assert all(key in rows for key, _ in metric.rows), metric.name
+        if metric.score is not None:
+            keys = {k for k in metric.score(["a b c"], ["a b d"]) if not k.endswith("_signature")}
+            assert keys == {key for key, _ in metric.rows}, metric.name

@@ -141,8 +141,7 @@ def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtyp
             "dtype": str(torch_dtype).removeprefix("torch."),
             "bleu_signature": scores.get("bleu_signature"),
             "chrf_signature": scores.get("chrf_signature"),
-            "rouge": metrics.SETTINGS["rouge"],
-            "exact_match": metrics.SETTINGS["exact_match"],
+            "metrics": {name: metrics.METRICS[name].settings for name in cfg.metrics},
         },
     }
     with outputs.atomic_dir(out) as tmp:
@@ -166,16 +165,15 @@ def end_of_training(recipe: Recipe, run_dir: Path) -> dict:
     return result
 
 
-TABLE_ROWS = [("bleu", "BLEU"), ("chrf", "chrF"), ("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"),
-              ("rougeL", "ROUGE-L"), ("rougeLsum", "ROUGE-Lsum"), ("exact_match", "exact match %"),
-              ("eval_loss", "eval loss"), ("perplexity", "perplexity"), ("examples", "examples")]
+def table_rows() -> list[tuple[str, str]]:
+    return [row for metric in metrics.METRICS.values() for row in metric.rows] + [("examples", "examples")]
 
 
 def format_table(columns: list[tuple[str, dict]]) -> str:
     """Scores side by side; a last 'change' column when there are two."""
     headers = ["metric"] + [label for label, _ in columns] + (["change"] if len(columns) == 2 else [])
     rows = []
-    for key, name in TABLE_ROWS:
+    for key, name in table_rows():
         values = [scores.get(key) for _, scores in columns]
         if all(v is None for v in values):
             continue

@@ -2,15 +2,16 @@
 exact match. No model code.
 
 evaluate.load() fetches metric scripts from the Hub and fails offline, so the built-in metrics call
-sacrebleu and rouge-score directly; `evaluate` only serves extra metrics a recipe names."""
+sacrebleu and rouge-score directly; `evaluate` only serves extra metrics a recipe names. The built-in
+ones are a registry (METRICS): the recipe schema and the eval table are derived from it."""
 
 from __future__ import annotations
 
 import re
 import unicodedata
+from dataclasses import dataclass
+from typing import Callable
 
-import sacrebleu
-from rouge_score import rouge_scorer
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -37,19 +38,54 @@ def _normalize(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).split())
 
 
+@dataclass(frozen=True)
+class Metric:
+    """A metric a recipe can name in eval.metrics. `score` maps (predictions, references) to scores;
+    None marks a metric computed from the model (loss), not from text. `rows` are the (score key,
+    label) pairs printed in eval tables; `settings` is recorded in metrics.json."""
+
+    name: str
+    score: Callable[[list[str], list[str]], dict] | None
+    rows: tuple[tuple[str, str], ...]
+    settings: str
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register(name: str, rows: tuple[tuple[str, str], ...], settings: str):
+    """Add a metric: one decorated function here is all it takes; the recipe schema, the eval table
+    and the docs' list follow from METRICS."""
+    def add(fn):
+        METRICS[name] = Metric(name, fn, rows, settings)
+        return fn
+    return add
+
+
+@register("bleu", (("bleu", "BLEU"),), "sacreBLEU corpus BLEU; tokenizer 13a, or zh when references contain CJK")
 def bleu(predictions: list[str], references: list[str]) -> dict:
+    import sacrebleu
+
     tokenize = "zh" if any(_HAS_CJK.search(r) for r in references) else "13a"
     metric = sacrebleu.BLEU(tokenize=tokenize)
     result = metric.corpus_score(predictions, [references])
     return {"bleu": result.score, "bleu_signature": str(metric.get_signature())}
 
 
+@register("chrf", (("chrf", "chrF"),), "sacreBLEU corpus chrF (character 6-grams, beta 2)")
 def chrf(predictions: list[str], references: list[str]) -> dict:
+    import sacrebleu
+
     metric = sacrebleu.CHRF()
     return {"chrf": metric.corpus_score(predictions, [references]).score, "chrf_signature": str(metric.get_signature())}
 
 
+@register("rouge", (("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"), ("rougeL", "ROUGE-L"), ("rougeLsum", "ROUGE-Lsum")),
+          "F-measure x100, mean over examples; Unicode-aware tokenizer (NFKC, lower-case, CJK per character), "
+          "no stemming")
 def rouge(predictions: list[str], references: list[str]) -> dict:
+    from rouge_score import rouge_scorer
+
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=UnicodeTokenizer())
     # plain means over examples (no bootstrap resampling); rougeLsum splits sentences on newlines
     totals = dict.fromkeys(ROUGE_TYPES, 0.0)
@@ -61,17 +97,16 @@ def rouge(predictions: list[str], references: list[str]) -> dict:
     return {key: 100.0 * totals[key] / n for key in ROUGE_TYPES}
 
 
+@register("exact_match", (("exact_match", "exact match %"),), "x100, after NFKC and whitespace normalisation")
 def exact_match(predictions: list[str], references: list[str]) -> dict:
     hits = sum(_normalize(p) == _normalize(r) for p, r in zip(predictions, references))
     return {"exact_match": 100.0 * hits / max(len(predictions), 1)}
 
 
-BUILTIN = {"bleu": bleu, "chrf": chrf, "rouge": rouge, "exact_match": exact_match}
-
-SETTINGS = {
-    "rouge": "F-measure x100, mean over examples; Unicode-aware tokenizer (NFKC, lower-case, CJK per character), no stemming",
-    "exact_match": "x100, after NFKC and whitespace normalisation",
-}
+# held-out loss needs the model, so evaluation computes it; it is listed here to be named and shown
+METRICS["loss"] = Metric("loss", None, (("eval_loss", "eval loss"), ("perplexity", "perplexity")),
+                         "mean cross-entropy per trained token (prompt tokens masked as in training); "
+                         "perplexity = exp(loss)")
 
 
 def score(predictions: list[str], references: list[str], names: list[str]) -> dict:
@@ -79,8 +114,9 @@ def score(predictions: list[str], references: list[str], names: list[str]) -> di
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
     out: dict = {}
     for name in names:
-        if name in BUILTIN:
-            out.update(BUILTIN[name](predictions, references))
+        metric = METRICS[name]
+        if metric.score is not None:
+            out.update(metric.score(predictions, references))
     return out
 
 

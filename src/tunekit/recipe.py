@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import TunekitError
+from .metrics import METRICS
 
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # as written; hardware.Precision is the resolved one
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -141,8 +142,8 @@ class EvalConfig(Section):
     limit: int | None = Field(None, gt=0, description="Score only the first N examples.")
     batch_size: int = Field(8, gt=0, description="Prompts per generate() call.")
     max_new_tokens: int = Field(64, gt=0, description="Generation length cap.")
-    metrics: list[Literal["bleu", "chrf", "rouge", "exact_match", "loss"]] = Field(
-        default_factory=lambda: ["bleu", "chrf", "rouge", "exact_match", "loss"], description="Built-in metrics."
+    metrics: list[Literal[tuple(METRICS)]] = Field(  # type: ignore[valid-type]  # names from the registry
+        default_factory=lambda: list(METRICS), description="Built-in metrics: " + ", ".join(METRICS) + "."
     )
     extra_metrics: list[str] = Field(
         default_factory=list, description="`evaluate` metrics by Hub name or local script path (needs `evaluate`)."
