@@ -155,3 +155,13 @@ def test_collator_pads_labels_with_ignore(tiny_tokenizer):
     assert batch["input_ids"].shape == (2, 8)
     assert batch["labels"][1, 1:].tolist() == [IGNORE] * 7
     assert batch["attention_mask"][1].tolist() == [1] + [0] * 7
+
+
+def test_the_format_registry_drives_the_recipe_schema():
+    import typing
+
+    from tunekit.formats import FORMATS
+
+    assert list(typing.get_args(DataConfig.model_fields["format"].annotation)) == list(FORMATS)
+    for name, fmt in FORMATS.items():  # every registered format renders through the one Renderer
+        assert fmt.name == name and callable(fmt.parse)

@@ -11,7 +11,7 @@ import tunekit
 
 PACKAGE = Path(tunekit.__file__).parent
 # lowest first: a module may import only modules listed before it
-LAYERS = ["errors", "statefile", "tiny", "demo_data", "distributed", "sources", "hardware", "metrics", "dsconfig",
+LAYERS = ["errors", "statefile", "tiny", "demo_data", "distributed", "sources", "hardware", "metrics", "formats", "dsconfig",
           "recipe", "outputs", "modelinfo", "data", "models", "dscheckpoint", "trainer", "checkpoints", "plan",
           "preflight", "rundir", "train", "evaluation", "merge", "demo", "cli", "__main__"]
 

@@ -10,30 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import TunekitError
+from .formats import FORMATS, Record
 from .recipe import DataConfig
 
 log = logging.getLogger("tunekit")
 
 IGNORE = -100
-ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
-
-ALPACA_PROMPT = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n"
-)
-ALPACA_PROMPT_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-
-
-@dataclass(frozen=True)
-class Record:
-    values: dict
-    where: str  # "file line N" for error messages
-
-
 @dataclass
 class Rendered:
     text: str
@@ -148,75 +130,22 @@ def read_records(spec: str, split: str, key: str) -> list[Record]:
 # ---------------------------------------------------------------- rendering
 
 
-def _field(record: Record, name: str, key: str, required: bool = True) -> Any:
-    if name not in record.values or record.values[name] is None:
-        if not required:
-            return ""
-        present = ", ".join(record.values) or "none"
-        raise TunekitError(
-            f"{record.where}: missing field {name!r} (fields present: {present}); "
-            f"map it with data.fields.{key} or fix the data"
-        )
-    return record.values[name]
-
-
-def _text(record: Record, name: str, key: str, required: bool = True) -> str:
-    value = _field(record, name, key, required)
-    if not isinstance(value, str):
-        raise TunekitError(f"{record.where}: field {name!r} must be text, got {type(value).__name__}")
-    return value
-
-
 class Renderer:
     """Turns one record into text plus the character spans that are trained."""
 
     def __init__(self, cfg: DataConfig, tokenizer):
         self.cfg = cfg
         self.tok = tokenizer
+        self.format = FORMATS[cfg.format]
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         template = cfg.template
         if template == "auto":
-            template = "chat" if has_chat or cfg.format == "chat" else ("alpaca" if cfg.format == "alpaca" else "raw")
+            template = "chat" if has_chat or self.format.needs_chat else ("alpaca" if self.format.alpaca else "raw")
         if template == "chat" and not has_chat:
             raise TunekitError("data.template: the tokenizer has no chat template; use template: alpaca or raw")
-        if template == "alpaca" and cfg.format != "alpaca":
+        if template == "alpaca" and not self.format.alpaca:
             raise TunekitError(f"data.template=alpaca only renders format alpaca, not {cfg.format}; use chat or raw")
         self.template = template
-
-    # -- single-turn formats share one path: (prompt parts, answer)
-    def _single_turn(self, record: Record) -> tuple[str, str, str]:
-        f = self.cfg.fields
-        if self.cfg.format == "alpaca":
-            instruction = _text(record, f.instruction, "instruction")
-            extra = _text(record, f.input, "input", required=False)
-            answer = _text(record, f.output, "output")
-            user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-            if self.template == "alpaca":
-                plain = (ALPACA_PROMPT_INPUT if extra.strip() else ALPACA_PROMPT).format(instruction=instruction, input=extra)
-            else:
-                plain = user
-            return user, plain, answer
-        prompt = _text(record, f.prompt, "prompt")
-        return prompt, prompt, _text(record, f.completion, "completion")
-
-    def _messages(self, record: Record) -> list[dict]:
-        f = self.cfg.fields
-        raw = _field(record, f.messages, "messages")
-        if not isinstance(raw, list) or not raw:
-            raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
-        messages = []
-        for i, m in enumerate(raw):
-            if not isinstance(m, dict) or not isinstance(m.get(f.role), str) or not isinstance(m.get(f.content), str):
-                raise TunekitError(
-                    f"{record.where}: message {i} must be an object with text fields {f.role!r} and {f.content!r}"
-                )
-            if m[f.role] not in ROLES:
-                raise TunekitError(f"{record.where}: message {i} has role {m[f.role]!r}; use one of "
-                                   f"{', '.join(ROLES)} (or map the column names with data.fields.role)")
-            messages.append({"role": m[f.role], "content": m[f.content]})
-        if not any(m["role"] == "assistant" for m in messages):
-            raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
-        return messages
 
     def _chat(self, messages: list[dict], where: str) -> Rendered:
         if self.cfg.system_prompt and messages[0]["role"] != "system":
@@ -239,16 +168,18 @@ class Renderer:
         return Rendered(full, spans, False, prompt=before, reference=messages[last]["content"])
 
     def render(self, record: Record) -> Rendered:
-        if self.cfg.format == "text":
-            text = _text(record, self.cfg.fields.text, "text")
-            return Rendered(text + (self.tok.eos_token or ""), [(0, len(text) + len(self.tok.eos_token or ""))], True)
-        if self.cfg.format == "chat":
-            return self._chat(self._messages(record), record.where)
-        user, plain, answer = self._single_turn(record)
+        parsed = self.format.parse(record, self.cfg.fields)
+        eos = self.tok.eos_token or ""
+        if parsed.text is not None:
+            return Rendered(parsed.text + eos, [(0, len(parsed.text) + len(eos))], True)
         if self.template == "chat":
-            return self._chat([{"role": "user", "content": user}, {"role": "assistant", "content": answer}], record.where)
-        completion = answer + (self.tok.eos_token or "")
-        return Rendered(plain + completion, [(len(plain), len(plain) + len(completion))], True, prompt=plain, reference=answer)
+            return self._chat(parsed.messages, record.where)
+        # one turn without a chat template: the Alpaca prompt or the bare prompt, then the answer
+        user, answer = parsed.messages[0]["content"], parsed.messages[-1]["content"]
+        plain = parsed.alpaca_prompt if self.template == "alpaca" else user
+        completion = answer + eos
+        return Rendered(plain + completion, [(len(plain), len(plain) + len(completion))], True, prompt=plain,
+                        reference=answer)
 
 
 # ---------------------------------------------------------------- tokenizing

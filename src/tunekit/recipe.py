@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import TunekitError
+from .formats import FORMATS
 from .metrics import METRICS
 
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # as written; hardware.Precision is the resolved one
@@ -78,7 +79,8 @@ class DataConfig(Section):
     eval: str | None = Field(None, description="Eval data file or hub name; otherwise see eval_fraction.")
     eval_split: str = Field("validation", description="Split to read when `eval` is a hub dataset.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this seeded fraction of train for eval.")
-    format: Literal["alpaca", "chat", "prompt_completion", "text"] = Field("alpaca", description="Record layout.")
+    format: Literal[tuple(FORMATS)] = Field(  # type: ignore[valid-type]  # names from the registry
+        "alpaca", description="Record layout: " + ", ".join(FORMATS) + " (see formats.py).")
     fields: FieldMap = Field(default_factory=FieldMap, description="Column names, when they differ from the defaults.")
     template: Literal["auto", "chat", "alpaca", "raw"] = Field(
         "auto",
@@ -99,8 +101,9 @@ class DataConfig(Section):
     def _rules(self) -> "DataConfig":
         if self.eval is not None and self.eval_fraction > 0:
             raise ValueError("data.eval and data.eval_fraction are both set; keep one")
-        if self.format == "chat" and self.template in ("alpaca", "raw"):
-            raise ValueError(f"data.template={self.template} cannot render format chat; use template: chat or auto")
+        if FORMATS[self.format].needs_chat and self.template in ("alpaca", "raw"):
+            raise ValueError(f"data.template={self.template} cannot render format {self.format}; "
+                             "use template: chat or auto")
         return self
 
 

@@ -1,0 +1,117 @@
+"""Data formats, as a registry: each reads one record into a format-neutral `Parsed` (a conversation,
+or raw text). Adding a format is one registered function here; the recipe's `data.format` choices
+follow from FORMATS, and data.Renderer turns any Parsed into text and trained spans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import TunekitError
+
+ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+
+
+@dataclass(frozen=True)
+class Record:
+    values: dict
+    where: str  # "file line N" for error messages
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One record: either a conversation (`messages`, ending in what is trained) or raw `text`
+    trained on whole. `alpaca_prompt` is the prompt under the Alpaca template, for formats that have one."""
+
+    messages: list[dict] | None = None
+    text: str | None = None
+    alpaca_prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    parse: Callable[[Record, Any], Parsed]  # (record, data.fields) -> Parsed
+    needs_chat: bool  # whole conversations: only a chat template renders them
+    alpaca: bool  # the Alpaca prompt template applies
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def register(name: str, needs_chat: bool = False, alpaca: bool = False):
+    def add(fn):
+        FORMATS[name] = Format(name, fn, needs_chat, alpaca)
+        return fn
+    return add
+
+
+def field(record: Record, name: str, key: str, required: bool = True) -> Any:
+    if name not in record.values or record.values[name] is None:
+        if not required:
+            return ""
+        present = ", ".join(record.values) or "none"
+        raise TunekitError(
+            f"{record.where}: missing field {name!r} (fields present: {present}); "
+            f"map it with data.fields.{key} or fix the data"
+        )
+    return record.values[name]
+
+
+def text(record: Record, name: str, key: str, required: bool = True) -> str:
+    value = field(record, name, key, required)
+    if not isinstance(value, str):
+        raise TunekitError(f"{record.where}: field {name!r} must be text, got {type(value).__name__}")
+    return value
+
+
+def _turn(user: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+@register("alpaca", alpaca=True)
+def alpaca(record: Record, f) -> Parsed:
+    instruction = text(record, f.instruction, "instruction")
+    extra = text(record, f.input, "input", required=False)
+    answer = text(record, f.output, "output")
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    prompt = (ALPACA_PROMPT_INPUT if extra.strip() else ALPACA_PROMPT).format(instruction=instruction, input=extra)
+    return Parsed(messages=_turn(user, answer), alpaca_prompt=prompt)
+
+
+@register("prompt_completion")
+def prompt_completion(record: Record, f) -> Parsed:
+    return Parsed(messages=_turn(text(record, f.prompt, "prompt"), text(record, f.completion, "completion")))
+
+
+@register("chat", needs_chat=True)
+def chat(record: Record, f) -> Parsed:
+    raw = field(record, f.messages, "messages")
+    if not isinstance(raw, list) or not raw:
+        raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get(f.role), str) or not isinstance(m.get(f.content), str):
+            raise TunekitError(f"{record.where}: message {i} must be an object with text fields {f.role!r} and {f.content!r}")
+        if m[f.role] not in ROLES:
+            raise TunekitError(f"{record.where}: message {i} has role {m[f.role]!r}; use one of "
+                               f"{', '.join(ROLES)} (or map the column names with data.fields.role)")
+        messages.append({"role": m[f.role], "content": m[f.content]})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
+    return Parsed(messages=messages)
+
+
+@register("text")
+def raw_text(record: Record, f) -> Parsed:
+    return Parsed(text=text(record, f.text, "text"))
