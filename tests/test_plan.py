@@ -33,7 +33,7 @@ def test_parameter_counts_match_the_built_model(make_recipe, overrides):
     built = models.load_for_training(recipe, Precision("fp32", "test"))
     total, trainable = models.count_parameters(built)
     assert (counts.total, counts.trainable) == (total, trainable)
-    if recipe.adapter == "qlora":
+    if recipe.quantization is not None:
         quantized = sum(m.weight.numel() * 2 for m in built.modules() if isinstance(m, bnb.nn.Linear4bit))
         assert counts.quantized == quantized
 

@@ -41,7 +41,7 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
            f"training.max_steps={steps}", "eval.limit=4")
     info = json.loads((out / "run.json").read_text())
     assert info["status"] == "completed" and info["world_size"] == 2 and info["global_step"] == steps
-    weights = out / ("model/model.safetensors" if info["adapter"] == "none" else "adapter/adapter_model.safetensors")
+    weights = out / ("model/model.safetensors" if info["adapter"] == "full" else "adapter/adapter_model.safetensors")
     assert weights.is_file()
     metrics = json.loads((out / "eval" / "metrics.json").read_text())
     assert metrics["scores"]["examples"] == 4 and "rougeL" in metrics["scores"]

@@ -168,7 +168,7 @@ def load_for_training(recipe: Recipe, precision: Precision):
     quant = quantization_config(recipe, precision)
     # Full fine-tuning keeps fp32 master weights (mixed precision autocasts the matmuls);
     # a frozen base is stored in the training precision to halve its memory.
-    weights = torch.float32 if recipe.adapter == "none" else precision.dtype
+    weights = torch.float32 if recipe.full_finetuning else precision.dtype
     device_map = None
     if quant is not None and torch.cuda.is_available():
         device_map = {"": int(os.environ.get("LOCAL_RANK", 0))}

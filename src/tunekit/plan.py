@@ -103,14 +103,14 @@ def count(recipe: Recipe, model) -> Counts:
             total += n
             if "lora_" in name or "modules_to_save" in name:
                 trainable += n
-            elif recipe.adapter == "none":
+            elif recipe.full_finetuning:
                 trainable += n
             elif (recipe.quantization is not None and isinstance(module, torch.nn.Linear) and pname == "weight"
                   and id(p) not in head):
                 quantized += n
     tied = 0
     inputs = model.get_input_embeddings()
-    if recipe.adapter == "none" and output is not None and inputs is not None and output.weight is inputs.weight:
+    if recipe.full_finetuning and output is not None and inputs is not None and output.weight is inputs.weight:
         tied = output.weight.numel()
     return Counts(total, trainable, quantized, total - trainable - quantized, tied)
 
@@ -141,7 +141,7 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float, fl
     per_token = 6 * h * 4 + (5 * h + 4 * kv + 4 * inter) * elem
     if recipe.lora is not None and recipe.lora.dropout > 0:
         # QLoRA's norms run in fp32 (prepare_model_for_kbit_training), so the inputs it drops are fp32
-        per_token += (6 * h + inter) * (4 if recipe.adapter == "qlora" else elem)
+        per_token += (6 * h + inter) * (4 if recipe.quantization is not None else elem)
     if recipe.model.attn_implementation == "eager":
         per_token += 2 * heads * s.seq_len * elem
     if s.gradient_checkpointing:
@@ -159,13 +159,13 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     if model is None:
         cfg, model = meta_model(recipe)
     c = count(recipe, model)
-    w_elem = 4 if (recipe.adapter == "none" or s.precision == "fp32") else 2
+    w_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
     parts: dict[str, float] = {}
     q = recipe.quantization
     if q is not None:
         parts["weights (quantized, incl. constants)"] = quantized_bytes(c.quantized, q.bits, q.double_quant)
         parts["weights (unquantized layers, fp32)"] = c.frozen_plain * 4
-    elif recipe.adapter != "none":
+    elif not recipe.full_finetuning:
         parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
     opt_key = f"optimizer ({s.optimizer})"
     if s.zero_stage > 0 and s.precision != "fp32":
@@ -213,7 +213,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
 
     tokens = s.micro_batch * s.seq_len
     # forward 2*P*T; backward 2*P*T for activation gradients, plus 2*P*T for weight gradients of what trains
-    trained_fraction = 1.0 if recipe.adapter == "none" else c.trainable / max(c.total, 1)
+    trained_fraction = 1.0 if recipe.full_finetuning else c.trainable / max(c.total, 1)
     flops = (4 + 2 * trained_fraction) * c.total * tokens
     if s.gradient_checkpointing:
         flops += 2 * c.total * tokens  # the forward is run twice
@@ -251,18 +251,18 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
         options.append((f"training.micro_batch_size={half} with gradient_accumulation_steps x{s.micro_batch // half}",
                         recipe, dataclasses.replace(s, micro_batch=half,
                                                     accumulation=s.accumulation * (s.micro_batch // half))))
-    if recipe.adapter == "lora":
+    if recipe.method == "lora":
         from .recipe import QuantizationConfig
 
-        qrecipe = recipe.model_copy(update={"adapter": "qlora", "quantization": QuantizationConfig()})
-        options.append(("adapter=qlora (4-bit nf4 base)", qrecipe, s))
-    if recipe.adapter == "none":
+        qrecipe = recipe.model_copy(update={"quantization": QuantizationConfig()})
+        options.append(("QLoRA: a quantization section (4-bit nf4 base)", qrecipe, s))
+    if recipe.full_finetuning:
         from .recipe import LoraConfig
 
         options.append(("adapter=lora", recipe.model_copy(update={"adapter": "lora", "lora": LoraConfig()}), s))
     if s.world_size > 1:
         for stage in (1, 2, 3):
-            if s.zero_stage < stage and not (stage == 3 and recipe.adapter == "qlora"):
+            if s.zero_stage < stage and not (stage == 3 and recipe.quantization is not None):
                 options.append((f"deepspeed: ds_configs/zero{stage}.json", recipe,
                                 dataclasses.replace(s, zero_stage=stage)))
     if not s.offload_optimizer:
@@ -272,7 +272,7 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
                                             offload_params=stage == 3)))
     out = []
     for label, r, st in options:
-        m = model if r.adapter == recipe.adapter else None
+        m = model if r.method == recipe.method else None
         p = make(r, st, cfg, m) if m is not None else make(r, st)
         if p.peak < plan.peak:
             out.append((label, p))
@@ -298,7 +298,7 @@ def parse_size(text: str) -> int:
 def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str, Plan]]) -> str:
     s, c = plan.settings, plan.counts
     lines = [
-        f"model: {recipe.model.name_or_path}  adapter: {recipe.adapter}  precision: {s.precision}",
+        f"model: {recipe.model.name_or_path}  method: {recipe.method}  precision: {s.precision}",
         f"parameters: {c.total:,} total, {c.trainable:,} trainable ({100 * c.trainable / max(c.total, 1):.2f}%)",
         f"per device: world size {s.world_size}, micro-batch {s.micro_batch} x {s.seq_len} tokens, "
         f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO stage {s.zero_stage}"
@@ -319,7 +319,7 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
     if plan.cpu_bytes:
         lines.append(f"  {'offloaded to CPU RAM':<{width}}  {plan.cpu_bytes / GiB:9.3f} GiB")
     lines += ["", f"training FLOPs per step per device: {plan.flops_per_step:.3e} "
-              f"({'6' if recipe.adapter == 'none' else '~4'} x parameters x tokens"
+              f"({'6' if recipe.full_finetuning else '~4'} x parameters x tokens"
               + (", +2 x for recomputation" if s.gradient_checkpointing else "") + ")",
               f"estimated step time: {plan.step_seconds:.3f} s at {s.peak_tflops:g} TFLOP/s peak and "
               f"{100 * s.utilization:.0f}% utilization"]

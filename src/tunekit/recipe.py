@@ -4,6 +4,7 @@ and one-line errors that name the dotted key and suggest the closest valid one."
 from __future__ import annotations
 
 import difflib
+import logging
 import types
 import typing
 from pathlib import Path
@@ -155,9 +156,12 @@ class EvalConfig(Section):
 
 class Recipe(Section):
     model: ModelConfig = Field(description="Base model.")
-    adapter: Literal["lora", "qlora", "none"] = Field("lora", description="LoRA, QLoRA (quantized base) or none (full fine-tuning).")
-    lora: LoraConfig | None = Field(None, description="LoRA settings (adapter lora or qlora).")
-    quantization: QuantizationConfig | None = Field(None, description="Base-model quantization (adapter qlora only).")
+    adapter: Literal["lora", "none"] = Field(
+        "lora", description="lora: train LoRA adapters (with a quantization section: QLoRA); none: full fine-tuning. "
+        "The older spelling 'qlora' reads as lora plus a default quantization section.")
+    lora: LoraConfig | None = Field(None, description="LoRA settings (adapter lora).")
+    quantization: QuantizationConfig | None = Field(
+        None, description="Load the frozen base quantized (QLoRA when the adapter is lora).")
     data: DataConfig = Field(description="Training and eval data.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation settings.")
     eval: EvalConfig | None = Field(None, description="Generate and score at the end of training.")
@@ -166,21 +170,33 @@ class Recipe(Section):
     @model_validator(mode="before")
     @classmethod
     def _adapter_sections(cls, data: Any) -> Any:
+        """The adapter method (lora | none) and the base's quantization are separate settings;
+        'qlora', their old single spelling, is read as lora plus a quantization section."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        if data.get("adapter") == "qlora":
+            data["adapter"] = "lora"
+            if data.get("quantization") is None:
+                data["quantization"] = {}
         adapter = data.get("adapter", "lora")
         if adapter == "none" and data.get("lora") is not None:
             raise ValueError("lora settings given but adapter is 'none'; remove the lora section or set adapter: lora")
-        if adapter != "qlora" and data.get("quantization") is not None:
-            raise ValueError(
-                f"quantization settings given but adapter is {adapter!r}; set adapter: qlora or remove the quantization section"
-            )
-        if adapter in ("lora", "qlora") and data.get("lora") is None:
+        if adapter == "none" and data.get("quantization") is not None:
+            raise ValueError("quantization settings given but adapter is 'none': full fine-tuning trains every weight, "
+                             "which cannot stay quantized; set adapter: lora (QLoRA) or remove the quantization section")
+        if adapter == "lora" and data.get("lora") is None:
             data["lora"] = {}
-        if adapter == "qlora" and data.get("quantization") is None:
-            data["quantization"] = {}
         return data
+
+    @property
+    def full_finetuning(self) -> bool:
+        return self.adapter == "none"
+
+    @property
+    def method(self) -> str:
+        """qlora | lora | full, for people to read (logs, run.json, plans)."""
+        return "full" if self.full_finetuning else "qlora" if self.quantization is not None else "lora"
 
     @model_validator(mode="after")
     def _precision_agrees(self) -> "Recipe":
@@ -342,6 +358,9 @@ def from_dict(raw: Any, source: str = "recipe", base: Path | None = None, name: 
         resolve_model(recipe.model.name_or_path)
     except TunekitError as e:
         raise TunekitError(f"{source}: {e}") from None
+    if raw.get("adapter") == "qlora":
+        logging.getLogger("tunekit").info("%s: adapter: qlora is now written adapter: lora with a quantization "
+                                          "section; read that way", source)
     return recipe
 
 

@@ -184,8 +184,8 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
     model = models.load_for_training(recipe, precision)
     total, trainable = models.count_parameters(model)
-    log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
-             100 * trainable / max(total, 1), recipe.adapter)
+    log.info("parameters: %s total, %s trainable (%.2f%%), method: %s", f"{total:,}", f"{trainable:,}",
+             100 * trainable / max(total, 1), recipe.method)
     effective = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     log.info("batch: world size %d x micro-batch %d x accumulation %d = %d examples per optimizer step",
              args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps, effective)
@@ -193,7 +193,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     record = RunRecord(
         status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=outputs.command_line(),
         versions=outputs.versions(), precision={"name": precision.name, "reason": precision.reason},
-        adapter=recipe.adapter, base_model=recipe.model.name_or_path,
+        adapter=recipe.method, base_model=recipe.model.name_or_path,
         parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
         resumed_from=resume_from.name if resume_from else None,
         data={"template": bundle.template, "train": vars(bundle.train_stats),
@@ -264,7 +264,7 @@ def fit(p: Prepared):
 def finalize(p: Prepared, result) -> None:
     """The final adapter or model, renamed into place once complete, and the completed run.json."""
     trainer, run_dir = p.trainer, p.run_dir
-    final = run_dir / (ADAPTER_DIR if p.recipe.adapter != "none" else MODEL_DIR)
+    final = run_dir / (MODEL_DIR if p.recipe.full_finetuning else ADAPTER_DIR)
     # save_model gathers ZeRO-3 shards and must run on every rank; only rank 0 writes files.
     tmp = run_dir / f".{final.name}.partial"
     if p.launch.is_main and tmp.exists():
