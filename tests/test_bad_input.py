@@ -101,6 +101,13 @@ RECIPES = {
     "quantization with full fine-tuning": (lambda c: _with(c, adapter="none", quantization={"bits": 4}),
                                            "quantization settings given but adapter is 'none': full fine-tuning trains "
                                            "every weight"),
+    "pissa on a quantized base": (lambda c: _with(c, lora={"init": "pissa"}, quantization={"bits": 4}),
+                                  "lora.init=pissa rewrites base weights, which a quantized base cannot hold"),
+    "olora under ZeRO-3": (lambda c: _with(c, lora={"init": "olora"}, training={"deepspeed": "ds_configs/zero3.json"}),
+                           "lora.init=olora needs whole base weights at initialisation, which ZeRO-3"),
+    "LoRA+ with DeepSpeed's own optimizer": (
+        lambda c: _with(c, lora={"lr_ratio": 16}, training={"deepspeed": "ds_configs/zero2_offload.json"}),
+        "lora.lr_ratio (LoRA+) needs the Trainer's optimizer"),
     "lora with adapter none": (lambda c: _with(c, adapter="none", lora={"r": 4}), "lora settings given but adapter is 'none'"),
     "fp16 and bf16 both on": (lambda c: _with(c, quantization={"compute_dtype": "bf16"},
                                               training={"precision": "fp16"}), "fp16 and bf16 both on"),

@@ -80,6 +80,31 @@ def test_lora_variants_train_keep_the_base_and_merge_to_the_adapter(variant, tmp
     assert json.loads((run_dir / "merged" / "tunekit.json").read_text())["parity"]["max_abs_diff"] < 1e-4
 
 
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_pissa_and_olora_adapters_are_saved_against_the_original_base(init, tmp_path, tiny_model, data_file):
+    """These inits move part of each base weight into the adapter and train W_res + BA; the saved
+    adapter is converted so that the original base plus it is the model that was trained."""
+    from tunekit import merge as merge_mod
+    from tunekit import rundir
+
+    raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", lora={"init": init},
+                      training={"learning_rate": 5e-3, "max_steps": 8, "save_steps": 8})
+    result = train.run(load(tmp_path, raw))
+    history = losses(result.run_dir)
+    assert history[-1] < history[0] - 0.3, history
+    recipe = recipe_mod.load(result.run_dir / "recipe.yaml")
+    tok = models.load_tokenizer(recipe.model, result.run_dir / "adapter")
+    batch = merge_mod.parity_batch(recipe, tok)
+    trained = merge_mod.logits(result.trainer.model.float(), batch)
+    reloaded = merge_mod.logits(rundir.load_trained(rundir.resolve_target(str(result.run_dir)), torch.float32), batch)
+    mask = batch["attention_mask"].bool()
+    assert (trained[mask] - reloaded[mask]).abs().max().item() < 1e-4
+    config = json.loads((result.run_dir / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 2 * 8 and config["init_lora_weights"] is True
+    merged = run_cli("merge", str(result.run_dir))
+    assert merged.returncode == 0, merged.stderr[-2000:]
+
+
 def test_run_directory_contents_and_no_overwrite_without_force(tmp_path, tiny_model, data_file):
     raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", training={"max_steps": 4},
                       data={"eval_fraction": 0.25})

@@ -4,6 +4,7 @@ and load a model for training, merging or inference."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -114,6 +115,11 @@ def _zero3(recipe: Recipe) -> bool:
     return bool(recipe.training.deepspeed) and dsconfig.zero_stage(dsconfig.read(recipe.training.deepspeed)) == 3
 
 
+# peft's names; "pissa_niter_16" is PiSSA with a 16-iteration randomized SVD (minutes faster per
+# layer on 7B models than the full SVD, the variant peft's documentation recommends)
+INIT = {"default": True, "pissa": "pissa_niter_16", "olora": "olora"}
+
+
 def lora_config(recipe: Recipe) -> PeftLoraConfig | None:
     lc = recipe.lora
     if lc is None:
@@ -127,6 +133,7 @@ def lora_config(recipe: Recipe) -> PeftLoraConfig | None:
         bias=lc.bias,
         use_dora=lc.use_dora,
         use_rslora=lc.use_rslora,
+        init_lora_weights=INIT[lc.init],
         task_type="CAUSAL_LM",
     )
 
@@ -203,3 +210,41 @@ def count_parameters(model) -> tuple[int, int]:
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable
+
+
+def save_initial_adapter(model, directory: Path) -> None:
+    """Save an adapter as initialised (PiSSA/OLoRA), marked so that loading it does not initialise again."""
+    config = model.peft_config["default"]
+    mode, config.init_lora_weights = config.init_lora_weights, True
+    try:
+        model.save_pretrained(str(directory))
+    finally:
+        config.init_lora_weights = mode
+
+
+def convert_to_plain_lora(adapter_dir: Path, initial_dir: Path) -> None:
+    """Rewrite a PiSSA/OLoRA adapter in place so that it applies to the original base weights.
+
+    Those methods train W_res + B A with W_res = W - s B0 A0, so the update to W is s (B A - B0 A0):
+    a LoRA of twice the rank, A' = [A; A0] and B' = [B, -B0], with alpha raised to keep the scale s
+    (peft's LoraModel.subtract_mutated_init does the same inside save_pretrained, which the Trainer's
+    save path and gathered ZeRO shards do not reach)."""
+    from safetensors.torch import load_file, save_file
+
+    weights_file = adapter_dir / "adapter_model.safetensors"
+    trained, initial = load_file(str(weights_file)), load_file(str(initial_dir / "adapter_model.safetensors"))
+    out = {}
+    for name, tensor in trained.items():
+        if "lora_A" in name:
+            out[name] = torch.cat([tensor, initial[name].to(tensor.dtype)], dim=0).contiguous()
+        elif "lora_B" in name:
+            out[name] = torch.cat([tensor, -initial[name].to(tensor.dtype)], dim=1).contiguous()
+        else:
+            out[name] = tensor
+    save_file(out, str(weights_file), metadata={"format": "pt"})
+    config_file = adapter_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["lora_alpha"] = config["lora_alpha"] * (2 ** 0.5 if config.get("use_rslora") else 2)
+    config["r"] = 2 * config["r"]
+    config["init_lora_weights"] = True
+    config_file.write_text(json.dumps(config, indent=2) + "\n")

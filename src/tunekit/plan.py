@@ -83,6 +83,7 @@ def meta_model(recipe: Recipe):
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.model.trust_remote_code)
     peft_cfg = lora_config(recipe)
     if peft_cfg is not None:
+        peft_cfg.init_lora_weights = True  # shapes are the same; PiSSA/OLoRA cannot decompose meta tensors
         from peft import get_peft_model
 
         model = get_peft_model(model, peft_cfg)

@@ -51,6 +51,10 @@ class LoraConfig(Section):
                            "(better at low rank, slower steps; merges like LoRA).")
     use_rslora: bool = Field(False, description="rsLoRA: scale by alpha/sqrt(r) instead of alpha/r, "
                              "so that higher ranks keep learning.")
+    init: Literal["default", "pissa", "olora"] = Field(
+        "default", description="Adapter initialisation: default (B = 0), pissa (the weights' principal singular "
+        "vectors, fast SVD) or olora (QR). pissa and olora move part of each base weight into the adapter; the "
+        "saved adapter is converted back to apply to the original base.")
     lr_ratio: float | None = Field(None, ge=1.0, description="LoRA+: the B matrices learn at learning_rate x lr_ratio "
                                    "(16 in the LoRA+ paper); null trains A and B at one rate.")
 
@@ -187,6 +191,13 @@ class Recipe(Section):
                              "which cannot stay quantized; set adapter: lora (QLoRA) or remove the quantization section")
         if adapter == "lora" and data.get("lora") is None:
             data["lora"] = {}
+        lora = data.get("lora") if isinstance(data.get("lora"), dict) else {}
+        init = lora.get("init", "default")
+        if init != "default" and data.get("quantization") is not None:
+            raise ValueError(f"lora.init={init} rewrites base weights, which a quantized base cannot hold exactly; "
+                             "use lora.init: default with quantization, or drop the quantization section")
+        if init != "default" and lora.get("use_dora"):
+            raise ValueError(f"lora.init={init} with lora.use_dora is not supported; keep one")
         return data
 
     @property
@@ -325,6 +336,9 @@ def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
 
         where = f"{source}: training.deepspeed {ds}"
         parsed = dsconfig.read(found, where)
+        if recipe.lora is not None and recipe.lora.init != "default" and dsconfig.zero_stage(parsed) == 3:
+            raise TunekitError(f"{source}: lora.init={recipe.lora.init} needs whole base weights at initialisation, "
+                               f"which ZeRO-3 ({ds}) partitions; use ZeRO-2 or lora.init: default")
         if recipe.lora is not None and recipe.lora.lr_ratio is not None and "optimizer" in parsed:
             raise TunekitError(f"{source}: lora.lr_ratio (LoRA+) needs the Trainer's optimizer, but training.deepspeed "
                                f"{ds} defines DeepSpeed's own; use a config without an optimizer section "

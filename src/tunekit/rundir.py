@@ -21,6 +21,7 @@ from .sources import resolve_model
 RUN_FILE = "run.json"
 RECIPE_FILE = "recipe.yaml"
 ADAPTER_DIR = "adapter"  # LoRA / QLoRA runs
+INITIAL_ADAPTER_DIR = "adapter_initial"  # lora.init pissa/olora: the adapter as initialised, for conversion
 MODEL_DIR = "model"  # full fine-tuning runs
 EVAL_DIR = "eval"  # end-of-training eval: metrics.json, predictions.jsonl
 CHECKPOINTS_DIR = "checkpoints"

@@ -20,8 +20,8 @@ from . import checkpoints, distributed, dsconfig, modelinfo, models, outputs, pr
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
-from .rundir import (ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, MODEL_DIR, RECIPE_FILE,
-                     RunRecord)
+from .rundir import (ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, INITIAL_ADAPTER_DIR, MODEL_DIR,
+                     RECIPE_FILE, RunRecord)
 from .trainer import SafeStateTrainer
 
 log = logging.getLogger("tunekit")
@@ -183,6 +183,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
     model = models.load_for_training(recipe, precision)
+    mutated_init = recipe.lora is not None and recipe.lora.init != "default"
+    if mutated_init and launch.is_main and resume_from is None:
+        models.save_initial_adapter(model, run_dir / INITIAL_ADAPTER_DIR)
     total, trainable = models.count_parameters(model)
     log.info("parameters: %s total, %s trainable (%.2f%%), method: %s", f"{total:,}", f"{trainable:,}",
              100 * trainable / max(total, 1), recipe.method)
@@ -271,6 +274,8 @@ def finalize(p: Prepared, result) -> None:
         shutil.rmtree(tmp)  # left by a run killed while saving
     trainer.save_model(str(tmp))
     if p.launch.is_main:
+        if p.recipe.lora is not None and p.recipe.lora.init != "default":
+            models.convert_to_plain_lora(tmp, run_dir / INITIAL_ADAPTER_DIR)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
