@@ -78,3 +78,22 @@ def test_the_private_deepspeed_engine_methods_tunekit_replaces_still_exist_upstr
 
     for name in ENGINE_HOOKS:
         assert callable(getattr(DeepSpeedEngine, name, None)), f"DeepSpeedEngine.{name} is gone: update dscheckpoint.py"
+
+
+def test_the_other_library_internals_tunekit_relies_on_still_exist():
+    """torch exposes the CPU's bf16 support only privately (hardware.py picks bf16 by it); bitsandbytes
+    offers no public switch for its inference-only CPU path that stops 4-bit training (models.py); the
+    GGUF header reader has no public name in transformers (modelinfo.py). A rename must fail here, not
+    silently change which precision or path a run takes."""
+    import inspect
+
+    import bitsandbytes as bnb
+    import torch
+
+    assert callable(getattr(torch.cpu, "_is_avx512_bf16_supported", None))
+    assert callable(getattr(torch.cpu, "_is_amx_tile_supported", None))
+    layer = bnb.nn.Linear4bit(64, 64, quant_type="nf4")
+    assert hasattr(layer, "support_avx512bf16_for_cpu")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    assert "return_tensors" in inspect.signature(load_gguf_checkpoint).parameters
