@@ -5,9 +5,10 @@ with the shipped recipes and data: bf16 and fp16 LoRA, QLoRA with bitsandbytes' 
 flagship recipe's settings (QLoRA + ZeRO-2 + paged 8-bit AdamW + checkpointing + accumulation), full
 fine-tuning with paged 8-bit AdamW, packing with SDPA and with flash-attention (when installed),
 ZeRO-3, 2-process DDP and ZeRO-2 (when 2 GPUs are present), merge and eval. Prints one table and
-writes bench/gpu_check.json. Without a CUDA GPU it says so and exits 0.
+writes bench/gpu_check.json, then runs the throughput benchmark (bench/run.py) on the GPU into
+bench/results_gpu.json. Without a CUDA GPU it says so and exits 0.
 
-    python bench/gpu_check.py [--only NAME ...] [--out bench/gpu_check.json]
+    python bench/gpu_check.py [--only NAME ...] [--out bench/gpu_check.json] [--no-bench]
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ def main() -> int:
     p.add_argument("--only", nargs="*", help="run only these checks: " + ", ".join(c.name for c in CHECKS))
     p.add_argument("--out", default=str(ROOT / "bench" / "gpu_check.json"))
     p.add_argument("--work", help="directory for the runs (default: a new temporary directory)")
+    p.add_argument("--no-bench", dest="bench", action="store_false", help="skip the throughput benchmark afterwards")
     a = p.parse_args()
 
     import torch
@@ -199,6 +201,11 @@ def main() -> int:
         print(f"{r['name']:<{width}}  {r['result']:<7}  {r['seconds']:>7}  {r['notes']}")
     failed = [r["name"] for r in rows if r["result"] == "FAIL"]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} checks ok or skipped in {total:.0f} s; written to {a.out}")
+    if a.bench:  # the throughput benchmark on this GPU, written beside the CPU results
+        bench_out = Path(a.out).with_name("results_gpu.json")
+        print(f"\ngpu-check: make bench on this GPU -> {bench_out}", flush=True)
+        rc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--out", str(bench_out)], cwd=ROOT).returncode
+        failed += ["bench"] if rc else []
     return 1 if failed else 0
 
 
