@@ -89,7 +89,7 @@ def test_resume_refuses_a_checkpoint_without_readable_optimizer_state(tmp_path):
     (ckpt / checkpoints.MARKER).write_text("{}")
     (ckpt / "optimizer.pt").write_bytes(b"PK\x03\x04")  # torch.save format, which tunekit never loads
     with pytest.raises(TunekitError, match="no optimizer state tunekit can read"):
-        checkpoints.resume_point(tmp_path)
+        checkpoints.resume_point(tmp_path / "checkpoints")
 
 
 def test_resume_restores_8bit_optimizer_state(resume_recipe, tmp_path):
@@ -212,7 +212,7 @@ def test_kill_during_end_of_training_eval_then_resume_finishes_only_the_eval(res
 
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *EVAL_ARGS, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "completed before; running its end-of-training eval" in res.stderr
+    assert "completed before; only its end-of-training eval is left" in res.stderr
     assert json.loads((out / "run.json").read_text())["eval"] == "completed"
     assert json.loads((out / "eval" / "metrics.json").read_text())["scores"]["examples"] == 16
     # the training was not run again
