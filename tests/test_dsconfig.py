@@ -33,7 +33,7 @@ def make(tmp_path, tiny_model):
 def test_shipped_configs_resolve_every_auto(make, name):
     path = make(name, learning_rate=3e-4, max_grad_norm=0.5)
     ds = train.deepspeed_config(recipe_mod.load(path), Precision("fp32", "test"), world_size=2)
-    assert ds["train_batch_size"] == 32 and ds["zero_optimization"] == {"stage": 2}
+    assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 0.5
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
     if "optimizer" in ds:
