@@ -8,11 +8,13 @@ assumes one process (train_batch_size comes out wrong under torchrun); resolving
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import TunekitError
 
@@ -91,22 +93,16 @@ def check_with_deepspeed(ds: dict, source: str) -> None:
             raise TunekitError(f"{source}: DeepSpeed rejects this config: {first}") from None
 
 
-def _quiet_deepspeed():
+@contextlib.contextmanager
+def _quiet_deepspeed() -> Iterator[None]:
     """Importing deepspeed logs its accelerator choice at WARNING; that line is noise here."""
-    import contextlib
-    import logging
-
-    @contextlib.contextmanager
-    def quiet():
-        logger = logging.getLogger("DeepSpeed")
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            logger.setLevel(level)
-
-    return quiet()
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # (path in the DeepSpeed JSON, what the recipe says, which recipe key says it)

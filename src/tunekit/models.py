@@ -16,6 +16,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+from . import dsconfig
 from .errors import TunekitError
 from .hardware import DTYPES, Precision
 from .recipe import ModelConfig, Recipe
@@ -91,7 +92,10 @@ def load_tokenizer(cfg: ModelConfig, directory: Path | None = None):
     return tok
 
 
-def quantization_config(recipe: Recipe, precision: Precision) -> BitsAndBytesConfig | None:
+def quantization_config(recipe: Recipe, precision: Precision,
+                        storage: torch.dtype = torch.uint8) -> BitsAndBytesConfig | None:
+    """bitsandbytes settings for the recipe's quantized base; `storage` is the dtype the packed 4-bit
+    weights are kept in (only the layout differs, not the quantized values)."""
     q = recipe.quantization
     if q is None:
         return None
@@ -103,16 +107,8 @@ def quantization_config(recipe: Recipe, precision: Precision) -> BitsAndBytesCon
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=DTYPES[compute],
-        # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype: the packed
-        # 4-bit weights must be stored in the dtype of the other weights (peft's QLoRA + ZeRO-3 recipe)
-        bnb_4bit_quant_storage=precision.dtype if _zero3(recipe) else torch.uint8,
+        bnb_4bit_quant_storage=storage,
     )
-
-
-def _zero3(recipe: Recipe) -> bool:
-    from . import dsconfig
-
-    return bool(recipe.training.deepspeed) and dsconfig.zero_stage(dsconfig.read(recipe.training.deepspeed)) == 3
 
 
 # peft's names; "pissa_niter_16" is PiSSA with a 16-iteration randomized SVD (minutes faster per
@@ -172,7 +168,10 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
 
 def load_for_training(recipe: Recipe, precision: Precision):
     """Base model (quantized for QLoRA) with a fresh LoRA adapter, or the full model."""
-    quant = quantization_config(recipe, precision)
+    # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype: the packed
+    # 4-bit weights must be stored in the dtype of the other weights (peft's QLoRA + ZeRO-3 recipe)
+    zero3 = recipe.training.deepspeed and dsconfig.zero_stage(dsconfig.read(recipe.training.deepspeed)) == 3
+    quant = quantization_config(recipe, precision, precision.dtype if zero3 else torch.uint8)
     # Full fine-tuning keeps fp32 master weights (mixed precision autocasts the matmuls);
     # a frozen base is stored in the training precision to halve its memory.
     weights = torch.float32 if recipe.full_finetuning else precision.dtype
