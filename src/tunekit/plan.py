@@ -123,8 +123,8 @@ def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
     return n / 2 + constants
 
 
-def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float, float]:
-    """(decoder-layer activations, one layer recomputed, logits and loss) in bytes per device.
+def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
+    """(decoder-layer activations, one layer recomputed) in bytes per device.
 
     Per token and Llama-style layer autograd keeps: each RMSNorm its input, the inverse RMS and the
     normalised output (2 x 3h, in fp32 whatever the precision: the norm upcasts); attention q, k, v,
@@ -149,11 +149,29 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float, fl
         kept, recomputed = layers * tokens * h * elem, tokens * per_token
     else:
         kept, recomputed = layers * tokens * per_token, 0
-    # Logits in the compute dtype, their fp32 upcast for the loss (none when already fp32), and
-    # 6 bytes per logit for the log-softmax output and the gradient temporaries of its backward
-    # (measured: 9.75 bytes per logit in total at fp32, where logits are 4 of them).
-    logits = tokens * vocab * (elem + (4 if elem != 4 else 0) + 6)
-    return kept, recomputed, logits
+    return kept, recomputed
+
+
+def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
+    """Bytes of the head + cross-entropy, every position trained (the worst case).
+
+    Stock path: logits in the compute dtype, their fp32 upcast for the loss (none when already fp32),
+    and 6 bytes per logit for the log-softmax output and the gradient temporaries of its backward
+    (measured: 9.75 bytes per logit in total at fp32, where logits are 4 of them).
+    Chunked path (losspath): the trained positions' hidden states gathered, their gradient held from
+    forward to backward, one chunk of logits (compute dtype, then fp32, softmax in place, its gradient
+    cast back), and an fp32 gradient for a trained head."""
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    tokens = s.micro_batch * s.seq_len
+    elem = 4 if s.precision == "fp32" else 2
+    if not chunked:
+        return tokens * vocab * (elem + (4 if elem != 4 else 0) + 6)
+    from .losspath import chunk_rows
+
+    hidden_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
+    rows = min(tokens, chunk_rows(vocab))
+    head_grad = vocab * h * 4 if recipe.full_finetuning else 0
+    return 2 * tokens * h * hidden_elem + rows * vocab * (4 + 2 * elem) + head_grad
 
 
 def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
@@ -179,7 +197,11 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
         parts["weights (trainable, fp32)"] = c.trainable * 4
         parts["gradients (fp32)"] = c.trainable * 4
         parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
-    kept, recomputed, logits = activation_bytes(cfg, s, recipe)
+    kept, recomputed = activation_bytes(cfg, s, recipe)
+    from .losspath import unsupported_reason
+
+    chunked = recipe.training.chunked_loss and unsupported_reason(model) is None
+    logits = loss_path_bytes(cfg, s, recipe, chunked)
     act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
     parts[act_key] = kept
     parts["logits and loss"] = logits

@@ -119,6 +119,8 @@ class TrainingConfig(Section):
     micro_batch_size: int = Field(4, gt=0, description="Examples per device per forward pass.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    chunked_loss: bool = Field(True, description="Run the output head and cross-entropy only on trained positions, in chunks "
+                               "(the full logits tensor never exists); false uses the stock full-logits loss.")
     group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding, unpacked runs).")
     learning_rate: float = Field(2e-4, gt=0, le=1.0, description="Peak learning rate.")
     lr_scheduler: Literal[

@@ -220,6 +220,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         processing_class=tokenizer,
         callbacks=[LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()],
         loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
+        chunked_loss=recipe.training.chunked_loss,
     )
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
 

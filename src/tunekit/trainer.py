@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers import Trainer
 
-from . import statefile
+from . import losspath, statefile
 
 log = logging.getLogger("tunekit")
 
@@ -30,9 +30,31 @@ def _rng_file(args) -> str:
 
 
 class SafeStateTrainer(Trainer):
-    def __init__(self, *args, loraplus_lr_ratio: float | None = None, **kwargs):
+    def __init__(self, *args, loraplus_lr_ratio: float | None = None, chunked_loss: bool = False, **kwargs):
         self.loraplus_lr_ratio = loraplus_lr_ratio
         super().__init__(*args, **kwargs)
+        stock_only = self.label_smoother is not None or self.compute_loss_func is not None
+        self.loss_head = losspath.install(self.model) if chunked_loss and not stock_only else None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The stock loss, computed by `losspath` on trained positions only; normalized as the stock path
+        does (by the Trainer's token count across accumulation steps and processes, else the batch mean)."""
+        if self.loss_head is None or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        targets = losspath.shift_targets(inputs.pop("labels"))
+        with self.loss_head.active(targets):
+            outputs = model(**inputs)
+        total = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
+                            else num_items_in_batch)
+            if self.args.average_tokens_across_devices:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
+                               else self.args.n_gpu)
+        else:
+            loss = total / self.loss_head.trained
+        return (loss, outputs) if return_outputs else loss
 
     def create_optimizer(self, model=None):
         """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio. The Trainer

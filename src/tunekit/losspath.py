@@ -1,0 +1,160 @@
+"""The causal-LM loss computed only where it is trained, in chunks.
+
+The stock path runs the language-model head over every position (prompt, padding and packing
+boundaries included), materializes the whole [batch, length, vocab] logits tensor, upcasts it to fp32
+and then ignores the masked positions. Here the head's forward is replaced, for training and eval-loss
+batches only, by one that picks the positions whose next token carries a label and runs head +
+cross-entropy on them a chunk at a time, computing the gradient inside the same loop (as Liger's
+fused linear cross-entropy does), so no logits tensor larger than one chunk ever exists.
+
+Why our own code: transformers' `logits_to_keep` keeps one set of positions for the whole batch, not
+per row, and Liger's kernels need Triton (GPU) and a per-architecture patch. Replacing the head's
+forward keeps every wrapper in place (DDP, DeepSpeed's ZeRO-3 parameter gathering, PEFT, gradient
+checkpointing), because the model is still called as a whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("tunekit")
+
+IGNORE = -100
+CHUNK_BYTES = 128 * 2**20  # fp32 logits per chunk: 682 positions at SmolLM2's 49,152 tokens, 261 at Llama 3's
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(16, min(8192, CHUNK_BYTES // (4 * vocab)))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of cross_entropy(hidden @ weight.T + bias, targets), gradients computed chunk by
+    chunk in forward. Numerically the stock path: logits in the weight's dtype, softmax and loss in
+    fp32, the logits' gradient cast back to the weight's dtype before the two matmuls."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, rows: int, need_grad: bool):
+        need_h = need_grad and hidden.requires_grad
+        need_w = need_grad and weight.requires_grad
+        need_b = need_grad and bias is not None and bias.requires_grad
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        for start in range(0, hidden.shape[0], rows):
+            h, t = hidden[start:start + rows], targets[start:start + rows]
+            logits = F.linear(h, weight, bias).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if need_h or need_w or need_b:
+                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g[torch.arange(g.shape[0], device=g.device), t] -= 1.0
+                g = g.to(hidden.dtype)
+                if need_h:
+                    grad_h[start:start + rows] = g @ weight
+                if need_w:
+                    grad_w += (g.t() @ h).float()
+                if need_b:
+                    grad_b += g.float().sum(0)
+            del logits
+        ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
+        ctx.which = (need_h, need_w, need_b)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = iter(ctx.saved_tensors)
+        need_h, need_w, need_b = ctx.which
+        grad_h = next(saved) * grad_out.to(ctx.saved_tensors[0].dtype) if need_h else None
+        grad_w = (next(saved) * grad_out).to(ctx.dtypes[0]) if need_w else None
+        grad_b = (next(saved) * grad_out).to(ctx.dtypes[1]) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             targets: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of the head on `hidden` [N, H] against `targets` [N] (no ignored entries)."""
+    rows = rows or chunk_rows(weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, rows, torch.is_grad_enabled())
+
+
+def shift_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Position t is trained on labels[t + 1]; the last position of each row predicts nothing."""
+    return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+
+
+# a line that assigns to `logits` (not the `logits=logits,` keyword of the returned output)
+_LOGITS_ASSIGNED = re.compile(r"^\s*logits\s*(?:[-+*/]|//)?=(?!=)(?!\s*logits\s*[,)])", re.MULTILINE)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the chunked path cannot stand in for this model's head, or None when it can: the head must be
+    a plain nn.Linear whose output the model's forward returns as the logits unchanged, with no other loss
+    term (models that scale or soft-cap logits after the head, mixture-of-experts models with a router
+    loss, a LoRA-wrapped or quantized head keep the stock path)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return f"its output head is {type(head).__name__}, not a plain Linear layer"
+    name = next((n for n, m in base.named_children() if m is head), None)
+    if name is None:
+        return "its output head is not a direct child of the model"
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return f"the source of {type(base).__name__}.forward cannot be read"
+    if f"self.{name}(" not in source or len(_LOGITS_ASSIGNED.findall(source)) != 1:
+        return f"{type(base).__name__}.forward changes the logits after the head"
+    if "aux_loss" in source:  # mixture-of-experts router loss, added to the loss only when labels are passed
+        return f"{type(base).__name__}.forward adds an auxiliary loss to the language-model loss"
+    return None
+
+
+class TrainedPositionsHead:
+    """Installed on a model's output head; `active(targets)` makes the next forward return the summed
+    loss over trained positions (a 0-d fp32 tensor) instead of logits."""
+
+    def __init__(self, model: nn.Module):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.head: nn.Linear = base.get_output_embeddings()
+        self.rows = chunk_rows(self.head.out_features)
+        self.targets: torch.Tensor | None = None
+        self.trained = 0
+        stock = self.head.forward
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            if self.targets is None:
+                return stock(hidden)
+            targets = self.targets.to(hidden.device)
+            keep = targets != IGNORE
+            self.trained = int(keep.sum())
+            # Under ZeRO-3 the weight is gathered only inside this call, so the loss is computed here.
+            return linear_cross_entropy_sum(hidden[keep], self.head.weight, self.head.bias, targets[keep], self.rows)
+
+        self.head.forward = forward  # an instance attribute: parameter names and state dicts are unchanged
+
+    @contextlib.contextmanager
+    def active(self, targets: torch.Tensor):
+        self.targets = targets
+        try:
+            yield
+        finally:
+            self.targets = None
+
+
+def install(model: nn.Module) -> TrainedPositionsHead | None:
+    """The chunked head for `model`, or None (said once) where the stock path has to stay."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.warning("loss: computed over all positions (the stock path), because %s", reason)
+        return None
+    log.info("loss: head and cross-entropy on trained positions only, in chunks")
+    return TrainedPositionsHead(model)
