@@ -1,6 +1,8 @@
-"""The baseline: a LoRA fine-tuning script of the kind a user writes by hand with transformers and
-peft (after peft's causal-LM examples): every example padded to max_length, prompt tokens masked,
-plain Trainer. Prints a JSON line with its measurements. Used by bench/run.py."""
+"""The baseline: a LoRA fine-tuning script of the kind a competent user writes by hand with
+transformers and peft, as TRL and peft's examples do: chat template, prompt tokens masked, each batch
+padded to its longest example (DataCollatorForSeq2Seq), plain Trainer. `--pad-to-max-length` pads
+every example to max_length instead (the older examples' way; an extra row in the bench). Prints a
+JSON line with its measurements. Used by bench/run.py."""
 
 import argparse
 import json
@@ -10,7 +12,8 @@ import time
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments,
+                          default_data_collator)
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)
@@ -20,6 +23,7 @@ p.add_argument("--max-length", type=int, default=256)
 p.add_argument("--batch-size", type=int, default=8)
 p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--pad-to-max-length", action="store_true")
 a = p.parse_args()
 
 tok = AutoTokenizer.from_pretrained(a.model)
@@ -27,12 +31,13 @@ rows = [json.loads(line) for line in open(a.train)]
 
 
 def encode(row):
-    user = row["instruction"] + "\n\n" + row["input"]
+    user = row["instruction"] + ("\n\n" + row["input"] if row.get("input") else "")
     prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
     full = tok.apply_chat_template([{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}],
                                    tokenize=False)
     n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
-    enc = tok(full, add_special_tokens=False, truncation=True, max_length=a.max_length, padding="max_length")
+    enc = tok(full, add_special_tokens=False, truncation=True, max_length=a.max_length,
+              padding="max_length" if a.pad_to_max_length else False)
     labels = [t if (i >= n_prompt and m == 1) else -100 for i, (t, m) in enumerate(zip(enc["input_ids"], enc["attention_mask"]))]
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
 
@@ -46,13 +51,23 @@ args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=a.batch_s
                          learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, bf16=True,
                          use_cpu=not torch.cuda.is_available(),
                          report_to="none", save_strategy="no", seed=a.seed, data_seed=a.seed, disable_tqdm=True)
-trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator)
+computed = 0
+
+
+def collate(features, pad=default_data_collator if a.pad_to_max_length else
+            DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)):
+    global computed
+    batch = pad(features)
+    computed += batch["input_ids"].numel()
+    return batch
+
+
+trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collate)
 start = time.perf_counter()
 out = trainer.train()
 elapsed = time.perf_counter() - start
 model.save_pretrained(a.out + "/adapter")
 real = sum(sum(m) for m in ds["attention_mask"])
-computed = len(ds) * a.max_length
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 print(json.dumps({"train_runtime_s": out.metrics["train_runtime"], "wall_s": elapsed, "tokens_real": real,
                   "tokens_computed": computed, "padding_fraction": 1 - real / computed,

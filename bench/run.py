@@ -1,9 +1,14 @@
-"""Throughput benchmark (`make bench`): the same model, data and tokens trained by
-(a) a hand-written transformers+peft script (bench/handwritten.py, padded batches),
-(b) tunekit with default settings, (c) tunekit with packing; then evaluation generation one example
-at a time vs tunekit's batched, length-grouped generation. Runs on CPU here and on GPU unchanged.
+"""Throughput benchmark (`make bench`). On each data set (two built from real text, bench/realdata.py,
+and a synthetic one), the same model, examples and seed trained by:
+  script     a hand-written transformers+peft script, each batch padded to its longest example
+             (bench/handwritten.py): the baseline every ratio is quoted against;
+  tunekit    tunekit's defaults; and variants: packing, the stock full-logits loss;
+  script-max the same script padding every example to max_length (synthetic set only).
+Then: peak live tensor memory of one training step on each set's longest batch (baseline vs
+tunekit's defaults), and evaluation generation one example at a time vs batched. All in one
+invocation, on CPU here and on GPU unchanged.
 
-    python bench/run.py [--examples 192] [--out bench/results.json]
+    python bench/run.py [--examples 128] [--sets translate,define,synthetic] [--out bench/results.json]
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def run(cmd: list[str]) -> str:
 
 
 def tunekit_run(name: str, work: Path, train: Path, examples: int, extra: list[str]) -> dict:
+    """tunekit train on the LoRA recipe, set as the script is (bf16, micro-batch 8, lr 1e-3 constant, seed 0)."""
     out = work / name
     recipe = ROOT / "recipes" / "smollm2_lora.yaml"
     sets = [f"output_dir={out}", f"data.train={train}", "data.eval=null", "eval=null", "data.max_length=256",
@@ -64,6 +70,59 @@ def tunekit_run(name: str, work: Path, train: Path, examples: int, extra: list[s
     return {**{k: t[k] for k in ("train_runtime_s", "tokens_real", "tokens_computed", "padding_fraction",
                                  "real_tokens_per_s")}, "peak_rss_gb": info["peak_memory_gb"]["cpu_rss"],
             "adapter": str(out / "adapter")}
+
+
+def handwritten_run(name: str, work: Path, model_dir: str, train: Path, extra: list[str]) -> dict:
+    out = work / name
+    row = json.loads(run([sys.executable, "bench/handwritten.py", "--model", model_dir, "--train", str(train),
+                          "--out", str(out), *extra]).strip().splitlines()[-1])
+    return {**row, "adapter": str(out / "adapter")}
+
+
+def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
+    """Peak live tensor bytes of one forward+backward (bf16 autocast on the LoRA model) on the 8 longest
+    examples: the script's batch (padded to the longest, full-logits loss) or tunekit's (its default
+    collation and loss path). Same weights and examples; the profiler's allocation trace, as
+    bench/plan_check.py measures the plan."""
+    from plan_check import traced_step_peak
+
+    from tunekit import data as data_mod
+    from tunekit import losspath, models
+    from tunekit.hardware import Precision
+    from tunekit.recipe import from_dict
+
+    raw = {"model": {"name_or_path": model_dir}, "data": {"train": str(train), "max_length": 256},
+           "lora": {"r": 16, "alpha": 32, "dropout": 0.0}, "training": {"precision": "bf16"}}
+    recipe = from_dict(raw)
+    tok = models.load_tokenizer(recipe.model)
+    tok.padding_side = "right"
+    bundle = data_mod.build(recipe.data, tok, 0)
+    longest = sorted(range(len(bundle.train)), key=lambda i: -len(bundle.train[i]["input_ids"]))[:8]
+    features = [bundle.train[i] for i in longest]
+    model = models.load_for_training(recipe, Precision("bf16", "bench"))
+    model.train()
+    if tunekit_defaults:
+        batch = data_mod.collator(tok, recipe.data.packing)(features)
+    else:
+        from transformers import DataCollatorForSeq2Seq
+
+        batch = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)(features)
+    batch = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    head = losspath.install(model) if tunekit_defaults and recipe.training.chunked_loss else None
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if head is None:
+                loss = model(**batch).loss
+            else:
+                inputs = {k: v for k, v in batch.items() if k != "labels"}
+                with head.active(losspath.shift_targets(batch["labels"])):
+                    loss = model(**inputs).logits / head.trained
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    return traced_step_peak(step)
 
 
 def eval_loss(adapter: str, model_dir: str, eval_file: Path) -> float:
@@ -109,54 +168,88 @@ def generation(model_dir: str, eval_file: Path, n: int, batch_size: int, max_new
             "speedup": t_single / t_batched, "identical_outputs": sum(a == b for a, b in zip(single, batched))}
 
 
+def dataset_files(name: str, work: Path, examples: int, real: dict) -> tuple[Path, Path]:
+    if name == "synthetic":
+        return (write_jsonl(work / "synthetic_train.jsonl", mixed_rows(examples, seed=1)),
+                write_jsonl(work / "synthetic_eval.jsonl", mixed_rows(32, seed=2)))
+    return real[name]
+
+
+def bench_set(name: str, work: Path, model_dir: str, examples: int, real: dict) -> dict:
+    train, held_out = dataset_files(name, work, examples, real)
+    say = lambda what: print(f"bench [{name}]: {what}", flush=True)  # noqa: E731
+    say("script (per-batch padding)")
+    runs = {"script": handwritten_run(f"{name}-script", work, model_dir, train, [])}
+    say("tunekit defaults")
+    runs["tunekit"] = tunekit_run(f"{name}-tunekit", work, train, examples, [])
+    say("tunekit, packing on")
+    runs["tunekit packing"] = tunekit_run(f"{name}-packed", work, train, examples, ["data.packing=true"])
+    say("tunekit, stock full-logits loss")
+    runs["tunekit stock loss"] = tunekit_run(f"{name}-stockloss", work, train, examples,
+                                             ["training.chunked_loss=false"])
+    if name == "synthetic":
+        say("script padding to max_length")
+        runs["script-max"] = handwritten_run(f"{name}-script-max", work, model_dir, train, ["--pad-to-max-length"])
+    for r in runs.values():
+        r["eval_loss"] = eval_loss(r.pop("adapter"), model_dir, held_out)
+    base = runs["script"]
+    for r in runs.values():
+        r["speed_vs_script"] = r["real_tokens_per_s"] / base["real_tokens_per_s"]
+        r["eval_loss_vs_script"] = r["eval_loss"] / base["eval_loss"] - 1
+    say("step memory")
+    memory = {"script": step_memory(model_dir, train, False), "tunekit": step_memory(model_dir, train, True)}
+    memory["tunekit_vs_script"] = memory["tunekit"] / memory["script"] - 1
+    return {"runs": runs, "step_memory_bytes": memory}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--examples", type=int, default=192)
+    p.add_argument("--examples", type=int, default=128)
+    p.add_argument("--sets", default="translate,define,synthetic")
     p.add_argument("--gen-examples", type=int, default=32)
     p.add_argument("--gen-batch-size", type=int, default=16)
+    p.add_argument("--no-generation", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     a = p.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    import realdata
 
     from tunekit.models import materialize
 
+    sets = a.sets.split(",")
     model_dir = materialize(BASE)
     work = Path(tempfile.mkdtemp(prefix="tunekit-bench-"))
-    train_file = write_jsonl(work / "train.jsonl", mixed_rows(a.examples, seed=1))
-    eval_file = write_jsonl(work / "eval.jsonl", mixed_rows(max(a.gen_examples, 32), seed=2))
-
+    real = realdata.write(work, a.examples, 32) if set(sets) - {"synthetic"} else {}
     results: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                  "cpu_count": __import__("os").cpu_count(), "torch": torch.__version__,
                                  "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
                      "setup": {"model": "SmolLM2-135M-Instruct", "examples": a.examples, "epochs": 1,
-                               "micro_batch": 8, "lora_r": 16, "precision": "bf16", "max_length": 256}}
-    print("bench: (a) hand-written transformers+peft script", flush=True)
-    hand = json.loads(run([sys.executable, "bench/handwritten.py", "--model", model_dir, "--train", str(train_file),
-                           "--out", str(work / "handwritten")]).strip().splitlines()[-1])
-    hand["adapter"] = str(work / "handwritten" / "adapter")
-    print("bench: (b) tunekit defaults", flush=True)
-    default = tunekit_run("default", work, train_file, a.examples, [])
-    print("bench: (c) tunekit packing", flush=True)
-    packed = tunekit_run("packed", work, train_file, a.examples, ["data.packing=true"])
-    runs = {"handwritten": hand, "tunekit_default": default, "tunekit_packing": packed}
-    for name, r in runs.items():
-        r["eval_loss"] = eval_loss(r.pop("adapter"), model_dir, eval_file)
-    base = hand["real_tokens_per_s"]
-    for r in runs.values():
-        r["speedup_vs_handwritten"] = r["real_tokens_per_s"] / base
-        r["eval_loss_vs_handwritten"] = r["eval_loss"] / hand["eval_loss"] - 1
-    results["training"] = runs
-    print("bench: evaluation generation", flush=True)
-    results["generation"] = generation(model_dir, eval_file, a.gen_examples, a.gen_batch_size, 32)
+                               "micro_batch": 8, "lora_r": 16, "precision": "bf16", "max_length": 256},
+                     "sets": {}}
+    started = time.perf_counter()
+    for name in sets:
+        results["sets"][name] = bench_set(name, work, model_dir, a.examples, real)
+    if not a.no_generation:
+        print("bench: evaluation generation", flush=True)
+        held_out = dataset_files(sets[0], work, a.examples, real)[1]
+        results["generation"] = generation(model_dir, held_out, a.gen_examples, a.gen_batch_size, 32)
+    results["wall_s"] = time.perf_counter() - started
     Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
 
-    print(f"\n{'run':<18}{'real tok/s':>11}{'padding':>9}{'peak RSS GB':>12}{'eval loss':>10}{'speedup':>9}")
-    for name, r in runs.items():
-        print(f"{name:<18}{r['real_tokens_per_s']:>11.0f}{r['padding_fraction']:>9.1%}{r['peak_rss_gb']:>12.2f}"
-              f"{r['eval_loss']:>10.4f}{r['speedup_vs_handwritten']:>8.2f}x")
-    g = results["generation"]
-    print(f"\ngeneration: {g['per_example_s_single']:.3f} s/example one at a time, "
-          f"{g['per_example_s_batched']:.3f} s/example batched ({g['batch_size']}, length-grouped): "
-          f"{g['speedup']:.1f}x; identical outputs {g['identical_outputs']}/{g['examples']}")
+    print(f"\n{'set':<11}{'run':<20}{'real tok/s':>11}{'padding':>9}{'peak RSS GB':>12}{'eval loss':>10}"
+          f"{'vs script':>10}")
+    for name, res in results["sets"].items():
+        for run_name, r in res["runs"].items():
+            print(f"{name:<11}{run_name:<20}{r['real_tokens_per_s']:>11.0f}{r['padding_fraction']:>9.1%}"
+                  f"{r['peak_rss_gb']:>12.2f}{r['eval_loss']:>10.4f}{r['speed_vs_script']:>9.2f}x")
+        m = res["step_memory_bytes"]
+        print(f"{name:<11}step memory: script {m['script'] / 2**20:.0f} MiB, tunekit {m['tunekit'] / 2**20:.0f} MiB "
+              f"({100 * m['tunekit_vs_script']:+.0f}%)")
+    if "generation" in results:
+        g = results["generation"]
+        print(f"\ngeneration: {g['per_example_s_single']:.3f} s/example one at a time, "
+              f"{g['per_example_s_batched']:.3f} s/example batched ({g['batch_size']}, length-grouped): "
+              f"{g['speedup']:.1f}x; identical outputs {g['identical_outputs']}/{g['examples']}")
     print(f"written to {a.out}")
     return 0
 
