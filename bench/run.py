@@ -87,7 +87,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     from plan_check import traced_step_peak
 
     from tunekit import data as data_mod
-    from tunekit import losspath, models
+    from tunekit import arrowdata, losspath, models
     from tunekit.hardware import Precision
     from tunekit.recipe import from_dict
 
@@ -96,7 +96,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     recipe = from_dict(raw)
     tok = models.load_tokenizer(recipe.model)
     tok.padding_side = "right"
-    bundle = data_mod.build(recipe.data, tok, 0)
+    bundle = arrowdata.build(recipe.data, tok, 0)
     longest = sorted(range(len(bundle.train)), key=lambda i: -len(bundle.train[i]["input_ids"]))[:8]
     features = [bundle.train[i] for i in longest]
     model = models.load_for_training(recipe, Precision("bf16", "bench"))

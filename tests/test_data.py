@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import write_jsonl
+from tunekit import arrowdata
 from tunekit import data as data_mod
 from tunekit.data import IGNORE, Record, Renderer, tokenize
 from tunekit.errors import TunekitError
@@ -114,7 +115,7 @@ def test_truncation_counted_and_targetless_examples_dropped(tmp_path, tiny_token
             {"instruction": "Reverse the word. " * 30, "input": "dog", "output": "god"},
             {"instruction": "x", "output": "y " * 40}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    bundle = data_mod.build(DataConfig(train=str(path), max_length=40), tiny_tokenizer, seed=0)
+    bundle = arrowdata.build(DataConfig(train=str(path), max_length=40), tiny_tokenizer, seed=0)
     stats = bundle.train_stats
     assert stats.truncated == 2  # the long prompt and the long answer
     assert stats.dropped_no_target == 1  # the long prompt leaves no answer token within 40
@@ -126,8 +127,8 @@ def test_seeded_eval_fraction_is_deterministic_and_disjoint(tmp_path, tiny_token
     rows = [{"instruction": f"Reverse {i}.", "output": str(i)[::-1]} for i in range(20)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     c = DataConfig(train=str(path), eval_fraction=0.25)
-    a = data_mod.build(c, tiny_tokenizer, seed=3)
-    b = data_mod.build(c, tiny_tokenizer, seed=3)
+    a = arrowdata.build(c, tiny_tokenizer, seed=3)
+    b = arrowdata.build(c, tiny_tokenizer, seed=3)
     assert len(a.train) == 15 and len(a.eval) == 5
     assert [r.reference for r in a.eval_rendered] == [r.reference for r in b.eval_rendered]
     eval_refs = {r.reference for r in a.eval_rendered}
@@ -144,7 +145,7 @@ def test_csv_and_parquet_files(tmp_path, tiny_tokenizer):
     ds.to_csv(tmp_path / "d.csv")
     ds.to_parquet(tmp_path / "d.parquet")
     for name in ("d.csv", "d.parquet"):
-        bundle = data_mod.build(DataConfig(train=str(tmp_path / name), format="prompt_completion"), tiny_tokenizer, 0)
+        bundle = arrowdata.build(DataConfig(train=str(tmp_path / name), format="prompt_completion"), tiny_tokenizer, 0)
         assert bundle.train_stats.examples == 2
 
 

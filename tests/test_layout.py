@@ -13,7 +13,7 @@ PACKAGE = Path(tunekit.__file__).parent
 # lowest first: a module may import only modules listed before it
 LAYERS = ["errors", "statefile", "tiny", "demo_data", "distributed", "sources", "hardware", "metrics", "formats", "dsconfig",
           "losspath",
-          "recipe", "outputs", "modelinfo", "data", "models", "dscheckpoint", "trainer", "checkpoints", "plan",
+          "recipe", "outputs", "modelinfo", "data", "arrowdata", "models", "dscheckpoint", "trainer", "checkpoints", "plan",
           "preflight", "rundir", "train", "evaluation", "merge", "demo", "cli", "__main__"]
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import reverse_rows, tiny_recipe, write_jsonl
 
+from tunekit import arrowdata
 from tunekit import data as data_mod
 from tunekit import losspath, models
 from tunekit.hardware import Precision
@@ -62,7 +63,7 @@ def recipe_dir(recipe):
 
 
 def _batch(recipe, tokenizer, packing):
-    bundle = data_mod.build(recipe.data, tokenizer, 0)
+    bundle = arrowdata.build(recipe.data, tokenizer, 0)
     features = [bundle.train[i] for i in range(5)]
     batch = data_mod.collator(tokenizer, packing)(features)
     return {k: v for k, v in batch.items() if torch.is_tensor(v)}

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer
 
 from conftest import tiny_recipe, write_jsonl, write_recipe
+from tunekit import arrowdata
 from tunekit import data as data_mod
 from tunekit import models, recipe as recipe_mod, train
 from tunekit.hardware import Precision
@@ -33,7 +34,7 @@ def per_token_loss(logits, labels):
 def test_each_example_has_the_same_per_token_loss_packed_and_alone(tiny_model, tiny_tokenizer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     model.config.use_cache = False  # as in training
-    bundle = data_mod.build(recipe_mod.DataConfig(train=str(write_jsonl(tmp_path / "d.jsonl", mixed_rows(6)))),
+    bundle = arrowdata.build(recipe_mod.DataConfig(train=str(write_jsonl(tmp_path / "d.jsonl", mixed_rows(6)))),
                             tiny_tokenizer, seed=0)
     features = [bundle.train[i] for i in range(len(bundle.train))]
     batch = data_mod.collator(tiny_tokenizer, packing=True)(features)
@@ -80,7 +81,7 @@ def test_group_by_length_reduces_padding(tmp_path, tiny_model, tiny_tokenizer):
         raw = tiny_recipe(tiny_model, file, tmp_path / "run", data={"max_length": 128},
                           training={"group_by_length": group, "micro_batch_size": 8})
         recipe = recipe_mod.load(write_recipe(tmp_path / "g.yaml", raw))
-        bundle = data_mod.build(recipe.data, tiny_tokenizer, 0)
+        bundle = arrowdata.build(recipe.data, tiny_tokenizer, 0)
         args = train.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", False)
         model = models.load_for_training(recipe, Precision("fp32", "test"))
         trainer = Trainer(model=model, args=args, train_dataset=bundle.train,

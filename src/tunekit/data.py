@@ -7,7 +7,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import TunekitError
 from .formats import FORMATS, Record
@@ -59,26 +59,39 @@ class DataBundle:
 # ---------------------------------------------------------------- reading
 
 
-def _read_json_file(path: Path, key: str) -> list[Record]:
+def _bad_utf8(path: Path, key: str, offset: int, byte: int) -> TunekitError:
+    line = path.read_bytes()[:offset].count(b"\n") + 1
+    return TunekitError(f"{key}: {path} line {line}: not UTF-8 text (byte 0x{byte:02x}); re-save the file as UTF-8")
+
+
+def _iter_json_file(path: Path, key: str) -> Iterator[Record]:
     # Parsed here rather than by `datasets`: its Arrow errors name neither the line nor the field.
+    # JSON lines are streamed (memory does not grow with the file); a JSON list is read whole.
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip()
+    if path.suffix == ".jsonl" or (path.suffix == ".json" and not head.startswith(b"[")):
+        offset = 0
+        with path.open("rb") as f:
+            for n, line in enumerate(f, start=1):
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _bad_utf8(path, key, offset + e.start, e.object[e.start]) from None
+                offset += len(line)
+                if not text.strip():
+                    continue
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise TunekitError(f"{key}: {path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(value, dict):
+                    raise TunekitError(f"{key}: {path} line {n}: expected a JSON object, got {type(value).__name__}")
+                yield Record(value, f"{path} line {n}")
+        return
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise TunekitError(f"{key}: {path} line {line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); re-save the file as UTF-8") from None
-    records: list[Record] = []
-    if path.suffix == ".jsonl" or (path.suffix == ".json" and not text.lstrip().startswith("[")):
-        for n, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TunekitError(f"{key}: {path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(value, dict):
-                raise TunekitError(f"{key}: {path} line {n}: expected a JSON object, got {type(value).__name__}")
-            records.append(Record(value, f"{path} line {n}"))
-        return records
+        raise _bad_utf8(path, key, e.start, e.object[e.start]) from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -88,8 +101,7 @@ def _read_json_file(path: Path, key: str) -> list[Record]:
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise TunekitError(f"{key}: {path} item {i}: expected a JSON object, got {type(item).__name__}")
-        records.append(Record(item, f"{path} item {i}"))
-    return records
+        yield Record(item, f"{path} item {i}")
 
 
 def _csv_as_text(path: Path) -> dict:
@@ -103,9 +115,15 @@ def _csv_as_text(path: Path) -> dict:
 
 
 def read_records(spec: str, split: str, key: str) -> list[Record]:
+    return list(iter_records(spec, split, key))
+
+
+def iter_records(spec: str, split: str, key: str) -> Iterator[Record]:
+    """The records of a data file or hub data set, in order, each with where it came from."""
     path = Path(spec)
     if path.is_file() and path.suffix in (".jsonl", ".json"):
-        return _read_json_file(path, key)
+        yield from _iter_json_file(path, key)
+        return
     import datasets
 
     try:
@@ -124,7 +142,8 @@ def read_records(spec: str, split: str, key: str) -> list[Record]:
     except Exception as e:  # datasets raises many types for unreachable hub names and bad files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TunekitError(f"{key}: cannot load {spec!r} ({first[:200]})") from None
-    return [Record(row, f"{label} {i + 1}") for i, row in enumerate(ds)]
+    for i, row in enumerate(ds):
+        yield Record(row, f"{label} {i + 1}")
 
 
 # ---------------------------------------------------------------- rendering
@@ -189,11 +208,14 @@ def tokenize(rendered: Rendered, tokenizer, max_length: int, mask_prompt: bool) 
     """Token ids and labels; a token is trained when its first character lies in a trained span.
     Returns the example and whether it was truncated."""
     enc = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens, return_offsets_mapping=True)
-    ids: list[int] = enc["input_ids"]
+    return _labelled(enc["input_ids"], enc["offset_mapping"], rendered.spans, max_length, mask_prompt)
+
+
+def _labelled(ids: list[int], offsets, spans, max_length: int, mask_prompt: bool) -> tuple[Example, bool]:
     if mask_prompt:
         labels = [IGNORE] * len(ids)
-        for j, (start, end) in enumerate(enc["offset_mapping"]):
-            if end > start and any(s <= start < e for s, e in rendered.spans):
+        for j, (start, end) in enumerate(offsets):
+            if end > start and any(s <= start < e for s, e in spans):
                 labels[j] = ids[j]
     else:
         labels = list(ids)
@@ -201,11 +223,21 @@ def tokenize(rendered: Rendered, tokenizer, max_length: int, mask_prompt: bool) 
     return Example(ids[:max_length], labels[:max_length]), truncated
 
 
+def tokenize_batch(renders: list[Rendered], tokenizer, max_length: int, mask_prompt: bool) -> list[tuple[Example, bool]]:
+    """`tokenize` for many: one tokenizer call per special-token setting (fast tokenizers batch in Rust)."""
+    out: list[tuple[Example, bool] | None] = [None] * len(renders)
+    for flag in {r.add_special_tokens for r in renders}:
+        idx = [i for i, r in enumerate(renders) if r.add_special_tokens == flag]
+        enc = tokenizer([renders[i].text for i in idx], add_special_tokens=flag, return_offsets_mapping=True)
+        for k, i in enumerate(idx):
+            out[i] = _labelled(enc["input_ids"][k], enc["offset_mapping"][k], renders[i].spans, max_length, mask_prompt)
+    return out  # type: ignore[return-value]
+
+
 def build_examples(renders: list[Rendered], tokenizer, cfg: DataConfig) -> tuple[list[Example], DataStats]:
     stats = DataStats()
     out = []
-    for r in renders:
-        ex, truncated = tokenize(r, tokenizer, cfg.max_length, cfg.mask_prompt)
+    for ex, truncated in tokenize_batch(renders, tokenizer, cfg.max_length, cfg.mask_prompt):
         stats.truncated += truncated
         # labels are shifted inside the model: position 0 is never a target
         trained = sum(1 for label in ex.labels[1:] if label != IGNORE)
@@ -219,29 +251,23 @@ def build_examples(renders: list[Rendered], tokenizer, cfg: DataConfig) -> tuple
     return out, stats
 
 
-def _to_dataset(examples: list[Example]):
-    import datasets
-
-    return datasets.Dataset.from_dict(
-        {
-            "input_ids": [e.input_ids for e in examples],
-            "attention_mask": [[1] * len(e.input_ids) for e in examples],
-            "labels": [e.labels for e in examples],
-        }
-    )
+def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) positions, each in file order: a seeded `fraction` of n held out."""
+    n_eval = round(n * fraction)
+    if n_eval < 1 or n_eval >= n:
+        raise TunekitError(
+            f"data.eval_fraction={fraction} of {n} examples leaves {n_eval} for eval and "
+            f"{n - n_eval} for training; each needs at least one"
+        )
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_eval])
+    return [i for i in range(n) if i not in held], sorted(held)
 
 
 def split_records(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
-    n_eval = round(len(records) * fraction)
-    if n_eval < 1 or n_eval >= len(records):
-        raise TunekitError(
-            f"data.eval_fraction={fraction} of {len(records)} examples leaves {n_eval} for eval and "
-            f"{len(records) - n_eval} for training; each needs at least one"
-        )
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    held = set(order[:n_eval])
-    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+    train, held = split_indices(len(records), fraction, seed)
+    return [records[i] for i in train], [records[i] for i in held]
 
 
 def eval_records(cfg: DataConfig, seed: int) -> list[Record]:
@@ -252,38 +278,6 @@ def eval_records(cfg: DataConfig, seed: int) -> list[Record]:
         records = read_records(cfg.train, cfg.train_split, "data.train")
         return split_records(records, cfg.eval_fraction, seed)[1]
     return []
-
-
-def build(cfg: DataConfig, tokenizer, seed: int) -> DataBundle:
-    renderer = Renderer(cfg, tokenizer)
-    records = read_records(cfg.train, cfg.train_split, "data.train")
-    if cfg.max_examples:
-        records = records[: cfg.max_examples]
-    if not records:
-        raise TunekitError(f"data.train: {cfg.train} holds no examples")
-    if cfg.eval:
-        train_recs, eval_recs = records, read_records(cfg.eval, cfg.eval_split, "data.eval")
-        if not eval_recs:
-            raise TunekitError(f"data.eval: {cfg.eval} holds no examples")
-    elif cfg.eval_fraction > 0:
-        train_recs, eval_recs = split_records(records, cfg.eval_fraction, seed)
-    else:
-        train_recs, eval_recs = records, []
-
-    train_examples, train_stats = build_examples([renderer.render(r) for r in train_recs], tokenizer, cfg)
-    if not train_examples:
-        raise TunekitError(
-            f"data.train: no example has a trained token left after truncation to {cfg.max_length} tokens; "
-            "raise data.max_length"
-        )
-    log.info(train_stats.line("train", cfg.max_length))
-    eval_ds = eval_stats = None
-    eval_rendered = [renderer.render(r) for r in eval_recs]
-    if eval_rendered:
-        eval_examples, eval_stats = build_examples(eval_rendered, tokenizer, cfg)
-        log.info(eval_stats.line("eval", cfg.max_length))
-        eval_ds = _to_dataset(eval_examples) if eval_examples else None
-    return DataBundle(_to_dataset(train_examples), eval_ds, train_stats, eval_stats, eval_rendered, renderer.template)
 
 
 class CountingCollator:

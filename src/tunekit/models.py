@@ -19,14 +19,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from . import dsconfig
 from .errors import TunekitError
 from .hardware import DTYPES, Precision
+from .outputs import cache_root
 from .recipe import ModelConfig, Recipe
 from .sources import ModelSource, resolve_model
 
 log = logging.getLogger("tunekit")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:

@@ -1,5 +1,5 @@
 """Output directories: refuse to overwrite without --force, hold them while writing, write finished
-outputs atomically, and record what produced them. Knows nothing of what goes inside."""
+outputs atomically, and record what produced them; where caches live. Knows nothing of what goes inside."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import TunekitError
+
+def cache_root() -> Path:
+    """tunekit's caches (converted GGUF models, prepared data sets): $TUNEKIT_CACHE or ~/.cache/tunekit."""
+    return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))
+
 
 LIBRARIES = ("tunekit", "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "deepspeed",
              "safetensors", "sacrebleu", "rouge-score")

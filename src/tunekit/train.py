@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
-from . import checkpoints, distributed, dsconfig, modelinfo, models, outputs, preflight, rundir
+from . import arrowdata, checkpoints, distributed, dsconfig, modelinfo, models, outputs, preflight, rundir
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
@@ -166,7 +166,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     # Tokenizer and data first: bad data fails here, before anything is written or loaded.
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
-    bundle = data_mod.build(recipe.data, tokenizer, recipe.training.seed)
+    bundle = arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
     log.info("prompt template: %s; prompt tokens %s; %s", bundle.template,
              "masked" if recipe.data.mask_prompt else "trained",
              "packed (padding-free)" if recipe.data.packing else
