@@ -30,8 +30,12 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m tunekit.demo
 
+# The real-text data sets come from two Debian packages (bench/realdata.py); installed here when missing.
+BENCH_DATA := /usr/share/trans/de-en /usr/share/wordnet/data.noun
 bench: $(STAMP)
+	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q trans-de-en wordnet-base; }
 	$(PY) bench/run.py
+	$(PY) bench/dataprep.py
 
 # The CUDA paths (bf16/fp16, bitsandbytes QLoRA, paged 8-bit AdamW, ZeRO, packing, merge, eval) on the
 # real SmolLM2 model; on a machine without a GPU it says so and exits 0.
