@@ -157,12 +157,12 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tm
     def poisoned(*args, **kwargs):
         model = real(*args, **kwargs)
 
-        def hook(module, inputs, output):
+        def hook(module, inputs, output):  # on the output head: logits, or the chunked path's loss sum
             calls["n"] += 1
             if calls["n"] >= 5:  # the 5th training forward pass, i.e. step 5
-                output.loss = output.loss * float("nan")
+                return output * float("nan")
             return output
-        model.register_forward_hook(hook)
+        model.get_output_embeddings().register_forward_hook(hook)
         return model
 
     monkeypatch.setattr(models, "load_for_training", poisoned)
