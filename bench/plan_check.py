@@ -64,11 +64,7 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
     def step():
         ids = torch.randint(0, vocab, (micro, seq), device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):  # as the Trainer
-            if head is None:
-                loss = model_(input_ids=ids, labels=ids).loss
-            else:
-                with head.active(losspath.shift_targets(ids)):
-                    loss = model_(input_ids=ids).logits / head.trained
+            loss = losspath.mean_loss(model_, {"input_ids": ids, "labels": ids}, head)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

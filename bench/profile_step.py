@@ -62,12 +62,7 @@ def main() -> int:
 
             def step(batch):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    if chunked:
-                        rest = {k: v for k, v in batch.items() if k != "labels"}
-                        with head.active(losspath.shift_targets(batch["labels"])):
-                            loss = model(**rest).logits / head.trained
-                    else:
-                        loss = model(**batch).loss
+                    loss = losspath.mean_loss(model, batch, head if chunked else None)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
 

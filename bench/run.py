@@ -112,12 +112,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            if head is None:
-                loss = model(**batch).loss
-            else:
-                inputs = {k: v for k, v in batch.items() if k != "labels"}
-                with head.active(losspath.shift_targets(batch["labels"])):
-                    loss = model(**inputs).logits / head.trained
+            loss = losspath.mean_loss(model, batch, head)
         loss.backward()
         model.zero_grad(set_to_none=True)
 

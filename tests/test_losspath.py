@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,14 +53,8 @@ def test_no_gradient_work_without_grad():
 
 
 def _trainer(recipe, model, chunked):
-    args = training_arguments(recipe, Precision("fp32", "test"), recipe_dir(recipe), has_eval=False)
+    args = training_arguments(recipe, Precision("fp32", "test"), Path(recipe.output_dir), has_eval=False)
     return SafeStateTrainer(model=model, args=args, chunked_loss=chunked)
-
-
-def recipe_dir(recipe):
-    from pathlib import Path
-
-    return Path(recipe.output_dir)
 
 
 def _batch(recipe, tokenizer, packing):

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from . import data as data_mod
-from .data import IGNORE, DataBundle, DataStats, Renderer, split_indices
+from .data import DataBundle, DataStats, Renderer, split_indices
 from .errors import TunekitError
 from .formats import Record
 from .outputs import cache_root
@@ -103,8 +103,7 @@ def _encode(batch, renderer: Renderer, cfg: DataConfig):
         "input_ids": [ex.input_ids for ex, _ in examples],
         "labels": [ex.labels for ex, _ in examples],
         "truncated": [t for _, t in examples],
-        # labels are shifted inside the model: position 0 is never a target
-        "trained": [sum(1 for label in ex.labels[1:] if label != IGNORE) for ex, _ in examples],
+        "trained": [data_mod.trained_count(ex.labels) for ex, _ in examples],
     }
 
 

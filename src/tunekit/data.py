@@ -64,6 +64,17 @@ def _bad_utf8(path: Path, key: str, offset: int, byte: int) -> TunekitError:
     return TunekitError(f"{key}: {path} line {line}: not UTF-8 text (byte 0x{byte:02x}); re-save the file as UTF-8")
 
 
+def _record(value: Any, key: str, where: str) -> Record:
+    if not isinstance(value, dict):
+        raise TunekitError(f"{key}: {where}: expected a JSON object, got {type(value).__name__}")
+    return Record(value, where)
+
+
+def trained_count(labels: list[int]) -> int:
+    """Trained positions of an example; labels are shifted inside the model, so position 0 is never a target."""
+    return sum(1 for label in labels[1:] if label != IGNORE)
+
+
 def _iter_json_file(path: Path, key: str) -> Iterator[Record]:
     # Parsed here rather than by `datasets`: its Arrow errors name neither the line nor the field.
     # JSON lines are streamed (memory does not grow with the file); a JSON list is read whole.
@@ -84,9 +95,7 @@ def _iter_json_file(path: Path, key: str) -> Iterator[Record]:
                     value = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise TunekitError(f"{key}: {path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(value, dict):
-                    raise TunekitError(f"{key}: {path} line {n}: expected a JSON object, got {type(value).__name__}")
-                yield Record(value, f"{path} line {n}")
+                yield _record(value, key, f"{path} line {n}")
         return
     try:
         text = path.read_text(encoding="utf-8")
@@ -99,9 +108,7 @@ def _iter_json_file(path: Path, key: str) -> Iterator[Record]:
     if not isinstance(value, list):
         raise TunekitError(f"{key}: {path}: expected a JSON list of objects or JSON lines")
     for i, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise TunekitError(f"{key}: {path} item {i}: expected a JSON object, got {type(item).__name__}")
-        yield Record(item, f"{path} item {i}")
+        yield _record(item, key, f"{path} item {i}")
 
 
 def _csv_as_text(path: Path) -> dict:
@@ -239,8 +246,7 @@ def build_examples(renders: list[Rendered], tokenizer, cfg: DataConfig) -> tuple
     out = []
     for ex, truncated in tokenize_batch(renders, tokenizer, cfg.max_length, cfg.mask_prompt):
         stats.truncated += truncated
-        # labels are shifted inside the model: position 0 is never a target
-        trained = sum(1 for label in ex.labels[1:] if label != IGNORE)
+        trained = trained_count(ex.labels)
         if trained == 0:
             stats.dropped_no_target += 1
             continue

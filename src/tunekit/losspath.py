@@ -158,3 +158,13 @@ def install(model: nn.Module) -> TrainedPositionsHead | None:
         return None
     log.info("loss: head and cross-entropy on trained positions only, in chunks")
     return TrainedPositionsHead(model)
+
+
+def mean_loss(model: nn.Module, batch: dict, head: TrainedPositionsHead | None = None) -> torch.Tensor:
+    """Mean loss over the trained tokens of `batch` (labels included): through `head` when given, else
+    the model's stock loss. What the Trainer computes without gradient accumulation."""
+    if head is None:
+        return model(**batch).loss
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with head.active(shift_targets(batch["labels"])):
+        return model(**inputs).logits / head.trained
