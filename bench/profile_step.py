@@ -58,7 +58,7 @@ def main() -> int:
                     "tunekit: packed, chunked loss": (packed, True)}
         results[name] = {}
         for variant, (collate, chunked) in variants.items():
-            inputs = [{k: v for k, v in collate(b).items() if torch.is_tensor(v)} for b in batches]
+            inputs = [dict(collate(b)) for b in batches]
 
             def step(batch):
                 with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -2,7 +2,8 @@
 and a synthetic one), the same model, examples and seed trained by:
   script     a hand-written transformers+peft script, each batch padded to its longest example
              (bench/handwritten.py): the baseline every ratio is quoted against;
-  tunekit    tunekit's defaults; and variants: packing, the stock full-logits loss;
+  tunekit    tunekit's defaults (packed batches, loss on trained positions); and variants: padded
+             batches, padded with the stock full-logits loss (the defaults before packing and the loss path);
   script-max the same script padding every example to max_length (synthetic set only).
 Then: peak live tensor memory of one training step on each set's longest batch (baseline vs
 tunekit's defaults), and evaluation generation one example at a time vs batched. All in one
@@ -87,7 +88,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     from plan_check import traced_step_peak
 
     from tunekit import data as data_mod
-    from tunekit import arrowdata, losspath, models
+    from tunekit import arrowdata, losspath, models, packing
     from tunekit.hardware import Precision
     from tunekit.recipe import from_dict
 
@@ -102,7 +103,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     model = models.load_for_training(recipe, Precision("bf16", "bench"))
     model.train()
     if tunekit_defaults:
-        batch = data_mod.collator(tok, recipe.data.packing)(features)
+        batch = data_mod.collator(tok, packing.use(model, recipe.data.packing))(features)
     else:
         from transformers import DataCollatorForSeq2Seq
 
@@ -177,11 +178,11 @@ def bench_set(name: str, work: Path, model_dir: str, examples: int, real: dict) 
     runs = {"script": handwritten_run(f"{name}-script", work, model_dir, train, [])}
     say("tunekit defaults")
     runs["tunekit"] = tunekit_run(f"{name}-tunekit", work, train, examples, [])
-    say("tunekit, packing on")
-    runs["tunekit packing"] = tunekit_run(f"{name}-packed", work, train, examples, ["data.packing=true"])
-    say("tunekit, stock full-logits loss")
-    runs["tunekit stock loss"] = tunekit_run(f"{name}-stockloss", work, train, examples,
-                                             ["training.chunked_loss=false"])
+    say("tunekit, padded batches")
+    runs["tunekit padded"] = tunekit_run(f"{name}-padded", work, train, examples, ["data.packing=false"])
+    say("tunekit, padded, stock full-logits loss")
+    runs["tunekit padded stock"] = tunekit_run(f"{name}-stockloss", work, train, examples,
+                                               ["data.packing=false", "training.chunked_loss=false"])
     if name == "synthetic":
         say("script padding to max_length")
         runs["script-max"] = handwritten_run(f"{name}-script-max", work, model_dir, train, ["--pad-to-max-length"])

@@ -12,7 +12,7 @@ import tunekit
 PACKAGE = Path(tunekit.__file__).parent
 # lowest first: a module may import only modules listed before it
 LAYERS = ["errors", "statefile", "tiny", "demo_data", "distributed", "sources", "hardware", "metrics", "formats", "dsconfig",
-          "losspath",
+          "losspath", "packing",
           "recipe", "outputs", "modelinfo", "data", "arrowdata", "models", "dscheckpoint", "trainer", "checkpoints", "plan",
           "preflight", "rundir", "train", "evaluation", "merge", "demo", "cli", "__main__"]
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 from transformers import AutoModelForCausalLM, Trainer
 
 from conftest import tiny_recipe, write_jsonl, write_recipe
 from tunekit import arrowdata
 from tunekit import data as data_mod
-from tunekit import models, recipe as recipe_mod, train
+from tunekit import models, packing, recipe as recipe_mod, train
 from tunekit.hardware import Precision
 
 # fp32 on CPU: packed and alone differ only by summation order (measured max 2e-7)
@@ -56,6 +58,54 @@ def test_each_example_has_the_same_per_token_loss_packed_and_alone(tiny_model, t
     assert start == batch["input_ids"].shape[1]
 
 
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, n_embd=32, n_layer=2, n_head=4, vocab_size=128, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, max_position_embeddings=256)
+
+
+def _packed_and_alone(model, lengths):
+    """Max |logit difference| between each example in a packed row and the example run alone."""
+    model.config.use_cache = False  # as in training: with a cache, the mask ignores packed position ids
+    features = [{"input_ids": [3 + (i * 5 + j) % 120 for j in range(n)], "labels": [0] * n}
+                for i, n in enumerate(lengths)]
+    batch = data_mod.collator(None, packing=True)(features)
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        start, worst = 0, 0.0
+        for f in features:
+            n = len(f["input_ids"])
+            alone = model(input_ids=torch.tensor([f["input_ids"]])).logits[0]
+            worst = max(worst, (packed[start:start + n] - alone).abs().max().item())
+            start += n
+    return worst
+
+
+def _tiny(model_type: str, **extra):
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY, **extra)).eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(packing.PACKABLE))
+def test_packable_architectures(model_type):
+    """Every architecture that data.packing: auto packs keeps packed examples apart."""
+    assert _packed_and_alone(_tiny(model_type), [5, 9, 7]) < TOL
+
+
+def test_a_sliding_window_stays_inside_each_packed_example():
+    assert _packed_and_alone(_tiny("mistral", sliding_window=4), [3, 11, 6]) < TOL
+
+
+def test_auto_packs_checked_architectures_only(tiny_model):
+    llama = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert packing.use(llama, "auto") and packing.use(llama, True) and not packing.use(llama, False)
+    hybrid = _tiny("lfm2", layer_types=["conv", "full_attention"])  # convolutions mix neighbouring tokens
+    assert _packed_and_alone(hybrid, [5, 9, 7]) > TOL  # what packing would do to it
+    assert not packing.use(hybrid, "auto")
+    assert packing.use(hybrid, True)  # asked for explicitly: packed, with a warning
+
+
 def _run(tmp_path, tiny_model, name, **data):
     file = write_jsonl(tmp_path / "mixed.jsonl", mixed_rows())
     raw = tiny_recipe(tiny_model, file, tmp_path / name, data={"max_length": 128, **data},
@@ -67,7 +117,7 @@ def _run(tmp_path, tiny_model, name, **data):
 
 def test_packed_training_matches_padded_training(tmp_path, tiny_model):
     """Same examples per step, loss averaged over trained tokens: the runs coincide step by step."""
-    padded = _run(tmp_path, tiny_model, "padded")
+    padded = _run(tmp_path, tiny_model, "padded", packing=False)
     packed = _run(tmp_path, tiny_model, "packed", packing=True)
     assert packed == __import__("pytest").approx(padded, rel=1e-4)
     assert packed[-1] < packed[0]

@@ -306,14 +306,14 @@ class CountingCollator:
         return 1 - self.real / self.computed if self.computed else 0.0
 
 
-def collator(tokenizer, packing: bool = False, flash_attention: bool = False):
+def collator(tokenizer, packing: bool = False, boundaries: bool = False):
     """Padded batches: input_ids padded with the pad token, labels with -100 (DataCollatorForSeq2Seq).
     Packed: DataCollatorWithFlattening concatenates the micro-batch into one row, restarts position
     ids per example and sets each example's first label to -100; attention builds a block-diagonal
-    causal mask from the position ids (or uses the flash-attention sequence boundaries), so no example
-    sees another."""
+    causal mask from the position ids or, with `boundaries`, reads the sequence boundaries
+    (flash-attention), so no example sees another."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     if packing:
-        return DataCollatorWithFlattening(separator_id=IGNORE, return_flash_attn_kwargs=flash_attention)
+        return DataCollatorWithFlattening(separator_id=IGNORE, return_flash_attn_kwargs=boundaries)
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)

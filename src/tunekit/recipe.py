@@ -96,10 +96,11 @@ class DataConfig(Section):
     max_length: int = Field(1024, ge=8, description="Tokens per example; longer examples are truncated and counted.")
     mask_prompt: bool = Field(True, description="Train only on completion/assistant tokens (prompt labels = -100).")
     max_examples: int | None = Field(None, gt=0, description="Use only the first N training examples.")
-    packing: bool = Field(
-        False,
+    packing: Union[Literal["auto"], bool] = Field(
+        "auto",
         description="Padding-free packing: each micro-batch becomes one row of concatenated examples with position ids "
-        "restarting per example and attention kept inside each example. Faster when lengths vary.",
+        "restarting per example and attention kept inside each example. auto: on where the model keeps packed "
+        "examples apart (transformers' attention interface), else padded batches.",
     )
 
     @model_validator(mode="after")

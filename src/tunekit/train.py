@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
-from . import arrowdata, checkpoints, distributed, dsconfig, modelinfo, models, outputs, preflight, rundir
+from . import arrowdata, checkpoints, distributed, dsconfig, modelinfo, models, outputs, packing, preflight, rundir
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
@@ -167,10 +167,8 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
     bundle = arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
-    log.info("prompt template: %s; prompt tokens %s; %s", bundle.template,
-             "masked" if recipe.data.mask_prompt else "trained",
-             "packed (padding-free)" if recipe.data.packing else
-             "padded batches" + (", grouped by length" if recipe.training.group_by_length else ""))
+    log.info("prompt template: %s; prompt tokens %s", bundle.template,
+             "masked" if recipe.data.mask_prompt else "trained")
     if launch.is_main:
         if resume_from is None:
             outputs.claim(run_dir, force, "output_dir")
@@ -183,6 +181,10 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
     model = models.load_for_training(recipe, precision)
+    packed = packing.use(model, recipe.data.packing)
+    attention = model.config._attn_implementation
+    log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
+             "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention)
     mutated_init = recipe.lora is not None and recipe.lora.init != "default"
     if mutated_init and launch.is_main and resume_from is None:
         models.save_initial_adapter(model, run_dir / INITIAL_ADAPTER_DIR)
@@ -199,7 +201,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         adapter=recipe.method, base_model=recipe.model.name_or_path,
         parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
         resumed_from=resume_from.name if resume_from else None,
-        data={"template": bundle.template, "train": vars(bundle.train_stats),
+        data={"template": bundle.template, "packed": packed, "attention": attention, "train": vars(bundle.train_stats),
               "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
     )
     if launch.is_main:
@@ -209,8 +211,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
             outputs.write_json(run_dir / DEEPSPEED_FILE, ds)
         record.save(run_dir)
 
-    collate = data_mod.CountingCollator(data_mod.collator(tokenizer, recipe.data.packing,
-                                                          recipe.model.attn_implementation == "flash_attention_2"))
+    collate = data_mod.CountingCollator(data_mod.collator(tokenizer, packed, attention == "flash_attention_2"))
     trainer = SafeStateTrainer(
         model=model,
         args=args,
