@@ -188,6 +188,19 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def cmd_runs(a) -> int:
+    from pathlib import Path
+
+    from . import runlist
+
+    rows = runlist.collect(Path(a.dir))
+    if not rows:
+        print(f"no runs under {a.dir} (a run is a directory holding run.json)")
+        return 0
+    print(runlist.table(runlist.sort(rows, a.sort) if a.sort else rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
     parser.add_argument("--version", action="version", version=f"tunekit {__version__}")
@@ -239,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory for metrics.json and predictions.jsonl")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("runs", help="list the runs under a directory: status, steps, scores, wall time, output")
+    p.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default runs/)")
+    p.add_argument("--sort", metavar="METRIC",
+                   help="best first by a metric: bleu, chrf, rougeL, exact_match, eval_loss, steps, wall_s, ...")
+    p.set_defaults(func=cmd_runs)
     return parser
 
 
