@@ -31,6 +31,24 @@ def current() -> Launch:
     )
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the group's size while a process group is up, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(obj) -> list:
+    """Every process's `obj` (picklable), in rank order, on every process."""
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def accelerate_cpu_request() -> int | None:
     """How many processes `accelerate launch --num_processes N` asked for, when it started only this one.
 

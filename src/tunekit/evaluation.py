@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import data as data_mod
-from . import metrics, models, outputs
+from . import distributed, metrics, models, outputs
 from .errors import TunekitError
 from .hardware import DTYPES
 from .recipe import EvalConfig, Recipe
@@ -29,37 +29,54 @@ def eval_dtype(requested: str) -> torch.dtype:
 
 
 def records_for(target: Target, data: str | None) -> list[data_mod.Record]:
-    cfg = target.recipe.data
-    source = data or (target.recipe.eval.data if target.recipe.eval else None)
-    if source:
-        return data_mod.read_records(source, cfg.eval_split, "--data" if data else "eval.data")
-    records = data_mod.eval_records(cfg, target.recipe.training.seed)
+    records = held_out_records(target.recipe, data)
     if not records:
         raise TunekitError(f"{target.spec}: no eval data; pass --data FILE or set data.eval / data.eval_fraction")
     return records
 
 
+def held_out_records(recipe: Recipe, data: str | None = None) -> list[data_mod.Record]:
+    """--data, else the recipe's eval.data, else its eval split exactly as training makes it."""
+    source = data or (recipe.eval.data if recipe.eval else None)
+    if source:
+        return data_mod.read_records(source, recipe.data.eval_split, "--data" if data else "eval.data")
+    return data_mod.eval_records(recipe.data, recipe.training.seed)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, batch_size: int,
              max_new_tokens: int) -> list[str]:
-    """Greedy generation in batches of similar length, left-padded; outputs in input order."""
+    """Greedy generation in batches of similar length, left-padded; outputs in input order. In a
+    process group each process generates every world_size-th batch and all receive every output; the
+    batches are those of one process, so the text is the same for any number of processes. A process
+    out of batches repeats one (its output unused) while others still generate: under ZeRO-3 every
+    forward needs all processes."""
+    rank, world = distributed.rank_and_world()
+    side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     lengths = [len(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: lengths[i])
-    outputs: list[str] = [""] * len(prompts)
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    mine = batches[rank::world]
+    found: dict[int, str] = {}
     device = next(model.parameters()).device
     model.eval()
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
-                          add_special_tokens=add_special_tokens).to(device)
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        new = out[:, batch["input_ids"].shape[1]:]
-        for i, ids in zip(idx, new):
-            outputs[i] = tokenizer.decode(ids, skip_special_tokens=True).strip()
-        log.info("eval: generated %d/%d", min(start + batch_size, len(order)), len(order))
-    return outputs
+    try:
+        for k in range(-(-len(batches) // world)):
+            idx = mine[k] if k < len(mine) else batches[0]
+            batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
+                              add_special_tokens=add_special_tokens).to(device)
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            if k < len(mine):
+                new = out[:, batch["input_ids"].shape[1]:]
+                found.update({i: tokenizer.decode(ids, skip_special_tokens=True).strip() for i, ids in zip(idx, new)})
+            log.info("eval: generated %d/%d", min((k + 1) * batch_size * world, len(order)), len(order))
+    finally:
+        tokenizer.padding_side = side
+    for part in distributed.gather_objects(found) if world > 1 else []:
+        found.update(part)
+    return [found[i] for i in range(len(prompts))]
 
 
 @torch.no_grad()
@@ -82,20 +99,31 @@ def token_loss(model, tokenizer, examples: list[data_mod.Example], batch_size: i
     return total / max(count, 1)
 
 
-def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Record], cfg: EvalConfig) -> tuple[dict, list[dict]]:
+def rendered_examples(recipe: Recipe, tokenizer, records: list[data_mod.Record], cfg: EvalConfig) -> list:
     renderer = data_mod.Renderer(recipe.data, tokenizer)
     rendered = [renderer.render(r) for r in records]
     if cfg.limit:
         rendered = rendered[: cfg.limit]
     if any(r.prompt is None for r in rendered):
         raise TunekitError("eval: format 'text' has no prompt/answer split to generate from; only loss applies")
-    started = time.perf_counter()
+    return rendered
+
+
+def generation_scores(model, tokenizer, rendered: list, cfg: EvalConfig) -> tuple[dict, list[str]]:
+    """Greedy generations on the rendered examples and their scores (every process gets all of them)."""
     predictions = generate(model, tokenizer, [r.prompt for r in rendered], rendered[0].add_special_tokens,
                            cfg.batch_size, cfg.max_new_tokens)
-    gen_seconds = time.perf_counter() - started
     references = [r.reference for r in rendered]
     scores = metrics.score(predictions, references, cfg.metrics)
     scores.update(metrics.extra(predictions, references, cfg.extra_metrics))
+    return scores, predictions
+
+
+def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Record], cfg: EvalConfig) -> tuple[dict, list[dict]]:
+    rendered = rendered_examples(recipe, tokenizer, records, cfg)
+    started = time.perf_counter()
+    scores, predictions = generation_scores(model, tokenizer, rendered, cfg)
+    gen_seconds = time.perf_counter() - started
     if "loss" in cfg.metrics:
         examples, _ = data_mod.build_examples(rendered, tokenizer, recipe.data)
         if examples:
@@ -105,6 +133,23 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Reco
     scores["generation_seconds"] = round(gen_seconds, 2)
     rows = [{"prompt": r.prompt, "reference": r.reference, "prediction": p} for r, p in zip(rendered, predictions)]
     return scores, rows
+
+
+class DuringTraining:
+    """Generation metrics at every Trainer evaluation (`training.eval_steps`, epochs, the last step), on
+    the first `eval.limit` held-out examples, batched and split over the processes as `generate` does;
+    the Trainer logs them beside eval_loss (SafeStateTrainer.evaluation_loop)."""
+
+    def __init__(self, recipe: Recipe, tokenizer, records: list[data_mod.Record]):
+        self.tokenizer = tokenizer
+        self.cfg = recipe.eval
+        self.rendered = rendered_examples(recipe, tokenizer, records, recipe.eval)
+
+    def __call__(self, model) -> dict:
+        training = model.training
+        scores, _ = generation_scores(model, self.tokenizer, self.rendered, self.cfg)
+        model.train(training)
+        return {k: v for k, v in scores.items() if isinstance(v, (int, float))}
 
 
 def default_out(target: Target) -> Path:

@@ -159,6 +159,9 @@ class EvalConfig(Section):
     extra_metrics: list[str] = Field(
         default_factory=list, description="`evaluate` metrics by Hub name or local script path (needs `evaluate`)."
     )
+    during_training: bool = Field(
+        True, description="Also generate and score at every evaluation during training (training.eval_steps, or "
+        "once per epoch), on the first `limit` examples, logged beside eval_loss.")
 
 
 class Recipe(Section):

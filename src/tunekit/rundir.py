@@ -52,6 +52,7 @@ class RunRecord:
     first_logged_loss: float | None = None
     last_logged_loss: float | None = None
     eval_loss: float | None = None
+    eval_scores: dict = field(default_factory=dict)  # the last evaluation during training: loss, BLEU, ...
     output: str | None = None  # ADAPTER_DIR or MODEL_DIR once complete
     throughput: dict = field(default_factory=dict)
     peak_memory_gb: dict = field(default_factory=dict)

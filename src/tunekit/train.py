@@ -222,8 +222,18 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         callbacks=[LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()],
         loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
         chunked_loss=recipe.training.chunked_loss,
+        generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None),
     )
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+def generation_eval(recipe: Recipe, tokenizer, evaluates: bool):
+    """BLEU/ROUGE/... at each evaluation during training, when the recipe has an eval section."""
+    if not (evaluates and recipe.eval is not None and recipe.eval.during_training):
+        return None
+    from .evaluation import DuringTraining, held_out_records
+
+    return DuringTraining(recipe, tokenizer, held_out_records(recipe))
 
 
 FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -283,6 +293,7 @@ def finalize(p: Prepared, result) -> None:
         tmp.rename(final)
         history = trainer.state.log_history
         losses = [h["loss"] for h in history if "loss" in h]
+        last_eval = next((h for h in reversed(history) if "eval_loss" in h), {})
         runtime = result.metrics.get("train_runtime")
         p.record.update(
             run_dir,
@@ -292,7 +303,9 @@ def finalize(p: Prepared, result) -> None:
             train_loss=result.training_loss,
             first_logged_loss=losses[0] if losses else None,
             last_logged_loss=losses[-1] if losses else None,
-            eval_loss=next((h["eval_loss"] for h in reversed(history) if "eval_loss" in h), None),
+            eval_loss=last_eval.get("eval_loss"),
+            eval_scores={k.removeprefix("eval_"): v for k, v in last_eval.items()
+                         if k.startswith("eval_") and not k.endswith(("_runtime", "_per_second"))},
             output=final.name,
             throughput={
                 "train_runtime_s": runtime,
