@@ -140,12 +140,34 @@ class TrainingConfig(Section):
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most this many checkpoints.")
     seed: int = Field(42, description="Seed for initialisation, data order and the eval split.")
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config, e.g. ds_configs/zero2.json.")
+    metric_for_best: str | None = Field(
+        None, description="Keep the checkpoint with the best value of this evaluation metric (eval_loss, or with an "
+        "eval section bleu, chrf, rouge1, rougeL, exact_match, ...): the run's final adapter/model is that one. "
+        "A checkpoint is saved at every evaluation.")
+    greater_is_better: bool | None = Field(
+        None, description="Direction of metric_for_best; null: lower is better for losses and perplexity, higher "
+        "for everything else.")
+    early_stopping_patience: int | None = Field(
+        None, gt=0, description="Stop after this many evaluations in a row without a better metric_for_best.")
 
     @model_validator(mode="after")
     def _rules(self) -> "TrainingConfig":
         if self.warmup_ratio > 0 and self.warmup_steps > 0:
             raise ValueError("training.warmup_ratio and training.warmup_steps are both set; keep one")
+        if self.metric_for_best is None and (self.early_stopping_patience or self.greater_is_better is not None):
+            raise ValueError("training.early_stopping_patience and training.greater_is_better need "
+                             "training.metric_for_best, e.g. metric_for_best: eval_loss")
+        if self.metric_for_best and self.save_steps and self.save_steps != self.eval_steps:
+            raise ValueError("training.metric_for_best saves a checkpoint at every evaluation; remove "
+                             "training.save_steps or set it equal to training.eval_steps")
         return self
+
+    @property
+    def best_is_greater(self) -> bool:
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        name = (self.metric_for_best or "").removeprefix("eval_")
+        return not (name.endswith("loss") or name == "perplexity")
 
 
 class EvalConfig(Section):
@@ -214,6 +236,23 @@ class Recipe(Section):
     def method(self) -> str:
         """qlora | lora | full, for people to read (logs, run.json, plans)."""
         return "full" if self.full_finetuning else "qlora" if self.quantization is not None else "lora"
+
+    @model_validator(mode="after")
+    def _best_metric_is_logged(self) -> "Recipe":
+        """metric_for_best names eval_loss or a generation metric the eval section logs during training."""
+        name = self.training.metric_for_best
+        if name is None:
+            return self
+        key = name.removeprefix("eval_")
+        generated = []
+        if self.eval is not None and self.eval.during_training:
+            generated = [k for m in self.eval.metrics if METRICS[m].score is not None for k, _ in METRICS[m].rows]
+        if key != "loss" and key not in generated and not (self.eval and "/" in key):
+            hint = ("add an eval section (it logs " + ", ".join(k for m in METRICS.values() if m.score for k, _ in
+                                                           m.rows) + " during training)") if not generated else \
+                "logged: eval_loss, " + ", ".join(generated)
+            raise ValueError(f"training.metric_for_best: {name} is not logged at evaluations; {hint}")
+        return self
 
     @model_validator(mode="after")
     def _precision_agrees(self) -> "Recipe":

@@ -53,6 +53,7 @@ class RunRecord:
     last_logged_loss: float | None = None
     eval_loss: float | None = None
     eval_scores: dict = field(default_factory=dict)  # the last evaluation during training: loss, BLEU, ...
+    best: dict | None = None  # with training.metric_for_best: the metric, its best value and step
     output: str | None = None  # ADAPTER_DIR or MODEL_DIR once complete
     throughput: dict = field(default_factory=dict)
     peak_memory_gb: dict = field(default_factory=dict)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
 from . import arrowdata, checkpoints, distributed, dsconfig, modelinfo, models, outputs, packing, preflight, rundir
@@ -67,6 +67,13 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         evaluation = {"eval_strategy": "steps", "eval_steps": t.max_steps}
     else:
         evaluation = {"eval_strategy": "epoch"}
+    best: dict = {}
+    if t.metric_for_best and has_eval:
+        # the best checkpoint is kept and loaded at the end, so one is saved at every evaluation
+        save = {"save_strategy": evaluation["eval_strategy"], **({"save_steps": evaluation["eval_steps"]}
+                                                                 if "eval_steps" in evaluation else {})}
+        best = {"load_best_model_at_end": True, "metric_for_best_model": t.metric_for_best,
+                "greater_is_better": t.best_is_greater, "restore_callback_states_from_checkpoint": True}
     return TrainingArguments(
         output_dir=str(run_dir / CHECKPOINTS_DIR),
         per_device_train_batch_size=t.micro_batch_size,
@@ -96,6 +103,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         train_sampling_strategy="group_by_length" if t.group_by_length else "random",
         **save,
         **evaluation,
+        **best,
         **(process_group or {}),
     )
 
@@ -167,6 +175,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
     bundle = arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
+    if recipe.training.metric_for_best and bundle.eval is None:
+        raise TunekitError(f"training.metric_for_best: {recipe.training.metric_for_best} needs held-out data; "
+                           "set data.eval or data.eval_fraction")
     log.info("prompt template: %s; prompt tokens %s", bundle.template,
              "masked" if recipe.data.mask_prompt else "trained")
     if launch.is_main:
@@ -219,7 +230,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         eval_dataset=bundle.eval,
         data_collator=collate,
         processing_class=tokenizer,
-        callbacks=[LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()],
+        callbacks=[LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
+        + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
+           if recipe.training.early_stopping_patience else []),
         loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
         chunked_loss=recipe.training.chunked_loss,
         generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None),
@@ -276,6 +289,17 @@ def fit(p: Prepared):
         raise
 
 
+def best_checkpoint(trainer: Trainer, recipe: Recipe) -> dict | None:
+    """Which evaluation the final weights come from, with metric_for_best; whether training stopped early."""
+    t, state = recipe.training, trainer.state
+    if not t.metric_for_best or state.best_global_step is None:
+        return None
+    planned = state.max_steps
+    return {"metric": t.metric_for_best, "greater_is_better": t.best_is_greater, "value": state.best_metric,
+            "step": state.best_global_step, "stopped_early": state.global_step < planned,
+            "last_step": state.global_step}
+
+
 def finalize(p: Prepared, result) -> None:
     """The final adapter or model, renamed into place once complete, and the completed run.json."""
     trainer, run_dir = p.trainer, p.run_dir
@@ -304,6 +328,7 @@ def finalize(p: Prepared, result) -> None:
             first_logged_loss=losses[0] if losses else None,
             last_logged_loss=losses[-1] if losses else None,
             eval_loss=last_eval.get("eval_loss"),
+            best=best_checkpoint(trainer, p.recipe),
             eval_scores={k.removeprefix("eval_"): v for k, v in last_eval.items()
                          if k.startswith("eval_") and not k.endswith(("_runtime", "_per_second"))},
             output=final.name,
@@ -317,5 +342,9 @@ def finalize(p: Prepared, result) -> None:
             },
             peak_memory_gb=peak_memory_gb(),
         )
+        if p.record.best:
+            b = p.record.best
+            log.info("%s/ holds the best checkpoint: step %d, %s %.4f%s", final.name, b["step"], b["metric"],
+                     b["value"], f"; stopped early at step {b['last_step']}" if b["stopped_early"] else "")
         log.info("run directory: %s (%s/)", run_dir, final.name)
     distributed.finish()
