@@ -51,10 +51,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], rows):
             h, t = hidden[start:start + rows], targets[start:start + rows]
             logits = F.linear(h, weight, bias).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            target = logits.gather(1, t[:, None]).squeeze(1)
+            # log-sum-exp in place: torch.logsumexp allocates a second chunk-sized temporary
+            top = logits.amax(dim=-1, keepdim=True)
+            e = logits.sub_(top).exp_()
+            norm = e.sum(dim=-1, keepdim=True)
+            total += ((top + norm.log()).squeeze(1) - target).sum()
             if need_h or need_w or need_b:
-                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g = e.div_(norm)  # softmax, in place of the logits
                 g[torch.arange(g.shape[0], device=g.device), t] -= 1.0
                 g = g.to(hidden.dtype)
                 if need_h:
@@ -63,7 +67,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_w += (g.t() @ h).float()
                 if need_b:
                     grad_b += g.float().sum(0)
-            del logits
+                del g
+            del logits, e
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
         ctx.which = (need_h, need_w, need_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)

@@ -159,9 +159,9 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     and 6 bytes per logit for the log-softmax output and the gradient temporaries of its backward
     (measured: 9.75 bytes per logit in total at fp32, where logits are 4 of them).
     Chunked path (losspath): the trained positions' hidden states gathered, their gradient held from
-    forward to backward, one chunk of logits (fp32, softmax and gradient in place; below fp32 also the
-    compute-dtype logits and the gradient cast back: measured with bench/plan_check.py), and an fp32
-    gradient for a trained head."""
+    forward to backward, one chunk of logits (fp32, log-sum-exp, softmax and gradient in place; below
+    fp32 also the compute-dtype logits or the gradient cast back, one at a time: measured with
+    bench/plan_check.py), and an fp32 gradient for a trained head."""
     h, vocab = cfg.hidden_size, cfg.vocab_size
     tokens = s.micro_batch * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
@@ -172,7 +172,7 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     hidden_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
     rows = min(tokens, chunk_rows(vocab))
     head_grad = vocab * h * 4 if recipe.full_finetuning else 0
-    per_logit = 4 if elem == 4 else 4 + 2 * elem
+    per_logit = 4 if elem == 4 else 4 + elem
     return 2 * tokens * h * hidden_elem + rows * vocab * per_logit + head_grad
 
 
