@@ -149,6 +149,11 @@ class TrainingConfig(Section):
         "for everything else.")
     early_stopping_patience: int | None = Field(
         None, gt=0, description="Stop after this many evaluations in a row without a better metric_for_best.")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list, description="Experiment trackers that receive the metrics, the run name (the run "
+        "directory's name) and the resolved recipe; each is an optional extra: pip install 'tunekit[tensorboard]'. "
+        "TensorBoard writes into the run directory's tensorboard/; W&B, MLflow and trackio read their usual "
+        "environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...).")
 
     @model_validator(mode="after")
     def _rules(self) -> "TrainingConfig":
@@ -157,6 +162,8 @@ class TrainingConfig(Section):
         if self.metric_for_best is None and (self.early_stopping_patience or self.greater_is_better is not None):
             raise ValueError("training.early_stopping_patience and training.greater_is_better need "
                              "training.metric_for_best, e.g. metric_for_best: eval_loss")
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError("training.report_to names a tracker twice; list each once")
         if self.metric_for_best and self.save_steps and self.save_steps != self.eval_steps:
             raise ValueError("training.metric_for_best saves a checkpoint at every evaluation; remove "
                              "training.save_steps or set it equal to training.eval_steps")

@@ -16,7 +16,8 @@ from pathlib import Path
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
-from . import arrowdata, checkpoints, distributed, dsconfig, modelinfo, models, outputs, packing, preflight, rundir
+from . import (arrowdata, checkpoints, distributed, dsconfig, modelinfo, models, outputs, packing, preflight, rundir,
+               trackers)
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
 from .recipe import Recipe, to_yaml
@@ -97,7 +98,9 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         seed=t.seed,
         data_seed=t.seed,
         deepspeed=ds,
-        report_to="none",
+        report_to="none",  # tracker callbacks come from trackers.callbacks, TensorBoard's aimed at the run dir
+        run_name=run_dir.name,
+        project="tunekit",
         remove_unused_columns=False,
         logging_nan_inf_filter=False,  # a NaN loss must be seen, not averaged away
         train_sampling_strategy="group_by_length" if t.group_by_length else "random",
@@ -165,6 +168,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     """Data, output directory, process group, model and Trainer; writes recipe.yaml and run.json."""
     if resume_from is None:
         outputs.check_free(run_dir, force, "output_dir")
+    trackers.check(recipe.training.report_to)
     precision = resolve_precision(recipe.training.precision)
     log.info("precision: %s (%s)", precision.name, precision.reason)
     ds = deepspeed_config(recipe, precision, launch.world_size)
@@ -232,7 +236,8 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         processing_class=tokenizer,
         callbacks=[LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
         + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
-           if recipe.training.early_stopping_patience else []),
+           if recipe.training.early_stopping_patience else [])
+        + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")),
         loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
         chunked_loss=recipe.training.chunked_loss,
         generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None),
