@@ -46,6 +46,13 @@ def test_demo_pipeline_shows_a_clear_gain(tmp_path):
     assert losses[-1] < 0.5 * losses[0], losses
     merged = json.loads((out / "run" / "merged" / "tunekit.json").read_text())
     assert merged["parity"]["max_abs_diff"] < 1e-3 and merged["parity"]["top1_agreement"] == 1.0
+    evals = [r for r in map(json.loads, (out / "run" / "loss_history.jsonl").read_text().splitlines())
+             if "eval_rougeL" in r]
+    assert [r["step"] for r in evals] == [10, 20]  # scored while training: the last evaluation shows the gain
+    assert evals[-1]["eval_rougeL"] >= summary["before"]["rougeL"] + 15
+    assert list((out / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    page = (out / "report.html").read_text()
+    assert f"report: {out / 'report.html'}" in res.stdout and '<table class="before-after">' in page
 
 
 def test_qlora_recipe_learns_on_cpu_across_eval_passes(tmp_path):

@@ -14,7 +14,7 @@ PACKAGE = Path(tunekit.__file__).parent
 LAYERS = ["errors", "statefile", "tiny", "demo_data", "distributed", "sources", "hardware", "metrics", "formats", "dsconfig",
           "losspath", "packing",
           "recipe", "outputs", "modelinfo", "data", "arrowdata", "models", "dscheckpoint", "trainer", "checkpoints", "plan",
-          "preflight", "rundir", "runlist", "evaluation", "trackers", "train", "merge", "demo", "cli", "__main__"]
+          "preflight", "rundir", "runlist", "evaluation", "report", "trackers", "train", "merge", "demo", "cli", "__main__"]
 
 
 def imports(module: Path) -> set[str]:

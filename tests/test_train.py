@@ -123,6 +123,8 @@ def test_run_directory_contents_and_no_overwrite_without_force(tmp_path, tiny_mo
     assert len(losses(run_dir)) >= 4
     assert (run_dir / "checkpoints" / "checkpoint-4").is_dir()
     assert "precision: fp32" in res.stderr and "= 8 examples per optimizer step" in res.stderr
+    page = (run_dir / "report.html").read_text()  # written at the end of `tunekit train`
+    assert f"report: {run_dir / 'report.html'}" in res.stderr and '"loss": [[1,' in page
 
     stamp = (run_dir / "run.json").stat().st_mtime_ns
     again = run_cli("train", str(path))

@@ -132,6 +132,9 @@ def cmd_train(a) -> int:
         result = train.run(recipe, force=a.force, resume=a.resume)
         if result.recipe.eval is not None:
             evaluation.end_of_training(result.recipe, out)
+        from . import report
+
+        logging.getLogger("tunekit").info("report: %s", report.write([out]))
     return 0
 
 
@@ -201,6 +204,17 @@ def cmd_runs(a) -> int:
     return 0
 
 
+def cmd_report(a) -> int:
+    from pathlib import Path
+
+    from . import report
+
+    out = report.write([Path(d) for d in a.runs], Path(a.out) if a.out else None,
+                       Path(a.baseline) if a.baseline else None, a.force)
+    print(f"report written to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
     parser.add_argument("--version", action="version", version=f"tunekit {__version__}")
@@ -258,6 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sort", metavar="METRIC",
                    help="best first by a metric: bleu, chrf, rougeL, exact_match, eval_loss, steps, wall_s, ...")
     p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("report", help="one self-contained HTML page: curves, scores, best step, predictions; "
+                                      "several runs overlaid")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument("--out", help="HTML file to write (default RUN/report.html; required for several runs)")
+    p.add_argument("--baseline", metavar="EVAL_DIR",
+                   help="a `tunekit eval` of the base model (its --out directory): adds a before/after table")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

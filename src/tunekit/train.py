@@ -30,7 +30,8 @@ log = logging.getLogger("tunekit")
 
 
 class LossHistory(TrainerCallback):
-    """Appends every Trainer log line to loss_history.jsonl as it happens (main process only)."""
+    """Appends every Trainer log line to loss_history.jsonl as it happens (main process only), with the
+    wall-clock time it was logged (throughput between lines in `tunekit report`)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -38,7 +39,8 @@ class LossHistory(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             with self.path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
+                f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, "time": round(time.time(), 3),
+                                    **logs}) + "\n")
 
 
 def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int) -> dict | None:
