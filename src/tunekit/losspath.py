@@ -44,13 +44,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h = need_grad and hidden.requires_grad
         need_w = need_grad and weight.requires_grad
         need_b = need_grad and bias is not None and bias.requires_grad
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
+            # a frozen fp32 head (QLoRA keeps unquantized layers in fp32) is cast once here, not by
+            # autocast in every chunk's matmul
+            compute = torch.get_autocast_dtype(device)
+            weight_c = weight.to(compute)
+            bias_c = None if bias is None else bias.to(compute)
+        else:
+            weight_c, bias_c = weight, bias
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         for start in range(0, hidden.shape[0], rows):
             h, t = hidden[start:start + rows], targets[start:start + rows]
-            logits = F.linear(h, weight, bias).float()
+            logits = F.linear(h, weight_c, bias_c).float()
             target = logits.gather(1, t[:, None]).squeeze(1)
             # log-sum-exp in place: torch.logsumexp allocates a second chunk-sized temporary
             top = logits.amax(dim=-1, keepdim=True)
@@ -62,7 +71,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g[torch.arange(g.shape[0], device=g.device), t] -= 1.0
                 g = g.to(hidden.dtype)
                 if need_h:
-                    grad_h[start:start + rows] = g @ weight
+                    grad_h[start:start + rows] = g @ weight_c
                 if need_w:
                     grad_w += (g.t() @ h).float()
                 if need_b:

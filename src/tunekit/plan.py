@@ -132,8 +132,8 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
     (5h + 4kv); the SwiGLU MLP gate, up, SiLU(gate) and the product (4I). LoRA with dropout keeps one
     dropped copy of each adapted input (6h + I). Attention probabilities (2 x heads x seq) only where
     no fused kernel is used (eager attention). With gradient checkpointing only each layer's input is
-    kept, and the backward pass recomputes one layer at a time. Checked against allocation traces
-    (bench/RESULTS.md)."""
+    kept, and the backward pass recomputes one layer at a time, with that layer's gradient temporaries.
+    Checked against allocation traces (bench/RESULTS.md)."""
     h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or h // heads)
@@ -146,7 +146,9 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
     if recipe.model.attn_implementation == "eager":
         per_token += 2 * heads * s.seq_len * elem
     if s.gradient_checkpointing:
-        kept, recomputed = layers * tokens * h * elem, tokens * per_token
+        # the recomputed layer's backward also holds the gradients of its hidden state and of its MLP's
+        # gate and up outputs: (h + 2I) per token, counted at 4 bytes (measured at fp32, bench/RESULTS.md)
+        kept, recomputed = layers * tokens * h * elem, tokens * (per_token + (h + 2 * inter) * 4)
     else:
         kept, recomputed = layers * tokens * per_token, 0
     return kept, recomputed
@@ -165,15 +167,17 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     h, vocab = cfg.hidden_size, cfg.vocab_size
     tokens = s.micro_batch * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
+    # below fp32, a head stored in fp32 (QLoRA's unquantized layers, full fine-tuning) is cast for the matmul
+    head_cast = vocab * h * elem if elem != 4 and (recipe.quantization is not None or recipe.full_finetuning) else 0
     if not chunked:
-        return tokens * vocab * (elem + (4 if elem != 4 else 0) + 6)
+        return tokens * vocab * (elem + (4 if elem != 4 else 0) + 6) + head_cast
     from .losspath import chunk_rows
 
     hidden_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
     rows = min(tokens, chunk_rows(vocab))
     head_grad = vocab * h * 4 if recipe.full_finetuning else 0
     per_logit = 4 if elem == 4 else 4 + elem
-    return 2 * tokens * h * hidden_elem + rows * vocab * per_logit + head_grad
+    return 2 * tokens * h * hidden_elem + rows * vocab * per_logit + head_grad + head_cast
 
 
 def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
