@@ -39,10 +39,16 @@ def _history(run_dir: Path) -> list[dict]:
 
 
 def _throughput(rows: list[dict], batch: int) -> list[list[float]]:
-    """Examples per second between consecutive training log lines (steps x effective batch / seconds)."""
+    """Examples per second between consecutive training log lines (steps x effective batch / seconds),
+    not counting the evaluations that ran in between."""
     train = [r for r in rows if "loss" in r and "time" in r]
-    return [[b["step"], (b["step"] - a["step"]) * batch / (b["time"] - a["time"])]
-            for a, b in zip(train, train[1:]) if b["time"] > a["time"] and b["step"] > a["step"]]
+    evals = [(r["time"], r.get("eval_runtime", 0.0)) for r in rows if "eval_loss" in r and "time" in r]
+    points = []
+    for a, b in zip(train, train[1:]):
+        seconds = b["time"] - a["time"] - sum(t for when, t in evals if a["time"] < when <= b["time"])
+        if seconds > 0 and b["step"] > a["step"]:
+            points.append([b["step"], (b["step"] - a["step"]) * batch / seconds])
+    return points
 
 
 def series(rows: list[dict], batch: int) -> dict[str, list[list[float]]]:
