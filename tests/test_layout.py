@@ -13,7 +13,7 @@ PACKAGE = Path(tunekit.__file__).parent
 # lowest first: a module may import only modules listed before it
 LAYERS = ["errors", "statefile", "tiny", "demo_data", "distributed", "sources", "hardware", "metrics", "formats", "dsconfig",
           "losspath", "packing",
-          "recipe", "outputs", "modelinfo", "data", "arrowdata", "models", "dscheckpoint", "trainer", "checkpoints", "plan",
+          "recipe", "outputs", "modelinfo", "data", "arrowdata", "models", "dscheckpoint", "trainer", "preference", "checkpoints", "plan",
           "preflight", "rundir", "runlist", "evaluation", "report", "trackers", "train", "merge", "demo", "cli", "__main__"]
 
 
@@ -64,12 +64,15 @@ def test_the_private_trainer_methods_tunekit_overrides_still_exist_upstream():
 
     from transformers import Trainer
 
-    from tunekit.trainer import SafeStateTrainer
+    from tunekit.preference import PreferenceTrainer
+    from tunekit.trainer import SafeState, SafeStateTrainer
 
     for name in TRAINER_HOOKS:
         assert callable(getattr(Trainer, name, None)), f"transformers.Trainer.{name} is gone: update trainer.py"
-        assert name in SafeStateTrainer.__dict__, f"SafeStateTrainer no longer overrides {name}"
-        ours = inspect.signature(SafeStateTrainer.__dict__[name]).parameters
+        assert name in SafeState.__dict__, f"SafeState no longer overrides {name}"
+        for trainer in (SafeStateTrainer, PreferenceTrainer):  # no class between them and SafeState overrides it
+            assert getattr(trainer, name) is getattr(SafeState, name), f"{trainer.__name__}.{name} bypasses SafeState"
+        ours = inspect.signature(SafeState.__dict__[name]).parameters
         theirs = inspect.signature(getattr(Trainer, name)).parameters
         assert list(ours)[:2] == list(theirs)[:2], f"Trainer.{name} changed its signature: {theirs}"
 

@@ -297,7 +297,8 @@ class CountingCollator:
 
     def __call__(self, features):
         batch = self.inner(features)
-        self.real += sum(len(f["input_ids"]) for f in features)
+        mask = batch.get("attention_mask")  # absent in packed batches, which hold no padding
+        self.real += int(mask.sum()) if mask is not None else sum(len(f["input_ids"]) for f in features)
         self.computed += batch["input_ids"].numel()
         return batch
 

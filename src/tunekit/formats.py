@@ -31,11 +31,13 @@ class Record:
 @dataclass(frozen=True)
 class Parsed:
     """One record: either a conversation (`messages`, ending in what is trained) or raw `text`
-    trained on whole. `alpaca_prompt` is the prompt under the Alpaca template, for formats that have one."""
+    trained on whole. `alpaca_prompt` is the prompt under the Alpaca template, for formats that have one.
+    A preference pair is the conversation ending in the chosen answer, plus the `rejected` answer."""
 
     messages: list[dict] | None = None
     text: str | None = None
     alpaca_prompt: str | None = None
+    rejected: str | None = None  # preference pairs: the dispreferred answer (messages end with the chosen one)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,13 @@ def prompt_completion(record: Record, f) -> Parsed:
 
 @register("chat", needs_chat=True)
 def chat(record: Record, f) -> Parsed:
+    messages = _messages(record, f)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
+    return Parsed(messages=messages)
+
+
+def _messages(record: Record, f) -> list[dict]:
     raw = field(record, f.messages, "messages")
     if not isinstance(raw, list) or not raw:
         raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
@@ -107,11 +116,25 @@ def chat(record: Record, f) -> Parsed:
             raise TunekitError(f"{record.where}: message {i} has role {m[f.role]!r}; use one of "
                                f"{', '.join(ROLES)} (or map the column names with data.fields.role)")
         messages.append({"role": m[f.role], "content": m[f.content]})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
-    return Parsed(messages=messages)
+    return messages
 
 
 @register("text")
 def raw_text(record: Record, f) -> Parsed:
     return Parsed(text=text(record, f.text, "text"))
+
+
+@register("preference")
+def preference(record: Record, f) -> Parsed:
+    """A prompt (text, or chat messages ending before the answer), a chosen and a rejected answer. Read
+    as a conversation ending in the chosen answer, so SFT on it trains on the chosen answers and
+    evaluation scores against them."""
+    if f.messages in record.values and record.values[f.messages] is not None:
+        prompt = _messages(record, f)
+        if prompt[-1]["role"] == "assistant":
+            raise TunekitError(f"{record.where}: field {f.messages!r} must end before the answer (the last message "
+                               "is the assistant's); the answers go in chosen and rejected")
+    else:
+        prompt = [{"role": "user", "content": text(record, f.prompt, "prompt")}]
+    chosen, rejected = text(record, f.chosen, "chosen"), text(record, f.rejected, "rejected")
+    return Parsed(messages=prompt + [{"role": "assistant", "content": chosen}], rejected=rejected)

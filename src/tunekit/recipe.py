@@ -76,6 +76,8 @@ class FieldMap(Section):
     prompt: str = Field("prompt", description="prompt_completion: prompt column.")
     completion: str = Field("completion", description="prompt_completion: completion column.")
     text: str = Field("text", description="text: column of raw text.")
+    chosen: str = Field("chosen", description="preference: the preferred answer's column.")
+    rejected: str = Field("rejected", description="preference: the dispreferred answer's column.")
 
 
 class DataConfig(Section):
@@ -111,6 +113,20 @@ class DataConfig(Section):
             raise ValueError(f"data.template={self.template} cannot render format {self.format}; "
                              "use template: chat or auto")
         return self
+
+
+# DPO losses TRL's DPOTrainer implements (trl 1.16, DPOConfig.loss_type)
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft")
+
+
+class PreferenceConfig(Section):
+    beta: float = Field(0.1, gt=0, description="DPO: how far the policy may move from the reference (higher: "
+                        "closer to it). For loss_type ipo, the regularization strength.")
+    loss_type: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
+        "sigmoid", description="DPO loss, as TRL names them: " + ", ".join(DPO_LOSSES) + ".")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="DPO: assumed probability that a pair's "
+                                   "preference is flipped (conservative DPO; sigmoid loss).")
 
 
 class TrainingConfig(Section):
@@ -154,6 +170,9 @@ class TrainingConfig(Section):
         "directory's name) and the resolved recipe; each is an optional extra: pip install 'tunekit[tensorboard]'. "
         "TensorBoard writes into the run directory's tensorboard/; W&B, MLflow and trackio read their usual "
         "environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...).")
+    method: Literal["sft", "dpo"] = Field(
+        "sft", description="sft: supervised fine-tuning on answers; dpo: direct preference optimization on "
+        "(prompt, chosen, rejected) pairs (data.format: preference) with TRL's DPOTrainer.")
 
     @model_validator(mode="after")
     def _rules(self) -> "TrainingConfig":
@@ -204,6 +223,8 @@ class Recipe(Section):
     data: DataConfig = Field(description="Training and eval data.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation settings.")
     eval: EvalConfig | None = Field(None, description="Generate and score at the end of training.")
+    preference: PreferenceConfig | None = Field(
+        None, description="Preference-tuning settings (training.method: dpo).")
     output_dir: str | None = Field(None, description="Run directory; defaults to runs/<recipe name>.")
 
     @model_validator(mode="before")
@@ -243,6 +264,26 @@ class Recipe(Section):
     def method(self) -> str:
         """qlora | lora | full, for people to read (logs, run.json, plans)."""
         return "full" if self.full_finetuning else "qlora" if self.quantization is not None else "lora"
+
+    @model_validator(mode="after")
+    def _method_settings(self) -> "Recipe":
+        method = self.training.method
+        if method == "sft" and self.preference is not None:
+            raise ValueError("preference: these settings belong to training.method dpo; set training.method: dpo "
+                             "or remove the preference section")
+        if method == "dpo":
+            if self.data.format != "preference":
+                raise ValueError(f"training.method: dpo trains on (prompt, chosen, rejected) pairs; set data.format: "
+                                 f"preference (got {self.data.format})")
+            if self.full_finetuning:
+                raise ValueError("training.method: dpo with adapter none (full fine-tuning) needs a frozen reference "
+                                 "copy of the model, which tunekit does not load yet; use adapter: lora")
+            if self.lora is not None and self.lora.init != "default":
+                raise ValueError(f"training.method: dpo takes the base model as its reference, which lora.init="
+                                 f"{self.lora.init} rewrites; use lora.init: default")
+            if self.preference is None:
+                object.__setattr__(self, "preference", PreferenceConfig())
+        return self
 
     @model_validator(mode="after")
     def _best_metric_is_logged(self) -> "Recipe":

@@ -60,6 +60,7 @@ class RunRecord:
     error: str | None = None
     failed_at_step: int | None = None
     eval: str | None = None  # pending | completed, for runs whose recipe has an eval section
+    training_method: str = "sft"  # sft | dpo
 
     def save(self, run_dir: Path) -> None:
         outputs.write_json(run_dir / RUN_FILE, dataclasses.asdict(self))

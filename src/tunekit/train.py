@@ -180,7 +180,13 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     # Tokenizer and data first: bad data fails here, before anything is written or loaded.
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
-    bundle = arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
+    dpo = recipe.training.method == "dpo"
+    if dpo:
+        from . import preference
+
+        bundle = preference.build(recipe, tokenizer)
+    else:
+        bundle = arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
     if recipe.training.metric_for_best and bundle.eval is None:
         raise TunekitError(f"training.metric_for_best: {recipe.training.metric_for_best} needs held-out data; "
                            "set data.eval or data.eval_fraction")
@@ -196,9 +202,11 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
 
     process_group = distributed.prepare(deepspeed=ds is not None)  # may create the process group
     args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
+    if dpo:
+        args = preference.config(args, recipe)
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
     model = models.load_for_training(recipe, precision)
-    packed = packing.use(model, recipe.data.packing)
+    packed = False if dpo else packing.use(model, recipe.data.packing)  # TRL's collator pads the pairs
     attention = model.config._attn_implementation
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
              "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention)
@@ -215,7 +223,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     record = RunRecord(
         status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=outputs.command_line(),
         versions=outputs.versions(), precision={"name": precision.name, "reason": precision.reason},
-        adapter=recipe.method, base_model=recipe.model.name_or_path,
+        adapter=recipe.method, training_method=recipe.training.method, base_model=recipe.model.name_or_path,
         parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
         resumed_from=resume_from.name if resume_from else None,
         data={"template": bundle.template, "packed": packed, "attention": attention, "train": vars(bundle.train_stats),
@@ -228,6 +236,19 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
             outputs.write_json(run_dir / DEEPSPEED_FILE, ds)
         record.save(run_dir)
 
+    callbacks = ([LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
+                 + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
+                    if recipe.training.early_stopping_patience else [])
+                 + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
+    if dpo:
+        log.info("dpo: beta %s, loss %s; reference: the base with the adapter switched off (no second copy)",
+                 recipe.preference.beta, recipe.preference.loss_type)
+        trainer = preference.PreferenceTrainer(model=model, ref_model=None, args=args, train_dataset=bundle.train,
+                                               eval_dataset=bundle.eval, processing_class=tokenizer,
+                                               callbacks=callbacks)
+        collate = data_mod.CountingCollator(trainer.data_collator)
+        trainer.data_collator = collate
+        return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
     collate = data_mod.CountingCollator(data_mod.collator(tokenizer, packed, attention == "flash_attention_2"))
     trainer = SafeStateTrainer(
         model=model,
@@ -236,10 +257,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         eval_dataset=bundle.eval,
         data_collator=collate,
         processing_class=tokenizer,
-        callbacks=[LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
-        + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
-           if recipe.training.early_stopping_patience else [])
-        + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")),
+        callbacks=callbacks,
         loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
         chunked_loss=recipe.training.chunked_loss,
         generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None),

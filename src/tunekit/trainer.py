@@ -29,60 +29,8 @@ def _rng_file(args) -> str:
     return "rng_state.safetensors" if args.world_size <= 1 else f"rng_state_{args.process_index}.safetensors"
 
 
-class SafeStateTrainer(Trainer):
-    def __init__(self, *args, loraplus_lr_ratio: float | None = None, chunked_loss: bool = False,
-                 generation_eval=None, **kwargs):
-        self.loraplus_lr_ratio = loraplus_lr_ratio
-        self.generation_eval = generation_eval  # model -> {metric: value}, see evaluation.DuringTraining
-        super().__init__(*args, **kwargs)
-        stock_only = self.label_smoother is not None or self.compute_loss_func is not None
-        self.loss_head = losspath.install(self.model) if chunked_loss and not stock_only else None
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The stock loss, computed by `losspath` on trained positions only; normalized as the stock path
-        does (by the Trainer's token count across accumulation steps and processes, else the batch mean)."""
-        if self.loss_head is None or "labels" not in inputs:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        inputs = dict(inputs)
-        targets = losspath.shift_targets(inputs.pop("labels"))
-        with self.loss_head.active(targets):
-            outputs = model(**inputs)
-        total = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
-            loss = total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
-                            else num_items_in_batch)
-            if self.args.average_tokens_across_devices:
-                loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
-                               else self.args.n_gpu)
-        else:
-            loss = total / self.loss_head.trained
-        return (loss, outputs) if return_outputs else loss
-
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
-        """The stock loss pass, then the generation metrics, so that both are logged together and reach
-        the callbacks and best-checkpoint tracking as eval_<metric>."""
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                         metric_key_prefix)
-        if self.generation_eval is not None:
-            scores = self.generation_eval(self.accelerator.unwrap_model(self.model))
-            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in scores.items()})
-        return output
-
-    def create_optimizer(self, model=None):
-        """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio. The Trainer
-        calls this under DeepSpeed too, unless the DeepSpeed config brings its own optimizer (refused
-        with LoRA+ when the recipe is loaded)."""
-        if self.loraplus_lr_ratio is None or self.optimizer is not None:
-            return super().create_optimizer(model)
-        from peft.optimizers import create_loraplus_optimizer
-
-        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
-        kwargs = dict(kwargs)
-        self.optimizer = create_loraplus_optimizer(self.model, optimizer_cls, lr=kwargs.pop("lr"),
-                                                   loraplus_lr_ratio=self.loraplus_lr_ratio,
-                                                   loraplus_weight_decay=self.args.weight_decay, **kwargs)
-        return self.optimizer
+class SafeState:
+    """Mixin for transformers.Trainer and its subclasses (TRL's trainers): checkpoints without pickles."""
 
     # --- DeepSpeed: the Trainer assigns its engine to self.deepspeed right after building it and before
     # loading a checkpoint into it; that is where the engine is switched to safetensors.
@@ -172,3 +120,61 @@ class SafeStateTrainer(Trainer):
         from peft import PeftModel
 
         return isinstance(self.accelerator.unwrap_model(self.model), PeftModel)
+
+
+class SafeStateTrainer(SafeState, Trainer):
+    """The Trainer tunekit runs for SFT: pickle-free checkpoints, the chunked loss, LoRA+, generation metrics."""
+
+    def __init__(self, *args, loraplus_lr_ratio: float | None = None, chunked_loss: bool = False,
+                 generation_eval=None, **kwargs):
+        self.loraplus_lr_ratio = loraplus_lr_ratio
+        self.generation_eval = generation_eval  # model -> {metric: value}, see evaluation.DuringTraining
+        super().__init__(*args, **kwargs)
+        stock_only = self.label_smoother is not None or self.compute_loss_func is not None
+        self.loss_head = losspath.install(self.model) if chunked_loss and not stock_only else None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The stock loss, computed by `losspath` on trained positions only; normalized as the stock path
+        does (by the Trainer's token count across accumulation steps and processes, else the batch mean)."""
+        if self.loss_head is None or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        targets = losspath.shift_targets(inputs.pop("labels"))
+        with self.loss_head.active(targets):
+            outputs = model(**inputs)
+        total = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
+                            else num_items_in_batch)
+            if self.args.average_tokens_across_devices:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
+                               else self.args.n_gpu)
+        else:
+            loss = total / self.loss_head.trained
+        return (loss, outputs) if return_outputs else loss
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """The stock loss pass, then the generation metrics, so that both are logged together and reach
+        the callbacks and best-checkpoint tracking as eval_<metric>."""
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        if self.generation_eval is not None:
+            scores = self.generation_eval(self.accelerator.unwrap_model(self.model))
+            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in scores.items()})
+        return output
+
+    def create_optimizer(self, model=None):
+        """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio. The Trainer
+        calls this under DeepSpeed too, unless the DeepSpeed config brings its own optimizer (refused
+        with LoRA+ when the recipe is loaded)."""
+        if self.loraplus_lr_ratio is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from peft.optimizers import create_loraplus_optimizer
+
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+        kwargs = dict(kwargs)
+        self.optimizer = create_loraplus_optimizer(self.model, optimizer_cls, lr=kwargs.pop("lr"),
+                                                   loraplus_lr_ratio=self.loraplus_lr_ratio,
+                                                   loraplus_weight_decay=self.args.weight_decay, **kwargs)
+        return self.optimizer

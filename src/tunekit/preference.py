@@ -1,0 +1,127 @@
+"""Preference tuning (training.method: dpo) with TRL's DPOTrainer, inside tunekit's guarantees.
+
+Pairs are rendered and tokenized by tunekit's own SFT code (data.Renderer, data.tokenize), so a DPO run
+sees exactly the prompts an SFT run on the same model sees, and the tokens that carry the loss are
+exactly the ones SFT would train: the chosen or rejected answer with its end-of-turn marker. TRL's own
+tokenization (which re-renders with its chat-template call) is bypassed by handing it the token ids.
+The trainer keeps tunekit's pickle-free checkpoints (trainer.SafeState). With a LoRA adapter the
+reference model is the base with the adapter switched off (TRL's behaviour when no ref_model is given):
+no second copy of the model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from trl import DPOConfig, DPOTrainer
+
+from . import data as data_mod
+from .data import IGNORE, DataStats, Record, Renderer
+from .errors import TunekitError
+from .recipe import Recipe
+from .trainer import SafeState
+
+log = logging.getLogger("tunekit")
+
+
+def _split(example: data_mod.Example) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids): the answer starts at the first trained token."""
+    start = next((i for i, label in enumerate(example.labels) if label != IGNORE), len(example.labels))
+    return example.input_ids[:start], example.input_ids[start:]
+
+
+def tokenize_pair(record: Record, renderer: Renderer, tokenizer) -> dict:
+    """prompt_ids, chosen_ids and rejected_ids of one pair, untruncated."""
+    parsed = renderer.format.parse(record, renderer.cfg.fields)
+    rejected_record = Record({**record.values, renderer.cfg.fields.chosen: parsed.rejected}, record.where)
+    sides = []
+    for r in (record, rejected_record):
+        example, _ = data_mod.tokenize(renderer.render(r), tokenizer, 10**9, mask_prompt=True)
+        sides.append(_split(example))
+    (prompt, chosen), (prompt_r, rejected) = sides
+    if prompt != prompt_r:
+        raise TunekitError(f"{record.where}: the prompt tokenizes differently before the chosen and the rejected "
+                           "answer; use a chat template (data.template: chat) or end the prompt on a word boundary")
+    if not chosen or not rejected:
+        raise TunekitError(f"{record.where}: an empty chosen or rejected answer; every pair needs both")
+    return {"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}
+
+
+def build_pairs(records: list[Record], renderer: Renderer, tokenizer, max_length: int) -> tuple[list[dict], DataStats]:
+    """Tokenized pairs; a pair whose prompt alone fills max_length is dropped (no answer token would be
+    left), longer answers are cut at max_length by the collator. Counted like SFT data."""
+    pairs, stats = [], DataStats()
+    for record in records:
+        pair = tokenize_pair(record, renderer, tokenizer)
+        if len(pair["prompt_ids"]) >= max_length:
+            stats.dropped_no_target += 1
+            continue
+        longest = len(pair["prompt_ids"]) + max(len(pair["chosen_ids"]), len(pair["rejected_ids"]))
+        stats.truncated += longest > max_length
+        stats.examples += 1
+        stats.tokens += len(pair["prompt_ids"]) + len(pair["chosen_ids"]) + len(pair["rejected_ids"])
+        stats.trained_tokens += min(longest, max_length) - len(pair["prompt_ids"])
+        pairs.append(pair)
+    if not pairs:
+        raise TunekitError(f"no usable preference pairs: every prompt fills data.max_length={max_length}")
+    return pairs, stats
+
+
+@dataclasses.dataclass
+class PairBundle:
+    train: object  # datasets.Dataset
+    eval: object | None
+    train_stats: DataStats
+    eval_stats: DataStats | None
+    template: str
+
+
+def build(recipe: Recipe, tokenizer) -> PairBundle:
+    import datasets
+
+    cfg = recipe.data
+    renderer = Renderer(cfg, tokenizer)
+    records = data_mod.read_records(cfg.train, cfg.train_split, "data.train")
+    held: list[Record] = []
+    if cfg.eval:
+        held = data_mod.read_records(cfg.eval, cfg.eval_split, "data.eval")
+    elif cfg.eval_fraction > 0:
+        records, held = data_mod.split_records(records, cfg.eval_fraction, recipe.training.seed)
+    if cfg.max_examples:
+        records = records[:cfg.max_examples]
+    train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length)
+    log.info(train_stats.line("train pairs", cfg.max_length))
+    bundle = PairBundle(datasets.Dataset.from_list(train), None, train_stats, None, renderer.template)
+    if held:
+        pairs, bundle.eval_stats = build_pairs(held, renderer, tokenizer, cfg.max_length)
+        bundle.eval = datasets.Dataset.from_list(pairs)
+    return bundle
+
+
+def config(args, recipe: Recipe) -> DPOConfig:
+    """The Trainer's arguments as a DPOConfig, with the recipe's preference settings."""
+    p = recipe.preference
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    kwargs.update(beta=p.beta, loss_type=[p.loss_type], label_smoothing=p.label_smoothing,
+                  max_length=recipe.data.max_length, truncation_mode="keep_start", padding_free=False,
+                  precompute_ref_log_probs=False, dataset_num_proc=None)
+    return DPOConfig(**kwargs)
+
+
+class PreferenceTrainer(SafeState, DPOTrainer):
+    """DPOTrainer with tunekit's checkpoints, fed the pairs tokenized above.
+
+    Given a PEFT model, TRL copies its adapter into a second adapter "ref" and uses that as the
+    reference. With a freshly initialised LoRA adapter (B = 0) that copy computes exactly the base
+    model, so it is removed again: TRL then takes the reference log-probabilities with the adapter
+    switched off, and no copy of anything is held or saved."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        peft_config = getattr(self.model, "peft_config", {})
+        if "ref" in peft_config:
+            self.model.delete_adapter("ref")
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        return dataset  # already prompt_ids / chosen_ids / rejected_ids from tunekit's renderer

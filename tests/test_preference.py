@@ -1,0 +1,95 @@
+"""training.method: dpo: recipe checks, pairs tokenized exactly as SFT renders them, and a DPO run on the
+tiny model that learns the preference with the adapter-off base as its reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_recipe, write_jsonl, write_recipe
+from tunekit import data as data_mod, models, preference, recipe as recipe_mod, train
+from tunekit.errors import TunekitError
+
+WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
+
+
+def pairs(n_repeat=4):
+    return [{"prompt": f"Reverse the word.\n\n{w}", "chosen": w[::-1], "rejected": w} for w in WORDS * n_repeat]
+
+
+def dpo_raw(tiny_model, data, out, **training):
+    raw = tiny_recipe(tiny_model, data, out, training={"method": "dpo", "max_steps": 12, "learning_rate": 5e-3,
+                                                         "eval_steps": 6, **training})
+    raw["data"]["format"] = "preference"
+    return raw
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.update(preference={"beta": 0.2}) or r["training"].update(method="sft"),
+     "preference: these settings belong to training.method dpo"),
+    (lambda r: r["data"].update(format="alpaca"), "training.method: dpo trains on (prompt, chosen, rejected) pairs"),
+    (lambda r: r.update(adapter="none", lora=None), "training.method: dpo with adapter none"),
+    (lambda r: r.update(preference={"loss_type": "sigmoidd"}), "preference.loss_type"),
+    (lambda r: r["lora"].update(init="pissa"), "lora.init=pissa"),
+])
+def test_recipe_checks_name_the_method(tmp_path, tiny_model, change, message):
+    raw = dpo_raw(tiny_model, write_jsonl(tmp_path / "p.jsonl", pairs(1)), tmp_path / "run")
+    change(raw)
+    with pytest.raises(TunekitError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+
+
+def test_pairs_are_tokenized_exactly_as_sft_renders_them(tmp_path, tiny_model):
+    """The prompt ids are the SFT example's masked prefix, and each answer's ids are exactly the tokens SFT
+    trains when that answer is the target: DPO's loss falls on the same tokens as SFT's."""
+    data = write_jsonl(tmp_path / "p.jsonl", pairs(1))
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
+    tok = models.load_tokenizer(recipe.model)
+    renderer = data_mod.Renderer(recipe.data, tok)
+    for record in data_mod.read_records(str(data), "train", "data.train"):
+        pair = preference.tokenize_pair(record, renderer, tok)
+        for answer in ("chosen", "rejected"):
+            as_sft = data_mod.Record({**record.values, "chosen": record.values[answer]}, record.where)
+            ex, _ = data_mod.tokenize(renderer.render(as_sft), tok, 10**6, mask_prompt=True)
+            trained = [i for i, label in zip(ex.input_ids, ex.labels) if label != data_mod.IGNORE]
+            assert ex.input_ids == pair["prompt_ids"] + pair[f"{answer}_ids"]
+            assert pair[f"{answer}_ids"] == trained
+        assert tok.decode(pair["chosen_ids"]).startswith(record.values["chosen"])
+
+
+def test_a_malformed_pair_is_named_by_file_and_line(tmp_path, tiny_model):
+    rows = pairs(1)
+    del rows[2]["rejected"]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
+    with pytest.raises(TunekitError, match=r"p.jsonl line 3: missing field 'rejected'"):
+        train.run(recipe)
+
+
+def test_dpo_learns_the_preference_against_the_adapter_off_base(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "p.jsonl", pairs())
+    raw = dpo_raw(tiny_model, data, tmp_path / "run")
+    raw["data"]["eval"] = str(data)
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+    result = train.run(recipe)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert evals[0]["eval_loss"] < 0.6931  # below log 2: the policy already separates the pair
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[-1]["eval_rewards/accuracies"] == 1.0 and evals[-1]["eval_rewards/margins"] > 0
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["training_method"] == "dpo" and record["data"]["train"]["examples"] == len(pairs())
+    # the reference is the base: no reference adapter is held or saved, and the base weights did not move
+    model = result.trainer.model
+    assert list(model.peft_config) == ["default"]
+    saved = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)
+    base = load_file(str(tiny_model / "model.safetensors"))
+    current = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+               for k, v in model.state_dict().items() if "lora_" not in k}
+    for name, weight in base.items():
+        assert torch.equal(current[name].to(weight.dtype), weight), name
+    assert not list((tmp_path / "run").rglob("*.pt")) and not list((tmp_path / "run").rglob("*.bin"))
