@@ -93,3 +93,54 @@ def test_dpo_learns_the_preference_against_the_adapter_off_base(tmp_path, tiny_m
     for name, weight in base.items():
         assert torch.equal(current[name].to(weight.dtype), weight), name
     assert not list((tmp_path / "run").rglob("*.pt")) and not list((tmp_path / "run").rglob("*.bin"))
+
+
+def final_adapter(run_dir):
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_model):
+    """A DPO run cut after its step-6 checkpoint and resumed (original deleted) gives the same adapter."""
+    import shutil
+
+    from conftest import assert_no_pickles, cut_after_checkpoint, run_cli
+
+    full = tmp_path / "full"
+    raw = dpo_raw(tiny_model, write_jsonl(tmp_path / "p.jsonl", pairs()), full, save_steps=6)
+    train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
+    expected = final_adapter(full)
+    cut = cut_after_checkpoint(full, tmp_path / "cut", 6)
+    shutil.rmtree(full)
+    res = run_cli("train", str(cut / "recipe.yaml"), "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from checkpoint-6" in res.stderr
+    got = final_adapter(cut)
+    assert got.keys() == expected.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
+    assert_no_pickles(cut)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deepspeed", [None, "ds_configs/zero2.json"])
+def test_two_processes_train_dpo_as_one_does(tmp_path, tiny_model, deepspeed):
+    """2-process DDP (and ZeRO-2) with micro-batch 4 against one process with micro-batch 8: the same pairs per
+    step, so the same losses and adapter within float tolerance."""
+    from conftest import launch
+
+    data = write_jsonl(tmp_path / "p.jsonl", pairs())
+    single = tmp_path / "single"
+    raw = dpo_raw(tiny_model, data, single, max_steps=4, eval_steps=None)
+    train.run(recipe_mod.load(write_recipe(tmp_path / "one.yaml", raw)))
+    raw = dpo_raw(tiny_model, data, tmp_path / "two", max_steps=4, eval_steps=None, micro_batch_size=4,
+                  **({"deepspeed": deepspeed} if deepspeed else {}))
+    res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
+    assert ("deepspeed: " in res.stderr) == (tmp_path / "two" / "deepspeed.json").is_file() == bool(deepspeed)
+    assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
+    losses = [[json.loads(line)["loss"] for line in (d / "loss_history.jsonl").read_text().splitlines()
+               if '"loss"' in line] for d in (single, tmp_path / "two")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
+    one, two = final_adapter(single), final_adapter(tmp_path / "two")
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-3, atol=1e-4)
