@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_recipe, write_jsonl, write_recipe
-from tunekit import data as data_mod, models, preference, recipe as recipe_mod, train
+from tunekit import data as data_mod, evaluation, models, preference, recipe as recipe_mod, train
 from tunekit.errors import TunekitError
 
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
@@ -93,6 +93,55 @@ def test_dpo_learns_the_preference_against_the_adapter_off_base(tmp_path, tiny_m
     for name, weight in base.items():
         assert torch.equal(current[name].to(weight.dtype), weight), name
     assert not list((tmp_path / "run").rglob("*.pt")) and not list((tmp_path / "run").rglob("*.bin"))
+
+
+def test_dpo_run_scores_generations_while_training_and_its_measures_reach_metrics_json(tmp_path, tiny_model):
+    """With an eval section, a DPO run logs generation metrics at each evaluation; its end-of-run eval
+    (metrics.json) carries reward accuracy and margin, equal to TRL's own on the same held-out pairs and
+    weights; the run merges with parity."""
+    from tunekit import merge as merge_mod
+
+    data = write_jsonl(tmp_path / "p.jsonl", pairs())
+    raw = dpo_raw(tiny_model, data, tmp_path / "run", eval_steps=12)
+    raw["data"]["eval"] = str(data)
+    raw["eval"] = {"batch_size": 8, "max_new_tokens": 8}
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+    train.run(recipe)
+    evaluation.end_of_training(recipe, tmp_path / "run")  # as `tunekit train` ends
+    rows = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "eval_loss" in r][-1]
+    assert last["step"] == 12 and {"eval_bleu", "eval_chrf", "eval_rougeL", "eval_exact_match"} <= set(last)
+    scores = json.loads((tmp_path / "run" / "eval" / "metrics.json").read_text())["scores"]
+    assert scores["preference_pairs"] == len(pairs())
+    assert scores["reward_accuracy"] == last["eval_rewards/accuracies"] == 1.0
+    assert scores["reward_margin"] == pytest.approx(last["eval_rewards/margins"], rel=1e-3)
+    merged = merge_mod.merge(tmp_path / "run")
+    info = json.loads((merged / "tunekit.json").read_text())
+    assert info["parity"]["top1_agreement"] == 1.0
+
+
+def test_a_base_model_that_prefers_the_rejected_answers_scores_low(tmp_path, tiny_model):
+    """Measures without an adapter: only the model's own preference, here checked against summed
+    log-probabilities computed by hand."""
+    data = write_jsonl(tmp_path / "p.jsonl", pairs(1))
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
+    tok = models.load_tokenizer(recipe.model)
+    model = models.load_base(recipe.model, torch.float32)
+    records = data_mod.read_records(str(data), "train", "data.train")
+    scores = preference.measures(model, tok, recipe, records, None, 3)
+    assert "reward_accuracy" not in scores and scores["preference_pairs"] == len(WORDS)
+    renderer = data_mod.Renderer(recipe.data, tok)
+    wins = 0
+    for record in records:
+        pair = preference.tokenize_pair(record, renderer, tok)
+        sums = []
+        for side in ("chosen", "rejected"):
+            ids = torch.tensor([pair["prompt_ids"] + pair[f"{side}_ids"]])
+            logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            start = len(pair["prompt_ids"])
+            sums.append(sum(logps[i - 1, ids[0, i]].item() for i in range(start, ids.shape[1])))
+        wins += sums[0] > sums[1]
+    assert scores["preference_accuracy"] == wins / len(WORDS)
 
 
 def final_adapter(run_dir):

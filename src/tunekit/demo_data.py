@@ -2,7 +2,7 @@
 one-line record. A small instruct model knows the words but not the format, and learns it in
 a few minutes of LoRA on CPU, so the before/after gap is large and easy to see.
 
-    python -m tunekit.demo_data OUT_DIR   # writes extract_train.jsonl and extract_eval.jsonl
+    python -m tunekit.demo_data OUT_DIR   # writes extract_{train,eval}.jsonl and prefer_{train,eval}.jsonl
 """
 
 from __future__ import annotations
@@ -49,6 +49,23 @@ def generate(n_train: int = 400, n_eval: int = 40, seed: int = 1234) -> tuple[li
     return rows[:n_train], rows[n_train:]
 
 
+def preference_pairs(rows: list[dict]) -> list[dict]:
+    """The same task as preference pairs: the one-line record is chosen, restating the sentence (what
+    the base model does unprompted) is rejected."""
+    return [{"prompt": f"{r['instruction']}\n\n{r['input']}", "chosen": r["output"], "rejected": r["input"]}
+            for r in rows]
+
+
+def write_preference(out_dir: Path, n_train: int = 160, n_eval: int = 40) -> tuple[Path, Path]:
+    """prefer_train.jsonl / prefer_eval.jsonl from the demo's split (other seed, no sentence shared)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train, evals = generate(n_train, n_eval, seed=4321)
+    paths = out_dir / "prefer_train.jsonl", out_dir / "prefer_eval.jsonl"
+    for path, rows in zip(paths, (train, evals)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in preference_pairs(rows)), encoding="utf-8")
+    return paths
+
+
 def write(out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     train, evals = generate()
@@ -59,5 +76,6 @@ def write(out_dir: Path) -> tuple[Path, Path]:
 
 
 if __name__ == "__main__":
-    for p in write(Path(sys.argv[1] if len(sys.argv) > 1 else "recipes/data")):
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "recipes/data")
+    for p in (*write(out), *write_preference(out)):
         print(p)

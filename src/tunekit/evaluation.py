@@ -129,6 +129,10 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Reco
         if examples:
             loss = token_loss(model, tokenizer, examples, cfg.batch_size)
             scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
+    if recipe.data.format == "preference":
+        from . import preference  # imports TRL: only for pair data
+
+        scores.update(preference.measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
     scores["examples"] = len(rendered)
     scores["generation_seconds"] = round(gen_seconds, 2)
     rows = [{"prompt": r.prompt, "reference": r.reference, "prediction": p} for r, p in zip(rendered, predictions)]
@@ -211,7 +215,11 @@ def end_of_training(recipe: Recipe, run_dir: Path) -> dict:
 
 
 def table_rows() -> list[tuple[str, str]]:
-    return [row for metric in metrics.METRICS.values() for row in metric.rows] + [("examples", "examples")]
+    return [row for metric in metrics.METRICS.values() for row in metric.rows] + PREFERENCE_ROWS + [("examples", "examples")]
+
+
+PREFERENCE_ROWS = [("preference_accuracy", "prefers chosen"), ("reward_accuracy", "reward accuracy"),
+                   ("reward_margin", "reward margin")]
 
 
 def format_table(columns: list[tuple[str, dict]]) -> str:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
 from trl import DPOConfig, DPOTrainer
 
 from . import data as data_mod
 from .data import IGNORE, DataStats, Record, Renderer
 from .errors import TunekitError
-from .recipe import Recipe
-from .trainer import SafeState
+from .recipe import PreferenceConfig, Recipe
+from .trainer import GenerationEval, SafeState
 
 log = logging.getLogger("tunekit")
 
@@ -109,8 +110,8 @@ def config(args, recipe: Recipe) -> DPOConfig:
     return DPOConfig(**kwargs)
 
 
-class PreferenceTrainer(SafeState, DPOTrainer):
-    """DPOTrainer with tunekit's checkpoints, fed the pairs tokenized above.
+class PreferenceTrainer(SafeState, GenerationEval, DPOTrainer):
+    """DPOTrainer with tunekit's checkpoints and generation metrics, fed the pairs tokenized above.
 
     Given a PEFT model, TRL copies its adapter into a second adapter "ref" and uses that as the
     reference. With a freshly initialised LoRA adapter (B = 0) that copy computes exactly the base
@@ -125,3 +126,45 @@ class PreferenceTrainer(SafeState, DPOTrainer):
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # already prompt_ids / chosen_ids / rejected_ids from tunekit's renderer
+
+
+@torch.no_grad()
+def answer_logps(model, pairs: list[dict], side: str, max_length: int, batch_size: int, pad_id: int) -> torch.Tensor:
+    """Summed log-probability of each pair's `side` answer given its prompt, cut at max_length as in training."""
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(pairs), batch_size):
+        seqs = [(p["prompt_ids"] + p[f"{side}_ids"])[:max_length] for p in pairs[start:start + batch_size]]
+        starts = [len(p["prompt_ids"]) for p in pairs[start:start + batch_size]]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        token_logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        positions = torch.arange(1, width, device=device)[None]
+        answer = (positions >= torch.tensor(starts, device=device)[:, None]) & mask[:, 1:].bool()
+        out.append((token_logps * answer).sum(-1).cpu())
+    return torch.cat(out)
+
+
+def measures(model, tokenizer, recipe: Recipe, records: list[Record], limit: int | None, batch_size: int) -> dict:
+    """DPO's measures on held-out pairs. preference_accuracy: the share of pairs whose chosen answer the
+    model itself finds more likely than the rejected one (summed log-probabilities). With an adapter, the
+    implicit rewards beta * (log p_adapter - log p_base) as TRL computes them, the base (adapter off) being
+    the reference: reward_accuracy (chosen rewarded above rejected) and reward_margin (mean difference)."""
+    renderer = Renderer(recipe.data, tokenizer)
+    pairs = [tokenize_pair(r, renderer, tokenizer) for r in records[:limit or None]]
+    pairs = [p for p in pairs if len(p["prompt_ids"]) < recipe.data.max_length]
+    args = (recipe.data.max_length, batch_size, tokenizer.pad_token_id)
+    model.eval()
+    policy = {side: answer_logps(model, pairs, side, *args) for side in ("chosen", "rejected")}
+    scores = {"preference_accuracy": float((policy["chosen"] > policy["rejected"]).float().mean()),
+              "preference_pairs": len(pairs)}
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            ref = {side: answer_logps(model, pairs, side, *args) for side in ("chosen", "rejected")}
+        beta = (recipe.preference or PreferenceConfig()).beta
+        chosen, rejected = (beta * (policy[s] - ref[s]) for s in ("chosen", "rejected"))
+        scores.update(reward_accuracy=float((chosen > rejected).float().mean()),
+                      reward_margin=float((chosen - rejected).mean()))
+    return scores

@@ -245,7 +245,8 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
                  recipe.preference.beta, recipe.preference.loss_type)
         trainer = preference.PreferenceTrainer(model=model, ref_model=None, args=args, train_dataset=bundle.train,
                                                eval_dataset=bundle.eval, processing_class=tokenizer,
-                                               callbacks=callbacks)
+                                               callbacks=callbacks,
+                                               generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None))
         collate = data_mod.CountingCollator(trainer.data_collator)
         trainer.data_collator = collate
         return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)

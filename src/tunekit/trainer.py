@@ -122,13 +122,30 @@ class SafeState:
         return isinstance(self.accelerator.unwrap_model(self.model), PeftModel)
 
 
-class SafeStateTrainer(SafeState, Trainer):
+class GenerationEval:
+    """Mixin for transformers.Trainer and its subclasses: generation metrics at every evaluation."""
+
+    def __init__(self, *args, generation_eval=None, **kwargs):
+        self.generation_eval = generation_eval  # model -> {metric: value}, see evaluation.DuringTraining
+        super().__init__(*args, **kwargs)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """The stock loss pass, then the generation metrics, so that both are logged together and reach
+        the callbacks and best-checkpoint tracking as eval_<metric>."""
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        if self.generation_eval is not None:
+            scores = self.generation_eval(self.accelerator.unwrap_model(self.model))
+            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in scores.items()})
+        return output
+
+
+class SafeStateTrainer(SafeState, GenerationEval, Trainer):
     """The Trainer tunekit runs for SFT: pickle-free checkpoints, the chunked loss, LoRA+, generation metrics."""
 
-    def __init__(self, *args, loraplus_lr_ratio: float | None = None, chunked_loss: bool = False,
-                 generation_eval=None, **kwargs):
+    def __init__(self, *args, loraplus_lr_ratio: float | None = None, chunked_loss: bool = False, **kwargs):
         self.loraplus_lr_ratio = loraplus_lr_ratio
-        self.generation_eval = generation_eval  # model -> {metric: value}, see evaluation.DuringTraining
         super().__init__(*args, **kwargs)
         stock_only = self.label_smoother is not None or self.compute_loss_func is not None
         self.loss_head = losspath.install(self.model) if chunked_loss and not stock_only else None
@@ -152,17 +169,6 @@ class SafeStateTrainer(SafeState, Trainer):
         else:
             loss = total / self.loss_head.trained
         return (loss, outputs) if return_outputs else loss
-
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
-        """The stock loss pass, then the generation metrics, so that both are logged together and reach
-        the callbacks and best-checkpoint tracking as eval_<metric>."""
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                         metric_key_prefix)
-        if self.generation_eval is not None:
-            scores = self.generation_eval(self.accelerator.unwrap_model(self.model))
-            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in scores.items()})
-        return output
 
     def create_optimizer(self, model=None):
         """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio. The Trainer
