@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=15 tests
+	$(PY) -m pytest -q -ra --durations=40 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

