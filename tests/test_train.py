@@ -208,3 +208,18 @@ def test_fp16_on_cpu_is_refused_with_a_clear_message(tmp_path, tiny_model, data_
     recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run", training={"precision": "fp16"}))
     with pytest.raises(TunekitError, match="training.precision=fp16 needs a CUDA GPU"):
         train.run(recipe)
+
+
+@pytest.mark.parametrize("training, has_eval, expected", [
+    ({"max_steps": 20, "save_steps": 5, "eval_steps": 4}, True,
+     {"save_strategy": "steps", "save_steps": 5, "eval_strategy": "steps", "eval_steps": 4}),
+    ({"max_steps": 20}, True, {"save_strategy": "steps", "save_steps": 20, "eval_strategy": "steps", "eval_steps": 20}),
+    ({"max_steps": None, "epochs": 2}, True, {"save_strategy": "epoch", "eval_strategy": "epoch"}),
+    ({"max_steps": 20, "eval_steps": 4}, False, {"save_strategy": "steps", "save_steps": 20, "eval_strategy": "no"}),
+])
+def test_save_and_eval_schedules(tmp_path, tiny_model, data_file, training, has_eval, expected):
+    recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run", training=training))
+    args = train.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", has_eval)
+    for key, value in expected.items():
+        got = getattr(args, key)
+        assert (got.value if hasattr(got, "value") else got) == value, key

@@ -52,24 +52,17 @@ def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int) -> d
                             f"training.deepspeed {recipe.training.deepspeed}", hidden)
 
 
+def _every(kind: str, steps: int | None) -> dict:
+    """Every `steps` optimizer steps, else at each epoch end (TrainingArguments' <kind>_strategy/<kind>_steps)."""
+    return {f"{kind}_strategy": "steps", f"{kind}_steps": steps} if steps else {f"{kind}_strategy": "epoch"}
+
+
 def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_eval: bool,
                        ds: dict | None = None, process_group: dict | None = None) -> TrainingArguments:
     """The Trainer's arguments for the recipe; `process_group` holds what `distributed.prepare` set up."""
     t = recipe.training
-    if t.save_steps:
-        save = {"save_strategy": "steps", "save_steps": t.save_steps}
-    elif t.max_steps:
-        save = {"save_strategy": "steps", "save_steps": t.max_steps}
-    else:
-        save = {"save_strategy": "epoch"}
-    if not has_eval:
-        evaluation = {"eval_strategy": "no"}
-    elif t.eval_steps:
-        evaluation = {"eval_strategy": "steps", "eval_steps": t.eval_steps}
-    elif t.max_steps:
-        evaluation = {"eval_strategy": "steps", "eval_steps": t.max_steps}
-    else:
-        evaluation = {"eval_strategy": "epoch"}
+    save = _every("save", t.save_steps or t.max_steps)
+    evaluation = _every("eval", t.eval_steps or t.max_steps) if has_eval else {"eval_strategy": "no"}
     best: dict = {}
     if t.metric_for_best and has_eval:
         # the best checkpoint is kept and loaded at the end, so one is saved at every evaluation
