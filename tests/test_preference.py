@@ -144,6 +144,44 @@ def test_a_base_model_that_prefers_the_rejected_answers_scores_low(tmp_path, tin
     assert scores["preference_accuracy"] == wins / len(WORDS)
 
 
+def test_dpo_continues_an_sft_run_against_that_run_as_reference(tmp_path, tiny_model):
+    """model.adapter_from: SFT on the chosen answers, then DPO from that adapter. The reference is the SFT model
+    (TRL's frozen copy kept), so the first DPO loss is exactly log 2; only the trained adapter is saved, and
+    run.json names the run it started from."""
+    data = write_jsonl(tmp_path / "p.jsonl", pairs())
+    sft = dpo_raw(tiny_model, data, tmp_path / "sft", method="sft", max_steps=6, eval_steps=None)
+    train.run(recipe_mod.load(write_recipe(tmp_path / "sft.yaml", sft)))
+    raw = dpo_raw(tiny_model, data, tmp_path / "dpo", max_steps=3, eval_steps=None)
+    raw["model"]["adapter_from"] = str(tmp_path / "sft")
+    result = train.run(recipe_mod.load(write_recipe(tmp_path / "dpo.yaml", raw)))
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "dpo" / "loss_history.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert losses[0] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the start
+    model = result.trainer.model
+    assert not [n for n, p in model.named_parameters() if p.requires_grad and ".ref." in n]
+    start, end = final_adapter(tmp_path / "sft"), final_adapter(tmp_path / "dpo")
+    assert start.keys() == end.keys() and not (tmp_path / "dpo" / "adapter" / "ref").exists()
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+    record = json.loads((tmp_path / "dpo" / "run.json").read_text())["adapter_from"]
+    assert record["run"] == str((tmp_path / "sft").resolve()) and record["training_method"] == "sft"
+    assert record["global_step"] == 6
+    raw.update(output_dir=str(tmp_path / "other"), lora={**raw["lora"], "r": 4})
+    with pytest.raises(TunekitError, match=r"lora.r=4 but the adapter in .*sft has r 8; set lora.r: 8"):
+        train.run(recipe_mod.load(write_recipe(tmp_path / "other.yaml", raw)))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r, t: r["model"].update(adapter_from=str(t)), "not a tunekit run directory"),
+    (lambda r, t: r["model"].update(adapter_from=str(t / "nope")), "model.adapter_from .*nope: no such directory"),
+])
+def test_adapter_from_must_be_a_finished_lora_run(tmp_path, tiny_model, change, message):
+    raw = dpo_raw(tiny_model, write_jsonl(tmp_path / "p.jsonl", pairs(1)), tmp_path / "run")
+    change(raw, tmp_path)
+    with pytest.raises(TunekitError, match=message):
+        train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
+    assert not (tmp_path / "run").exists()
+
+
 def final_adapter(run_dir):
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 

@@ -163,8 +163,9 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
     return model
 
 
-def load_for_training(recipe: Recipe, precision: Precision):
-    """Base model (quantized for QLoRA) with a fresh LoRA adapter, or the full model."""
+def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path | None = None):
+    """Base model (quantized for QLoRA) with a fresh LoRA adapter (or `start_adapter`, trainable), or the
+    full model."""
     # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype: the packed
     # 4-bit weights must be stored in the dtype of the other weights (peft's QLoRA + ZeRO-3 recipe)
     zero3 = recipe.training.deepspeed and dsconfig.zero_stage(dsconfig.read(recipe.training.deepspeed)) == 3
@@ -183,6 +184,8 @@ def load_for_training(recipe: Recipe, precision: Precision):
             use_gradient_checkpointing=recipe.training.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
+    if start_adapter is not None:
+        return PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     peft_cfg = lora_config(recipe)
     if peft_cfg is not None:
         model = get_peft_model(model, peft_cfg)

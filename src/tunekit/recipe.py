@@ -36,6 +36,9 @@ class ModelConfig(Section):
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
         None, description="Attention kernel; null lets transformers choose."
     )
+    adapter_from: str | None = Field(
+        None, description="A completed tunekit LoRA/QLoRA run directory whose adapter training starts from (an SFT "
+        "run before DPO, say); its base must be name_or_path. To start from a merged model, set name_or_path to it.")
 
 
 class LoraConfig(Section):
@@ -271,6 +274,8 @@ class Recipe(Section):
         if method == "sft" and self.preference is not None:
             raise ValueError("preference: these settings belong to training.method dpo; set training.method: dpo "
                              "or remove the preference section")
+        if self.model.adapter_from and (self.full_finetuning or (self.lora and self.lora.init != "default")):
+            raise ValueError("model.adapter_from continues a LoRA adapter: use adapter: lora with lora.init: default")
         if method == "dpo":
             if self.data.format != "preference":
                 raise ValueError(f"training.method: dpo trains on (prompt, chosen, rejected) pairs; set data.format: "

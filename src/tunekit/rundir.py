@@ -61,6 +61,7 @@ class RunRecord:
     failed_at_step: int | None = None
     eval: str | None = None  # pending | completed, for runs whose recipe has an eval section
     training_method: str = "sft"  # sft | dpo
+    adapter_from: dict | None = None  # model.adapter_from: the run whose adapter training started from
 
     def save(self, run_dir: Path) -> None:
         outputs.write_json(run_dir / RUN_FILE, dataclasses.asdict(self))
@@ -90,6 +91,32 @@ def is_run(path: Path) -> bool:
 def weights_dir(run_dir: Path) -> Path:
     """adapter/ of a LoRA or QLoRA run, model/ of a full fine-tuning run."""
     return run_dir / (MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else ADAPTER_DIR)
+
+
+def starting_adapter(recipe: Recipe) -> Path | None:
+    """model.adapter_from checked: a completed LoRA/QLoRA run on the recipe's base model with the recipe's rank
+    and alpha; its adapter/ directory."""
+    spec = recipe.model.adapter_from
+    if spec is None:
+        return None
+    where = f"model.adapter_from {spec}"
+    run_dir = outputs.require_dir(Path(spec), "model.adapter_from")
+    if not is_run(run_dir):
+        raise TunekitError(f"{where}: not a tunekit run directory (no {RUN_FILE})")
+    record = RunRecord.load(run_dir)
+    adapter = run_dir / ADAPTER_DIR
+    if record.status != "completed" or not (adapter / "adapter_config.json").is_file():
+        raise TunekitError(f"{where}: not a completed LoRA/QLoRA run (status {record.status}); finish it first")
+    ours, theirs = recipe.model.name_or_path, record.base_model
+    same = Path(ours).resolve() == Path(theirs).resolve() if Path(ours).exists() else ours == theirs
+    if not same:
+        raise TunekitError(f"{where}: trained on {theirs}, but model.name_or_path is {ours}; use the same base")
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    for key, theirs_key in (("r", "r"), ("alpha", "lora_alpha")):
+        if getattr(recipe.lora, key) != saved[theirs_key]:
+            raise TunekitError(f"lora.{key}={getattr(recipe.lora, key)} but the adapter in {run_dir} has "
+                               f"{key} {saved[theirs_key]}; set lora.{key}: {saved[theirs_key]}")
+    return adapter
 
 
 # ---------------------------------------------------------------- resume

@@ -164,6 +164,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if resume_from is None:
         outputs.check_free(run_dir, force, "output_dir")
     trackers.check(recipe.training.report_to)
+    start_adapter = rundir.starting_adapter(recipe)
     precision = resolve_precision(recipe.training.precision)
     log.info("precision: %s (%s)", precision.name, precision.reason)
     ds = deepspeed_config(recipe, precision, launch.world_size)
@@ -198,7 +199,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if dpo:
         args = preference.config(args, recipe)
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
-    model = models.load_for_training(recipe, precision)
+    model = models.load_for_training(recipe, precision, start_adapter)
+    if start_adapter is not None:
+        log.info("adapter: starting from %s", start_adapter)
     packed = False if dpo else packing.use(model, recipe.data.packing)  # TRL's collator pads the pairs
     attention = model.config._attn_implementation
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
@@ -218,7 +221,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         versions=outputs.versions(), precision={"name": precision.name, "reason": precision.reason},
         adapter=recipe.method, training_method=recipe.training.method, base_model=recipe.model.name_or_path,
         parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
-        resumed_from=resume_from.name if resume_from else None,
+        resumed_from=resume_from.name if resume_from else None, adapter_from=_source_run(start_adapter),
         data={"template": bundle.template, "packed": packed, "attention": attention, "train": vars(bundle.train_stats),
               "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
     )
@@ -234,9 +237,11 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
                     if recipe.training.early_stopping_patience else [])
                  + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
     if dpo:
-        log.info("dpo: beta %s, loss %s; reference: the base with the adapter switched off (no second copy)",
-                 recipe.preference.beta, recipe.preference.loss_type)
+        reference = ("the base with the adapter switched off (no second copy)" if start_adapter is None else
+                     f"the base with the starting adapter (a frozen copy of {start_adapter})")
+        log.info("dpo: beta %s, loss %s; reference: %s", recipe.preference.beta, recipe.preference.loss_type, reference)
         trainer = preference.PreferenceTrainer(model=model, ref_model=None, args=args, train_dataset=bundle.train,
+                                               reference_is_base=start_adapter is None,
                                                eval_dataset=bundle.eval, processing_class=tokenizer,
                                                callbacks=callbacks,
                                                generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None))
@@ -257,6 +262,15 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None),
     )
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+def _source_run(adapter: Path | None) -> dict | None:
+    """run.json's record of model.adapter_from: the run, its method, steps and base."""
+    if adapter is None:
+        return None
+    source = RunRecord.load(adapter.parent)
+    return {"run": str(adapter.parent.resolve()), "training_method": source.training_method,
+            "global_step": source.global_step, "base_model": source.base_model, "adapter": source.adapter}
 
 
 def generation_eval(recipe: Recipe, tokenizer, evaluates: bool):

@@ -61,7 +61,9 @@ class SafeState:
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=self.args.should_save)
+        # only the trained adapter: a frozen reference copy (TRL's "ref" adapter) is rebuilt at each start
+        only = {"selected_adapters": ["default"]} if len(getattr(model, "peft_config", {})) > 1 else {}
+        model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=self.args.should_save, **only)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 
