@@ -146,3 +146,17 @@ def test_a_trained_tied_head_counts_its_gradient_accumulation(make_recipe):
     assert p.parts["gradient of the tied head, accumulating"] == 2 * 500 * 32 * 4
     lora = make_recipe()
     assert plan.count(lora, model).tied_trainable_head == 0  # a frozen head gets no gradient
+
+
+def test_dpo_plans_two_sequences_per_pair_a_reference_forward_and_the_stock_loss(make_recipe):
+    sft = make_recipe("data.format=preference")
+    dpo = make_recipe("data.format=preference", "training.method=dpo")
+    cfg, model = plan.meta_model(sft)
+    settings = [plan.settings_from(r, 1, "fp32") for r in (sft, dpo)]
+    assert (settings[0].sequences, settings[1].sequences) == (1, 2) and settings[1].reference_forward
+    one, two = (plan.make(r, s, cfg, model) for r, s in zip((sft, dpo), settings))
+    assert two.parts["activations"] == pytest.approx(2 * one.parts["activations"])
+    stock = plan.loss_path_bytes(cfg, settings[1], dpo, chunked=False)
+    assert two.parts["logits and loss"] == pytest.approx(stock)  # TRL computes log-probs from full logits
+    pair_tokens = 8 * 2 * 64  # micro-batch 8, max_length 64
+    assert two.flops_per_step == pytest.approx(2 * one.flops_per_step + 2 * one.counts.total * pair_tokens)

@@ -45,6 +45,8 @@ class Settings:
     offload_params: bool = False
     optimizer: str = "adamw_torch"
     accumulation: int = 1  # gradient accumulation steps
+    sequences: int = 1  # sequences per example: 2 for DPO (chosen and rejected in one batch)
+    reference_forward: bool = False  # DPO: a no-grad forward of the reference model each step
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     utilization: float = 0.4
 
@@ -137,7 +139,7 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
     h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or h // heads)
-    tokens = s.micro_batch * s.seq_len
+    tokens = s.micro_batch * s.sequences * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
     per_token = 6 * h * 4 + (5 * h + 4 * kv + 4 * inter) * elem
     if recipe.lora is not None and recipe.lora.dropout > 0:
@@ -165,7 +167,7 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     fp32 also the compute-dtype logits or the gradient cast back, one at a time: measured with
     bench/plan_check.py), and an fp32 gradient for a trained head."""
     h, vocab = cfg.hidden_size, cfg.vocab_size
-    tokens = s.micro_batch * s.seq_len
+    tokens = s.micro_batch * s.sequences * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
     # below fp32, a head stored in fp32 (QLoRA's unquantized layers, full fine-tuning) is cast for the matmul
     head_cast = vocab * h * elem if elem != 4 and (recipe.quantization is not None or recipe.full_finetuning) else 0
@@ -206,7 +208,8 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     kept, recomputed = activation_bytes(cfg, s, recipe)
     from .losspath import unsupported_reason
 
-    chunked = recipe.training.chunked_loss and unsupported_reason(model) is None
+    # TRL's DPO loss takes log-probabilities from the full logits: the stock path
+    chunked = recipe.training.chunked_loss and recipe.training.method == "sft" and unsupported_reason(model) is None
     logits = loss_path_bytes(cfg, s, recipe, chunked)
     act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
     parts[act_key] = kept
@@ -240,12 +243,14 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
         for key in [k for k in parts if k.startswith("weights")]:
             cpu += parts.pop(key)
 
-    tokens = s.micro_batch * s.seq_len
+    tokens = s.micro_batch * s.sequences * s.seq_len
     # forward 2*P*T; backward 2*P*T for activation gradients, plus 2*P*T for weight gradients of what trains
     trained_fraction = 1.0 if recipe.full_finetuning else c.trainable / max(c.total, 1)
     flops = (4 + 2 * trained_fraction) * c.total * tokens
     if s.gradient_checkpointing:
         flops += 2 * c.total * tokens  # the forward is run twice
+    if s.reference_forward:
+        flops += 2 * c.total * tokens
     step = flops * 1.0 / (s.peak_tflops * 1e12 * s.utilization)
     phases = [(act_key, "logits and loss") + ((f"autocast copies of trained weights ({s.precision})",) if autocast else ())]
     if s.gradient_checkpointing:
@@ -264,7 +269,8 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     zero_stage=dsconfig.zero_stage(ds),
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
-                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps)
+                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps,
+                    sequences=2 if t.method == "dpo" else 1, reference_forward=t.method == "dpo")
     return dataclasses.replace(base, **overrides)
 
 
@@ -329,7 +335,9 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
     lines = [
         f"model: {recipe.model.name_or_path}  method: {recipe.method}  precision: {s.precision}",
         f"parameters: {c.total:,} total, {c.trainable:,} trainable ({100 * c.trainable / max(c.total, 1):.2f}%)",
-        f"per device: world size {s.world_size}, micro-batch {s.micro_batch} x {s.seq_len} tokens, "
+        f"per device: world size {s.world_size}, micro-batch {s.micro_batch}"
+        + (f" pairs ({s.micro_batch * s.sequences} sequences, and a reference forward)" if s.sequences > 1 else "")
+        + f" x {s.seq_len} tokens, "
         f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO stage {s.zero_stage}"
         + (", optimizer offload" if s.offload_optimizer else "") + (", parameter offload" if s.offload_params else ""),
         "",
