@@ -2,10 +2,10 @@
 
 Each check runs tunekit's CLI as a user would, on the real SmolLM2-135M-Instruct (the packaged GGUF)
 with the shipped recipes and data: bf16 and fp16 LoRA, QLoRA with bitsandbytes' CUDA kernels, the
-flagship recipe's settings (QLoRA + ZeRO-2 + paged 8-bit AdamW + checkpointing + accumulation), full
-fine-tuning with paged 8-bit AdamW, packing with SDPA and with flash-attention (when installed),
-ZeRO-3, 2-process DDP and ZeRO-2 (when 2 GPUs are present), merge and eval. Prints one table and
-writes bench/gpu_check.json, then runs the throughput benchmark (bench/run.py) on the GPU into
+flagship recipe's settings (QLoRA + ZeRO-2 + paged 8-bit AdamW + checkpointing + accumulation), QLoRA
+DPO (llama_dpo.yaml's settings), full fine-tuning with paged 8-bit AdamW, packing with SDPA and with
+flash-attention (when installed), ZeRO-3, 2-process DDP and ZeRO-2 (when 2 GPUs are present), merge
+and eval. Prints one table and writes bench/gpu_check.json, then runs the throughput benchmark (bench/run.py) on the GPU into
 bench/results_gpu.json. Without a CUDA GPU it says so and exits 0.
 
     python bench/gpu_check.py [--only NAME ...] [--out bench/gpu_check.json] [--no-bench]
@@ -55,6 +55,14 @@ CHECKS = [
            "training.max_steps=12", "training.warmup_ratio=0", "training.warmup_steps=2",
            "training.eval_steps=6", "training.save_steps=6", "training.learning_rate=1e-3", *EVAL,
            "eval.max_new_tokens=32"], merge=True, expect_precision="bf16"),
+    Check("dpo-qlora", "llama_dpo.yaml settings: QLoRA DPO, bf16, ZeRO-2, accumulation 8, checkpointing, paged "
+          "8-bit AdamW, reference = adapter-off 4-bit base (SmolLM2 and the preference pairs swapped in)",
+          "llama_dpo.yaml",
+          [f"model.name_or_path={SMOLLM2}", "data.train=recipes/data/prefer_train.jsonl", "data.eval_fraction=0",
+           "data.eval=recipes/data/prefer_eval.jsonl", "data.fields.prompt=prompt", "data.max_length=96",
+           "training.max_steps=12", "training.warmup_ratio=0", "training.warmup_steps=2", "training.eval_steps=6",
+           "training.save_steps=6", "training.learning_rate=2e-4", *EVAL, "eval.max_new_tokens=32"],
+          merge=True, expect_precision="bf16"),
     Check("full-paged8bit", "full fine-tuning, paged 8-bit AdamW", "smollm2_full.yaml",
           ["training.optimizer=paged_adamw_8bit", "training.max_steps=30", "eval=null"]),
     Check("packing-sdpa", "padding-free packing with SDPA attention", "smollm2_lora.yaml",
@@ -124,6 +132,8 @@ def run_check(c: Check, work: Path) -> dict:
     if metrics_file.is_file():
         s = json.loads(metrics_file.read_text())["scores"]
         notes.append(f"eval ROUGE-L {s.get('rougeL', 0):.1f} BLEU {s.get('bleu', 0):.1f}")
+        if "reward_accuracy" in s:
+            notes.append(f"reward accuracy {s['reward_accuracy']:.2f}")
     elif "eval.limit=16" in c.overrides:
         problems.append("no eval/metrics.json written")
     if c.merge:
