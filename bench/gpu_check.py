@@ -5,8 +5,8 @@ with the shipped recipes and data: bf16 and fp16 LoRA, QLoRA with bitsandbytes' 
 flagship recipe's settings (QLoRA + ZeRO-2 + paged 8-bit AdamW + checkpointing + accumulation), QLoRA
 DPO (llama_dpo.yaml's settings), full fine-tuning with paged 8-bit AdamW, packing with SDPA and with
 flash-attention (when installed), ZeRO-3, 2-process DDP and ZeRO-2 (when 2 GPUs are present), merge
-and eval. Prints one table and writes bench/gpu_check.json, then runs the throughput benchmark (bench/run.py) on the GPU into
-bench/results_gpu.json. Without a CUDA GPU it says so and exits 0.
+and eval. Prints one table and writes bench/gpu_check.json, then runs the throughput benchmark
+(bench/run.py) on the GPU into bench/results_gpu.json. Without a CUDA GPU it says so and exits 0.
 
     python bench/gpu_check.py [--only NAME ...] [--out bench/gpu_check.json] [--no-bench]
 """
