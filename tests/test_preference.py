@@ -31,7 +31,6 @@ def dpo_raw(tiny_model, data, out, **training):
     (lambda r: r.update(preference={"beta": 0.2}) or r["training"].update(method="sft"),
      "preference: these settings belong to training.method dpo"),
     (lambda r: r["data"].update(format="alpaca"), "training.method: dpo trains on (prompt, chosen, rejected) pairs"),
-    (lambda r: r.update(adapter="none", lora=None), "training.method: dpo with adapter none"),
     (lambda r: r.update(preference={"loss_type": "sigmoidd"}), "preference.loss_type"),
     (lambda r: r["lora"].update(init="pissa"), "lora.init=pissa"),
 ])
@@ -180,6 +179,31 @@ def test_adapter_from_must_be_a_finished_lora_run(tmp_path, tiny_model, change, 
     with pytest.raises(TunekitError, match=message):
         train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
     assert not (tmp_path / "run").exists()
+
+
+def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, tiny_model):
+    """adapter: none: a second, frozen copy of the base is the reference; it stays equal to the base while the
+    trained model moves, the preference is learned, and `tunekit plan` counts the copy."""
+    data = write_jsonl(tmp_path / "p.jsonl", pairs())
+    raw = dpo_raw(tiny_model, data, tmp_path / "run", max_steps=6, eval_steps=6, learning_rate=1e-3)
+    raw.update(adapter="none", lora=None)
+    raw["data"]["eval"] = str(data)
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+    result = train.run(recipe)
+    last = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()
+            if "eval_loss" in line][-1]
+    assert last["eval_rewards/accuracies"] == 1.0 and last["eval_loss"] < 0.6931
+    base = load_file(str(tiny_model / "model.safetensors"))
+    ref = result.trainer.ref_model.state_dict()
+    trained = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
+    assert all(torch.equal(ref[k].to(v.dtype), v) for k, v in base.items())
+    assert any(not torch.equal(trained[k], v) for k, v in base.items() if k in trained)
+    from tunekit import plan
+
+    settings = plan.settings_from(recipe, 1, "fp32")
+    cfg, meta = plan.meta_model(recipe)
+    planned = plan.make(recipe, settings, cfg, meta)
+    assert planned.parts["weights (frozen reference copy, fp32)"] == planned.counts.total * 4
 
 
 def final_adapter(run_dir):

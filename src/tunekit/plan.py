@@ -194,6 +194,9 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
         parts["weights (unquantized layers, fp32)"] = c.frozen_plain * 4
     elif not recipe.full_finetuning:
         parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
+    if s.reference_forward and recipe.full_finetuning:
+        # DPO with full fine-tuning: a frozen copy of the model as the reference, in the training precision
+        parts[f"weights (frozen reference copy, {s.precision})"] = c.total * (4 if s.precision == "fp32" else 2)
     opt_key = f"optimizer ({s.optimizer})"
     if s.zero_stage > 0 and s.precision != "fp32":
         # DeepSpeed mixed precision: the model trains in bf16/fp16 and the optimizer keeps fp32 masters

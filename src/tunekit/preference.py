@@ -18,6 +18,7 @@ import torch
 from trl import DPOConfig, DPOTrainer
 
 from . import data as data_mod
+from . import models
 from .data import IGNORE, DataStats, Record, Renderer
 from .errors import TunekitError
 from .recipe import PreferenceConfig, Recipe
@@ -108,6 +109,16 @@ def config(args, recipe: Recipe) -> DPOConfig:
                   max_length=recipe.data.max_length, truncation_mode="keep_start", padding_free=False,
                   precompute_ref_log_probs=False, dataset_num_proc=None)
     return DPOConfig(**kwargs)
+
+
+def reference(recipe: Recipe, precision, start_adapter) -> tuple[object | None, str]:
+    """The reference model to hand TRL (None: TRL's adapter handling) and how the run output names it."""
+    if recipe.full_finetuning:
+        ref = models.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
+        return ref, f"a frozen copy of the base model ({precision.name})"
+    if start_adapter is not None:
+        return None, f"the base with the starting adapter (a frozen copy of {start_adapter})"
+    return None, "the base with the adapter switched off (no second copy)"
 
 
 class PreferenceTrainer(SafeState, GenerationEval, DPOTrainer):

@@ -280,9 +280,6 @@ class Recipe(Section):
             if self.data.format != "preference":
                 raise ValueError(f"training.method: dpo trains on (prompt, chosen, rejected) pairs; set data.format: "
                                  f"preference (got {self.data.format})")
-            if self.full_finetuning:
-                raise ValueError("training.method: dpo with adapter none (full fine-tuning) needs a frozen reference "
-                                 "copy of the model, which tunekit does not load yet; use adapter: lora")
             if self.lora is not None and self.lora.init != "default":
                 raise ValueError(f"training.method: dpo takes the base model as its reference, which lora.init="
                                  f"{self.lora.init} rewrites; use lora.init: default")

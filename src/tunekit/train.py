@@ -237,10 +237,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
                     if recipe.training.early_stopping_patience else [])
                  + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
     if dpo:
-        reference = ("the base with the adapter switched off (no second copy)" if start_adapter is None else
-                     f"the base with the starting adapter (a frozen copy of {start_adapter})")
+        ref_model, reference = preference.reference(recipe, precision, start_adapter)
         log.info("dpo: beta %s, loss %s; reference: %s", recipe.preference.beta, recipe.preference.loss_type, reference)
-        trainer = preference.PreferenceTrainer(model=model, ref_model=None, args=args, train_dataset=bundle.train,
+        trainer = preference.PreferenceTrainer(model=model, ref_model=ref_model, args=args, train_dataset=bundle.train,
                                                reference_is_base=start_adapter is None,
                                                eval_dataset=bundle.eval, processing_class=tokenizer,
                                                callbacks=callbacks,
