@@ -4,9 +4,10 @@ Pairs are rendered and tokenized by tunekit's own SFT code (data.Renderer, data.
 sees exactly the prompts an SFT run on the same model sees, and the tokens that carry the loss are
 exactly the ones SFT would train: the chosen or rejected answer with its end-of-turn marker. TRL's own
 tokenization (which re-renders with its chat-template call) is bypassed by handing it the token ids.
-The trainer keeps tunekit's pickle-free checkpoints (trainer.SafeState). With a LoRA adapter the
-reference model is the base with the adapter switched off (TRL's behaviour when no ref_model is given):
-no second copy of the model is loaded.
+The trainer keeps tunekit's pickle-free checkpoints (trainer.SafeState). The reference model: with a fresh
+LoRA adapter, the base with the adapter switched off (no second copy); with an adapter carried over from
+an earlier run (model.adapter_from), a frozen copy of that adapter; with full fine-tuning, a frozen copy
+of the base.
 """
 
 from __future__ import annotations
