@@ -153,7 +153,7 @@ def test_dpo_plans_two_sequences_per_pair_a_reference_forward_and_the_stock_loss
     dpo = make_recipe("data.format=preference", "training.method=dpo")
     cfg, model = plan.meta_model(sft)
     settings = [plan.settings_from(r, 1, "fp32") for r in (sft, dpo)]
-    assert (settings[0].sequences, settings[1].sequences) == (1, 2) and settings[1].reference_forward
+    assert (settings[0].sequences, settings[1].sequences) == (1, 2) and settings[1].extra_forwards == 1
     one, two = (plan.make(r, s, cfg, model) for r, s in zip((sft, dpo), settings))
     assert two.parts["activations"] == pytest.approx(2 * one.parts["activations"])
     stock = plan.loss_path_bytes(cfg, settings[1], dpo, chunked=False)

@@ -206,6 +206,63 @@ def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, ti
     assert planned.parts["weights (frozen reference copy, fp32)"] == planned.counts.total * 4
 
 
+def unpaired_rows(n_repeat=4):
+    return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+            for p in pairs(n_repeat) for side in ("chosen", "rejected")]
+
+
+def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_model):
+    """training.method: kto on (prompt, completion, label) rows: the desirable completions' rewards rise above
+    the undesirable ones' on held-out rows, generation metrics score against desirable completions only, and
+    the adapter-off base is the reference."""
+    data = write_jsonl(tmp_path / "u.jsonl", unpaired_rows())
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "kto", "max_steps": 12,
+                                                                      "learning_rate": 5e-3, "eval_steps": 6})
+    raw["data"].update(format="unpaired_preference", eval=str(data))
+    raw["eval"] = {"batch_size": 8, "max_new_tokens": 8}
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+    assert recipe.kto.beta == 0.1 and recipe.preference is None
+    result = train.run(recipe)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()
+             if "eval_loss" in line]
+    first, last = evals[0], evals[-1]
+    assert last["eval_loss"] < first["eval_loss"]
+    assert last["eval_rewards/margins"] > first["eval_rewards/margins"] > 0
+    assert last["eval_rewards/chosen"] > 0 > last["eval_rewards/rejected"]
+    assert list(result.trainer.model.peft_config) == ["default"]
+    assert "eval_chrf" in last
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["training_method"] == "kto" and record["data"]["train"]["examples"] == len(unpaired_rows())
+    records = data_mod.read_records(str(data), "train", "data.train")
+    rendered = evaluation.rendered_examples(recipe, models.load_tokenizer(recipe.model), records, recipe.eval)
+    assert [r.reference for r in rendered] == [row["completion"] for row in unpaired_rows() if row["label"]]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["training"].update(method="sft"), "data.format: unpaired_preference is training data for "
+                                                   "training.method kto"),
+    (lambda r: r.update(preference={"beta": 0.2}), "preference: these settings belong to training.method dpo"),
+    (lambda r: r["training"].update(micro_batch_size=1), "training.micro_batch_size: KTO's loss kto"),
+    (lambda r: r.update(kto={"loss_type": "sigmoid"}), "kto.loss_type"),
+])
+def test_kto_recipe_checks(tmp_path, tiny_model, change, message):
+    raw = tiny_recipe(tiny_model, tmp_path / "u.jsonl", tmp_path / "run", training={"method": "kto"})
+    raw["data"]["format"] = "unpaired_preference"
+    change(raw)
+    with pytest.raises(TunekitError, match=message):
+        recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+
+
+def test_unpaired_rows_need_a_boolean_label(tmp_path, tiny_model):
+    rows = unpaired_rows(1)
+    rows[3]["label"] = "yes"
+    data = write_jsonl(tmp_path / "u.jsonl", rows)
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "kto"})
+    raw["data"]["format"] = "unpaired_preference"
+    with pytest.raises(TunekitError, match=r"u.jsonl line 4: field 'label' must be true or false"):
+        train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
+
+
 def final_adapter(run_dir):
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 

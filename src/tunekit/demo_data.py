@@ -2,7 +2,7 @@
 one-line record. A small instruct model knows the words but not the format, and learns it in
 a few minutes of LoRA on CPU, so the before/after gap is large and easy to see.
 
-    python -m tunekit.demo_data OUT_DIR   # writes extract_{train,eval}.jsonl and prefer_{train,eval}.jsonl
+    python -m tunekit.demo_data OUT_DIR   # writes extract_, prefer_ and kto_{train,eval}.jsonl
 """
 
 from __future__ import annotations
@@ -66,6 +66,21 @@ def write_preference(out_dir: Path, n_train: int = 160, n_eval: int = 40) -> tup
     return paths
 
 
+def unpaired(pairs: list[dict]) -> list[dict]:
+    """The pairs as KTO's unpaired examples: the chosen answer desirable, the rejected one not."""
+    return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+            for p in pairs for side in ("chosen", "rejected")]
+
+
+def write_unpaired(out_dir: Path) -> tuple[Path, Path]:
+    """kto_train.jsonl / kto_eval.jsonl: prefer_*.jsonl unpaired."""
+    paths = out_dir / "kto_train.jsonl", out_dir / "kto_eval.jsonl"
+    for path, source in zip(paths, ("prefer_train.jsonl", "prefer_eval.jsonl")):
+        pairs = [json.loads(line) for line in (out_dir / source).read_text(encoding="utf-8").splitlines()]
+        path.write_text("".join(json.dumps(r) + "\n" for r in unpaired(pairs)), encoding="utf-8")
+    return paths
+
+
 def write(out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     train, evals = generate()
@@ -77,5 +92,5 @@ def write(out_dir: Path) -> tuple[Path, Path]:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "recipes/data")
-    for p in (*write(out), *write_preference(out)):
+    for p in (*write(out), *write_preference(out), *write_unpaired(out)):
         print(p)

@@ -38,6 +38,7 @@ class Parsed:
     text: str | None = None
     alpaca_prompt: str | None = None
     rejected: str | None = None  # preference pairs: the dispreferred answer (messages end with the chosen one)
+    desirable: bool | None = None  # unpaired preference (KTO): whether the answer the messages end in is wanted
 
 
 @dataclass(frozen=True)
@@ -129,12 +130,29 @@ def preference(record: Record, f) -> Parsed:
     """A prompt (text, or chat messages ending before the answer), a chosen and a rejected answer. Read
     as a conversation ending in the chosen answer, so SFT on it trains on the chosen answers and
     evaluation scores against them."""
+    prompt = _prompt(record, f, "chosen and rejected")
+    chosen, rejected = text(record, f.chosen, "chosen"), text(record, f.rejected, "rejected")
+    return Parsed(messages=prompt + [{"role": "assistant", "content": chosen}], rejected=rejected)
+
+
+@register("unpaired_preference")
+def unpaired_preference(record: Record, f) -> Parsed:
+    """A prompt (text, or chat messages ending before the answer), one completion and a label saying whether
+    it is desirable (true/false or 1/0), as KTO trains on. Evaluation scores against the desirable ones."""
+    prompt = _prompt(record, f, "completion")
+    label = field(record, f.label, "label")
+    if label not in (True, False) or isinstance(label, float):
+        raise TunekitError(f"{record.where}: field {f.label!r} must be true or false (or 1 or 0), got {label!r}")
+    completion = text(record, f.completion, "completion")
+    return Parsed(messages=prompt + [{"role": "assistant", "content": completion}], desirable=bool(label))
+
+
+def _prompt(record: Record, f, answers: str) -> list[dict]:
+    """The prompt of a preference record: chat messages ending before the answer, else a prompt text."""
     if f.messages in record.values and record.values[f.messages] is not None:
         prompt = _messages(record, f)
         if prompt[-1]["role"] == "assistant":
             raise TunekitError(f"{record.where}: field {f.messages!r} must end before the answer (the last message "
-                               "is the assistant's); the answers go in chosen and rejected")
-    else:
-        prompt = [{"role": "user", "content": text(record, f.prompt, "prompt")}]
-    chosen, rejected = text(record, f.chosen, "chosen"), text(record, f.rejected, "rejected")
-    return Parsed(messages=prompt + [{"role": "assistant", "content": chosen}], rejected=rejected)
+                               f"is the assistant's); the answers go in {answers}")
+        return prompt
+    return [{"role": "user", "content": text(record, f.prompt, "prompt")}]

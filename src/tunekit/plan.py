@@ -46,7 +46,7 @@ class Settings:
     optimizer: str = "adamw_torch"
     accumulation: int = 1  # gradient accumulation steps
     sequences: int = 1  # sequences per example: 2 for DPO (chosen and rejected in one batch)
-    reference_forward: bool = False  # DPO: a no-grad forward of the reference model each step
+    extra_forwards: int = 0  # no-grad forwards over the batch: DPO's reference; KTO's KL, reference and reference KL
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     utilization: float = 0.4
 
@@ -194,7 +194,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
         parts["weights (unquantized layers, fp32)"] = c.frozen_plain * 4
     elif not recipe.full_finetuning:
         parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
-    if s.reference_forward and recipe.full_finetuning:
+    if s.extra_forwards and recipe.full_finetuning:
         # DPO with full fine-tuning: a frozen copy of the model as the reference, in the training precision
         parts[f"weights (frozen reference copy, {s.precision})"] = c.total * (4 if s.precision == "fp32" else 2)
     opt_key = f"optimizer ({s.optimizer})"
@@ -252,8 +252,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     flops = (4 + 2 * trained_fraction) * c.total * tokens
     if s.gradient_checkpointing:
         flops += 2 * c.total * tokens  # the forward is run twice
-    if s.reference_forward:
-        flops += 2 * c.total * tokens
+    flops += s.extra_forwards * 2 * c.total * tokens
     step = flops * 1.0 / (s.peak_tflops * 1e12 * s.utilization)
     phases = [(act_key, "logits and loss") + ((f"autocast copies of trained weights ({s.precision})",) if autocast else ())]
     if s.gradient_checkpointing:
@@ -273,7 +272,7 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
                     optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps,
-                    sequences=2 if t.method == "dpo" else 1, reference_forward=t.method == "dpo")
+                    sequences=2 if t.method == "dpo" else 1, extra_forwards={"dpo": 1, "kto": 3}.get(t.method, 0))
     return dataclasses.replace(base, **overrides)
 
 
@@ -339,7 +338,8 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         f"model: {recipe.model.name_or_path}  method: {recipe.method}  precision: {s.precision}",
         f"parameters: {c.total:,} total, {c.trainable:,} trainable ({100 * c.trainable / max(c.total, 1):.2f}%)",
         f"per device: world size {s.world_size}, micro-batch {s.micro_batch}"
-        + (f" pairs ({s.micro_batch * s.sequences} sequences, and a reference forward)" if s.sequences > 1 else "")
+        + (f" pairs ({s.micro_batch * s.sequences} sequences)" if s.sequences > 1 else "")
+        + (f", {s.extra_forwards} no-grad forward(s) (reference, KL)" if s.extra_forwards else "")
         + f" x {s.seq_len} tokens, "
         f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO stage {s.zero_stage}"
         + (", optimizer offload" if s.offload_optimizer else "") + (", parameter offload" if s.offload_params else ""),

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 
 import torch
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from . import data as data_mod
 from . import models
@@ -51,23 +52,35 @@ def tokenize_pair(record: Record, renderer: Renderer, tokenizer) -> dict:
     return {"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}
 
 
+def tokenize_unpaired(record: Record, renderer: Renderer, tokenizer) -> dict:
+    """prompt_ids, completion_ids and label of one KTO example, untruncated."""
+    example, _ = data_mod.tokenize(renderer.render(record), tokenizer, 10**9, mask_prompt=True)
+    prompt, completion = _split(example)
+    if not completion:
+        raise TunekitError(f"{record.where}: an empty completion; every example needs one")
+    desirable = renderer.format.parse(record, renderer.cfg.fields).desirable
+    return {"prompt_ids": prompt, "completion_ids": completion, "label": desirable}
+
+
 def build_pairs(records: list[Record], renderer: Renderer, tokenizer, max_length: int) -> tuple[list[dict], DataStats]:
     """Tokenized pairs; a pair whose prompt alone fills max_length is dropped (no answer token would be
     left), longer answers are cut at max_length by the collator. Counted like SFT data."""
     pairs, stats = [], DataStats()
+    paired = renderer.cfg.format == "preference"
+    answers = ("chosen_ids", "rejected_ids") if paired else ("completion_ids",)
     for record in records:
-        pair = tokenize_pair(record, renderer, tokenizer)
+        pair = (tokenize_pair if paired else tokenize_unpaired)(record, renderer, tokenizer)
         if len(pair["prompt_ids"]) >= max_length:
             stats.dropped_no_target += 1
             continue
-        longest = len(pair["prompt_ids"]) + max(len(pair["chosen_ids"]), len(pair["rejected_ids"]))
+        longest = len(pair["prompt_ids"]) + max(len(pair[a]) for a in answers)
         stats.truncated += longest > max_length
         stats.examples += 1
-        stats.tokens += len(pair["prompt_ids"]) + len(pair["chosen_ids"]) + len(pair["rejected_ids"])
+        stats.tokens += len(pair["prompt_ids"]) + sum(len(pair[a]) for a in answers)
         stats.trained_tokens += min(longest, max_length) - len(pair["prompt_ids"])
         pairs.append(pair)
     if not pairs:
-        raise TunekitError(f"no usable preference pairs: every prompt fills data.max_length={max_length}")
+        raise TunekitError(f"no usable preference examples: every prompt fills data.max_length={max_length}")
     return pairs, stats
 
 
@@ -94,7 +107,10 @@ def build(recipe: Recipe, tokenizer) -> PairBundle:
     if cfg.max_examples:
         records = records[:cfg.max_examples]
     train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length)
-    log.info(train_stats.line("train pairs", cfg.max_length))
+    paired = cfg.format == "preference"
+    if not paired:  # KTOTrainer samples in order (its KL term pairs neighbours), so the order is drawn here
+        random.Random(recipe.training.seed).shuffle(train)
+    log.info(train_stats.line("train pairs" if paired else "train examples", cfg.max_length))
     bundle = PairBundle(datasets.Dataset.from_list(train), None, train_stats, None, renderer.template)
     if held:
         pairs, bundle.eval_stats = build_pairs(held, renderer, tokenizer, cfg.max_length)
@@ -102,14 +118,18 @@ def build(recipe: Recipe, tokenizer) -> PairBundle:
     return bundle
 
 
-def config(args, recipe: Recipe) -> DPOConfig:
-    """The Trainer's arguments as a DPOConfig, with the recipe's preference settings."""
-    p = recipe.preference
+def config(args, recipe: Recipe) -> DPOConfig | KTOConfig:
+    """The Trainer's arguments as TRL's config for the recipe's method, with its settings."""
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    kwargs.update(beta=p.beta, loss_type=[p.loss_type], label_smoothing=p.label_smoothing,
-                  max_length=recipe.data.max_length, truncation_mode="keep_start", padding_free=False,
-                  precompute_ref_log_probs=False, dataset_num_proc=None)
-    return DPOConfig(**kwargs)
+    kwargs.update(max_length=recipe.data.max_length, precompute_ref_log_probs=False, dataset_num_proc=None)
+    if recipe.training.method == "kto":
+        k = recipe.kto
+        kwargs["train_sampling_strategy"] = "sequential"  # KTO's KL term pairs each example with its neighbours
+        return KTOConfig(**kwargs, beta=k.beta, loss_type=k.loss_type, desirable_weight=k.desirable_weight,
+                         undesirable_weight=k.undesirable_weight)
+    p = recipe.preference
+    return DPOConfig(**kwargs, beta=p.beta, loss_type=[p.loss_type], label_smoothing=p.label_smoothing,
+                     truncation_mode="keep_start", padding_free=False)
 
 
 def reference(recipe: Recipe, precision, start_adapter) -> tuple[object | None, str]:
@@ -122,7 +142,17 @@ def reference(recipe: Recipe, precision, start_adapter) -> tuple[object | None, 
     return None, "the base with the adapter switched off (no second copy)"
 
 
-class PreferenceTrainer(SafeState, GenerationEval, DPOTrainer):
+class BaseReference:
+    """Mixin for TRL's DPO and KTO trainers (see PreferenceTrainer): removes TRL's "ref" adapter copy when the
+    reference is the base itself."""
+
+    def __init__(self, *args, reference_is_base: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        if reference_is_base and "ref" in getattr(self.model, "peft_config", {}):
+            self.model.delete_adapter("ref")
+
+
+class PreferenceTrainer(SafeState, GenerationEval, BaseReference, DPOTrainer):
     """DPOTrainer with tunekit's checkpoints and generation metrics, fed the pairs tokenized above.
 
     Given a PEFT model, TRL copies its adapter into a second adapter "ref" and uses that as the
@@ -131,13 +161,27 @@ class PreferenceTrainer(SafeState, GenerationEval, DPOTrainer):
     switched off, and no copy of anything is held or saved. An adapter that starts from an earlier run
     (model.adapter_from) keeps TRL's copy: the reference is then the model that run produced."""
 
-    def __init__(self, *args, reference_is_base: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
-        if reference_is_base and "ref" in getattr(self.model, "peft_config", {}):
-            self.model.delete_adapter("ref")
-
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # already prompt_ids / chosen_ids / rejected_ids from tunekit's renderer
+
+
+class UnpairedTrainer(SafeState, GenerationEval, BaseReference, KTOTrainer):
+    """KTOTrainer as PreferenceTrainer is DPOTrainer, fed tunekit's prompt_ids / completion_ids / label."""
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if not self.calculate_KL:
+            return dataset
+
+        # TRL's KL estimate, as its own preparation builds it: each micro-batch's completions rotated by one,
+        # so every prompt meets a completion written for another prompt of the same batch.
+        def rotate(batch):
+            return {"KL_completion_ids": batch["completion_ids"][-1:] + batch["completion_ids"][:-1]}
+
+        return dataset.map(rotate, batched=True, batch_size=args.per_device_train_batch_size)
+
+
+def trainer_class(recipe: Recipe):
+    return UnpairedTrainer if recipe.training.method == "kto" else PreferenceTrainer
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ import logging
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -76,11 +76,13 @@ class FieldMap(Section):
     messages: str = Field("messages", description="chat: column holding the list of messages.")
     role: str = Field("role", description="chat: role key inside each message.")
     content: str = Field("content", description="chat: text key inside each message.")
-    prompt: str = Field("prompt", description="prompt_completion: prompt column.")
-    completion: str = Field("completion", description="prompt_completion: completion column.")
+    prompt: str = Field("prompt", description="prompt_completion, preference, unpaired_preference: prompt column.")
+    completion: str = Field("completion", description="prompt_completion, unpaired_preference: completion column.")
     text: str = Field("text", description="text: column of raw text.")
     chosen: str = Field("chosen", description="preference: the preferred answer's column.")
     rejected: str = Field("rejected", description="preference: the dispreferred answer's column.")
+    label: str = Field("label", description="unpaired_preference: column saying whether the completion is "
+                       "desirable (true/false or 1/0).")
 
 
 class DataConfig(Section):
@@ -132,6 +134,19 @@ class PreferenceConfig(Section):
                                    "preference is flipped (conservative DPO; sigmoid loss).")
 
 
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
+
+
+class KtoConfig(Section):
+    beta: float = Field(0.1, gt=0, description="KTO: how far the policy may move from the reference (higher: closer).")
+    loss_type: Literal[KTO_LOSSES] = Field(  # type: ignore[valid-type]
+        "kto", description="KTO loss, as TRL names them: kto (with the KL estimate from mismatched completions in "
+        "each micro-batch, which needs micro_batch_size >= 2) or apo_zero_unpaired.")
+    desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable examples' loss (to balance "
+                                    "unequal numbers of desirable and undesirable examples).")
+    undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable examples' loss.")
+
+
 class TrainingConfig(Section):
     precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, else fp16 on GPU, else fp32.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
@@ -173,9 +188,10 @@ class TrainingConfig(Section):
         "directory's name) and the resolved recipe; each is an optional extra: pip install 'tunekit[tensorboard]'. "
         "TensorBoard writes into the run directory's tensorboard/; W&B, MLflow and trackio read their usual "
         "environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...).")
-    method: Literal["sft", "dpo"] = Field(
+    method: Literal["sft", "dpo", "kto"] = Field(
         "sft", description="sft: supervised fine-tuning on answers; dpo: direct preference optimization on "
-        "(prompt, chosen, rejected) pairs (data.format: preference) with TRL's DPOTrainer.")
+        "(prompt, chosen, rejected) pairs (data.format: preference) with TRL's DPOTrainer; kto: Kahneman-Tversky "
+        "optimization on completions labelled desirable or not (data.format: unpaired_preference), TRL's KTOTrainer.")
 
     @model_validator(mode="after")
     def _rules(self) -> "TrainingConfig":
@@ -215,6 +231,21 @@ class EvalConfig(Section):
         "once per epoch), on the first `limit` examples, logged beside eval_loss.")
 
 
+class MethodNeeds(NamedTuple):
+    section: str  # the recipe section holding the method's settings
+    settings: type  # its class (defaults when the section is left out)
+    data_format: str  # the data.format it trains on
+    what: str  # what that format holds, for messages
+    format_is_its_own: bool  # no other method trains on the format (SFT trains on a pair's chosen answer)
+
+
+PREFERENCE_METHODS = {
+    "dpo": MethodNeeds("preference", PreferenceConfig, "preference", "(prompt, chosen, rejected) pairs", False),
+    "kto": MethodNeeds("kto", KtoConfig, "unpaired_preference", "(prompt, completion, desirable or not) examples",
+                       True),
+}
+
+
 class Recipe(Section):
     model: ModelConfig = Field(description="Base model.")
     adapter: Literal["lora", "none"] = Field(
@@ -227,7 +258,8 @@ class Recipe(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation settings.")
     eval: EvalConfig | None = Field(None, description="Generate and score at the end of training.")
     preference: PreferenceConfig | None = Field(
-        None, description="Preference-tuning settings (training.method: dpo).")
+        None, description="DPO settings (training.method: dpo).")
+    kto: KtoConfig | None = Field(None, description="KTO settings (training.method: kto).")
     output_dir: str | None = Field(None, description="Run directory; defaults to runs/<recipe name>.")
 
     @model_validator(mode="before")
@@ -270,21 +302,31 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _method_settings(self) -> "Recipe":
+        """Each preference method has its data format and its settings section, and takes the unchanged
+        base (or the adapter it starts from) as its reference."""
         method = self.training.method
-        if method == "sft" and self.preference is not None:
-            raise ValueError("preference: these settings belong to training.method dpo; set training.method: dpo "
-                             "or remove the preference section")
+        for name, (section, _, data_format, _, own_format) in PREFERENCE_METHODS.items():
+            if method != name and getattr(self, section) is not None:
+                raise ValueError(f"{section}: these settings belong to training.method {name}; set training.method: "
+                                 f"{name} or remove the {section} section")
+            if method != name and own_format and self.data.format == data_format:
+                raise ValueError(f"data.format: {data_format} is training data for training.method {name}; set "
+                                 f"training.method: {name} or use another format")
         if self.model.adapter_from and (self.full_finetuning or (self.lora and self.lora.init != "default")):
             raise ValueError("model.adapter_from continues a LoRA adapter: use adapter: lora with lora.init: default")
-        if method == "dpo":
-            if self.data.format != "preference":
-                raise ValueError(f"training.method: dpo trains on (prompt, chosen, rejected) pairs; set data.format: "
-                                 f"preference (got {self.data.format})")
+        if method in PREFERENCE_METHODS:
+            section, settings, data_format, what, _ = PREFERENCE_METHODS[method]
+            if self.data.format != data_format:
+                raise ValueError(f"training.method: {method} trains on {what}; set data.format: {data_format} "
+                                 f"(got {self.data.format})")
             if self.lora is not None and self.lora.init != "default":
-                raise ValueError(f"training.method: dpo takes the base model as its reference, which lora.init="
+                raise ValueError(f"training.method: {method} takes the base model as its reference, which lora.init="
                                  f"{self.lora.init} rewrites; use lora.init: default")
-            if self.preference is None:
-                object.__setattr__(self, "preference", PreferenceConfig())
+            if getattr(self, section) is None:
+                object.__setattr__(self, section, settings())
+        if method == "kto" and self.kto.loss_type == "kto" and self.training.micro_batch_size < 2:
+            raise ValueError("training.micro_batch_size: KTO's loss kto estimates its KL term from the other "
+                             "examples of a micro-batch; use 2 or more (or kto.loss_type: apo_zero_unpaired)")
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from . import (arrowdata, checkpoints, distributed, dsconfig, modelinfo, models,
                trackers)
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
-from .recipe import Recipe, to_yaml
+from .recipe import PREFERENCE_METHODS, Recipe, to_yaml
 from .rundir import (ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, INITIAL_ADAPTER_DIR, MODEL_DIR,
                      RECIPE_FILE, RunRecord)
 from .trainer import SafeStateTrainer
@@ -174,8 +174,8 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     # Tokenizer and data first: bad data fails here, before anything is written or loaded.
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
-    dpo = recipe.training.method == "dpo"
-    if dpo:
+    tuned_on_preferences = recipe.training.method != "sft"  # dpo | kto, through TRL (preference.py)
+    if tuned_on_preferences:
         from . import preference
 
         bundle = preference.build(recipe, tokenizer)
@@ -196,13 +196,13 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
 
     process_group = distributed.prepare(deepspeed=ds is not None)  # may create the process group
     args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
-    if dpo:
+    if tuned_on_preferences:
         args = preference.config(args, recipe)
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
     model = models.load_for_training(recipe, precision, start_adapter)
     if start_adapter is not None:
         log.info("adapter: starting from %s", start_adapter)
-    packed = False if dpo else packing.use(model, recipe.data.packing)  # TRL's collator pads the pairs
+    packed = False if tuned_on_preferences else packing.use(model, recipe.data.packing)  # TRL's collator pads the pairs
     attention = model.config._attn_implementation
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
              "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention)
@@ -236,14 +236,15 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
                  + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
                     if recipe.training.early_stopping_patience else [])
                  + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
-    if dpo:
+    if tuned_on_preferences:
         ref_model, reference = preference.reference(recipe, precision, start_adapter)
-        log.info("dpo: beta %s, loss %s; reference: %s", recipe.preference.beta, recipe.preference.loss_type, reference)
-        trainer = preference.PreferenceTrainer(model=model, ref_model=ref_model, args=args, train_dataset=bundle.train,
-                                               reference_is_base=start_adapter is None,
-                                               eval_dataset=bundle.eval, processing_class=tokenizer,
-                                               callbacks=callbacks,
-                                               generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None))
+        settings = getattr(recipe, PREFERENCE_METHODS[recipe.training.method].section)
+        log.info("%s: beta %s, loss %s; reference: %s", recipe.training.method, settings.beta, settings.loss_type,
+                 reference)
+        trainer = preference.trainer_class(recipe)(
+            model=model, ref_model=ref_model, reference_is_base=start_adapter is None, args=args,
+            train_dataset=bundle.train, eval_dataset=bundle.eval, processing_class=tokenizer, callbacks=callbacks,
+            generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None))
         collate = data_mod.CountingCollator(trainer.data_collator)
         trainer.data_collator = collate
         return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
