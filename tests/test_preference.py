@@ -207,8 +207,9 @@ def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, ti
 
 
 def unpaired_rows(n_repeat=4):
-    return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
-            for p in pairs(n_repeat) for side in ("chosen", "rejected")]
+    from tunekit.demo_data import unpaired
+
+    return unpaired(pairs(n_repeat))
 
 
 def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_model):

@@ -23,6 +23,7 @@ class Rendered:
     add_special_tokens: bool  # False when a chat template already wrote BOS etc.
     prompt: str | None = None  # what generation starts from (everything before the last answer)
     reference: str | None = None  # the last answer
+    desirable: bool | None = None  # unpaired preference data: whether that answer is wanted
 
 
 @dataclass
@@ -195,11 +196,16 @@ class Renderer:
 
     def render(self, record: Record) -> Rendered:
         parsed = self.format.parse(record, self.cfg.fields)
+        rendered = self._render(parsed, record.where)
+        rendered.desirable = parsed.desirable
+        return rendered
+
+    def _render(self, parsed, where: str) -> Rendered:
         eos = self.tok.eos_token or ""
         if parsed.text is not None:
             return Rendered(parsed.text + eos, [(0, len(parsed.text) + len(eos))], True)
         if self.template == "chat":
-            return self._chat(parsed.messages, record.where)
+            return self._chat(parsed.messages, where)
         # one turn without a chat template: the Alpaca prompt or the bare prompt, then the answer
         user, answer = parsed.messages[0]["content"], parsed.messages[-1]["content"]
         plain = parsed.alpaca_prompt if self.template == "alpaca" else user

@@ -102,8 +102,7 @@ def token_loss(model, tokenizer, examples: list[data_mod.Example], batch_size: i
 def rendered_examples(recipe: Recipe, tokenizer, records: list[data_mod.Record], cfg: EvalConfig) -> list:
     renderer = data_mod.Renderer(recipe.data, tokenizer)
     # unpaired preference data: only the completions labelled desirable are references
-    records = [r for r in records if renderer.format.parse(r, recipe.data.fields).desirable is not False]
-    rendered = [renderer.render(r) for r in records]
+    rendered = [x for x in map(renderer.render, records) if x.desirable is not False]
     if cfg.limit:
         rendered = rendered[: cfg.limit]
     if any(r.prompt is None for r in rendered):

@@ -262,6 +262,11 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     return Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step, tuple(phases))
 
 
+# training.method: (sequences per example, no-grad forwards per step) as TRL's trainers run them: DPO puts
+# chosen and rejected in one batch and runs the reference; KTO runs its KL batch, the reference and its KL.
+STEP_SHAPES = {"dpo": (2, 1), "kto": (1, 3)}
+
+
 def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:
     t = recipe.training
     ds = dsconfig.read(t.deepspeed) if t.deepspeed else {}
@@ -272,7 +277,7 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
                     optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps,
-                    sequences=2 if t.method == "dpo" else 1, extra_forwards={"dpo": 1, "kto": 3}.get(t.method, 0))
+                    **dict(zip(("sequences", "extra_forwards"), STEP_SHAPES.get(t.method, (1, 0)))))
     return dataclasses.replace(base, **overrides)
 
 

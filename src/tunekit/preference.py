@@ -54,12 +54,12 @@ def tokenize_pair(record: Record, renderer: Renderer, tokenizer) -> dict:
 
 def tokenize_unpaired(record: Record, renderer: Renderer, tokenizer) -> dict:
     """prompt_ids, completion_ids and label of one KTO example, untruncated."""
-    example, _ = data_mod.tokenize(renderer.render(record), tokenizer, 10**9, mask_prompt=True)
+    rendered = renderer.render(record)
+    example, _ = data_mod.tokenize(rendered, tokenizer, 10**9, mask_prompt=True)
     prompt, completion = _split(example)
     if not completion:
         raise TunekitError(f"{record.where}: an empty completion; every example needs one")
-    desirable = renderer.format.parse(record, renderer.cfg.fields).desirable
-    return {"prompt_ids": prompt, "completion_ids": completion, "label": desirable}
+    return {"prompt_ids": prompt, "completion_ids": completion, "label": rendered.desirable}
 
 
 def build_pairs(records: list[Record], renderer: Renderer, tokenizer, max_length: int) -> tuple[list[dict], DataStats]:
@@ -132,14 +132,15 @@ def config(args, recipe: Recipe) -> DPOConfig | KTOConfig:
                      truncation_mode="keep_start", padding_free=False)
 
 
-def reference(recipe: Recipe, precision, start_adapter) -> tuple[object | None, str]:
-    """The reference model to hand TRL (None: TRL's adapter handling) and how the run output names it."""
+def reference(recipe: Recipe, precision, start_adapter) -> tuple[dict, str]:
+    """The trainer's reference arguments (ref_model, reference_is_base) and how the run output names it."""
     if recipe.full_finetuning:
         ref = models.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
-        return ref, f"a frozen copy of the base model ({precision.name})"
+        return {"ref_model": ref}, f"a frozen copy of the base model ({precision.name})"
     if start_adapter is not None:
-        return None, f"the base with the starting adapter (a frozen copy of {start_adapter})"
-    return None, "the base with the adapter switched off (no second copy)"
+        return ({"ref_model": None, "reference_is_base": False},
+                f"the base with the starting adapter (a frozen copy of {start_adapter})")
+    return {"ref_model": None, "reference_is_base": True}, "the base with the adapter switched off (no second copy)"
 
 
 class BaseReference:

@@ -60,7 +60,7 @@ class RunRecord:
     error: str | None = None
     failed_at_step: int | None = None
     eval: str | None = None  # pending | completed, for runs whose recipe has an eval section
-    training_method: str = "sft"  # sft | dpo
+    training_method: str = "sft"  # sft | dpo | kto
     adapter_from: dict | None = None  # model.adapter_from: the run whose adapter training started from
 
     def save(self, run_dir: Path) -> None:
@@ -93,9 +93,15 @@ def weights_dir(run_dir: Path) -> Path:
     return run_dir / (MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else ADAPTER_DIR)
 
 
-def starting_adapter(recipe: Recipe) -> Path | None:
+@dataclass
+class StartingAdapter:
+    path: Path  # the source run's adapter/
+    source: dict  # what run.json records of the source run
+
+
+def starting_adapter(recipe: Recipe) -> StartingAdapter | None:
     """model.adapter_from checked: a completed LoRA/QLoRA run on the recipe's base model with the recipe's rank
-    and alpha; its adapter/ directory."""
+    and alpha."""
     spec = recipe.model.adapter_from
     if spec is None:
         return None
@@ -116,7 +122,9 @@ def starting_adapter(recipe: Recipe) -> Path | None:
         if getattr(recipe.lora, key) != saved[theirs_key]:
             raise TunekitError(f"lora.{key}={getattr(recipe.lora, key)} but the adapter in {run_dir} has "
                                f"{key} {saved[theirs_key]}; set lora.{key}: {saved[theirs_key]}")
-    return adapter
+    return StartingAdapter(adapter, {"run": str(run_dir.resolve()), "training_method": record.training_method,
+                                     "global_step": record.global_step, "base_model": record.base_model,
+                                     "adapter": record.adapter})
 
 
 # ---------------------------------------------------------------- resume

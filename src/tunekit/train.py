@@ -164,7 +164,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if resume_from is None:
         outputs.check_free(run_dir, force, "output_dir")
     trackers.check(recipe.training.report_to)
-    start_adapter = rundir.starting_adapter(recipe)
+    start = rundir.starting_adapter(recipe)
     precision = resolve_precision(recipe.training.precision)
     log.info("precision: %s (%s)", precision.name, precision.reason)
     ds = deepspeed_config(recipe, precision, launch.world_size)
@@ -199,9 +199,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if tuned_on_preferences:
         args = preference.config(args, recipe)
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
-    model = models.load_for_training(recipe, precision, start_adapter)
-    if start_adapter is not None:
-        log.info("adapter: starting from %s", start_adapter)
+    model = models.load_for_training(recipe, precision, start.path if start else None)
+    if start is not None:
+        log.info("adapter: starting from %s", start.path)
     packed = False if tuned_on_preferences else packing.use(model, recipe.data.packing)  # TRL's collator pads the pairs
     attention = model.config._attn_implementation
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
@@ -221,7 +221,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         versions=outputs.versions(), precision={"name": precision.name, "reason": precision.reason},
         adapter=recipe.method, training_method=recipe.training.method, base_model=recipe.model.name_or_path,
         parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
-        resumed_from=resume_from.name if resume_from else None, adapter_from=_source_run(start_adapter),
+        resumed_from=resume_from.name if resume_from else None, adapter_from=start.source if start else None,
         data={"template": bundle.template, "packed": packed, "attention": attention, "train": vars(bundle.train_stats),
               "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
     )
@@ -237,12 +237,12 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
                     if recipe.training.early_stopping_patience else [])
                  + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
     if tuned_on_preferences:
-        ref_model, reference = preference.reference(recipe, precision, start_adapter)
+        ref_args, reference = preference.reference(recipe, precision, start.path if start else None)
         settings = getattr(recipe, PREFERENCE_METHODS[recipe.training.method].section)
         log.info("%s: beta %s, loss %s; reference: %s", recipe.training.method, settings.beta, settings.loss_type,
                  reference)
         trainer = preference.trainer_class(recipe)(
-            model=model, ref_model=ref_model, reference_is_base=start_adapter is None, args=args,
+            model=model, **ref_args, args=args,
             train_dataset=bundle.train, eval_dataset=bundle.eval, processing_class=tokenizer, callbacks=callbacks,
             generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None))
         collate = data_mod.CountingCollator(trainer.data_collator)
@@ -262,15 +262,6 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None),
     )
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
-
-
-def _source_run(adapter: Path | None) -> dict | None:
-    """run.json's record of model.adapter_from: the run, its method, steps and base."""
-    if adapter is None:
-        return None
-    source = RunRecord.load(adapter.parent)
-    return {"run": str(adapter.parent.resolve()), "training_method": source.training_method,
-            "global_step": source.global_step, "base_model": source.base_model, "adapter": source.adapter}
 
 
 def generation_eval(recipe: Recipe, tokenizer, evaluates: bool):
