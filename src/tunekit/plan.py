@@ -263,8 +263,9 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
 
 
 # training.method: (sequences per example, no-grad forwards per step) as TRL's trainers run them: DPO puts
-# chosen and rejected in one batch and runs the reference; KTO runs its KL batch, the reference and its KL.
-STEP_SHAPES = {"dpo": (2, 1), "kto": (1, 3)}
+# chosen and rejected in one batch and runs the reference; KTO runs its KL batch, the reference and its KL;
+# ORPO runs chosen and rejected in one batch and has no reference.
+STEP_SHAPES = {"dpo": (2, 1), "kto": (1, 3), "orpo": (2, 0)}
 
 
 def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:

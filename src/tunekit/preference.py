@@ -1,4 +1,4 @@
-"""Preference tuning (training.method: dpo) with TRL's DPOTrainer, inside tunekit's guarantees.
+"""Preference tuning (training.method: dpo | kto | orpo) with TRL's trainers, inside tunekit's guarantees.
 
 Pairs are rendered and tokenized by tunekit's own SFT code (data.Renderer, data.tokenize), so a DPO run
 sees exactly the prompts an SFT run on the same model sees, and the tokens that carry the loss are
@@ -7,7 +7,7 @@ tokenization (which re-renders with its chat-template call) is bypassed by handi
 The trainer keeps tunekit's pickle-free checkpoints (trainer.SafeState). The reference model: with a fresh
 LoRA adapter, the base with the adapter switched off (no second copy); with an adapter carried over from
 an earlier run (model.adapter_from), a frozen copy of that adapter; with full fine-tuning, a frozen copy
-of the base.
+of the base. ORPO has no reference model.
 """
 
 from __future__ import annotations
@@ -16,14 +16,21 @@ import dataclasses
 import logging
 import random
 
+import warnings
+
 import torch
+import torch.nn.functional as F
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+
+with warnings.catch_warnings():  # TRL 1.16 keeps ORPO under trl.experimental and warns on import; pinned here
+    warnings.simplefilter("ignore")
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from . import data as data_mod
 from . import models
 from .data import IGNORE, DataStats, Record, Renderer
 from .errors import TunekitError
-from .recipe import PreferenceConfig, Recipe
+from .recipe import PREFERENCE_METHODS, PreferenceConfig, Recipe
 from .trainer import GenerationEval, SafeState
 
 log = logging.getLogger("tunekit")
@@ -118,10 +125,13 @@ def build(recipe: Recipe, tokenizer) -> PairBundle:
     return bundle
 
 
-def config(args, recipe: Recipe) -> DPOConfig | KTOConfig:
+def config(args, recipe: Recipe) -> DPOConfig | KTOConfig | ORPOConfig:
     """The Trainer's arguments as TRL's config for the recipe's method, with its settings."""
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    kwargs.update(max_length=recipe.data.max_length, precompute_ref_log_probs=False, dataset_num_proc=None)
+    kwargs.update(max_length=recipe.data.max_length, dataset_num_proc=None)
+    if recipe.training.method == "orpo":
+        return ORPOConfig(**kwargs, beta=recipe.orpo.beta)
+    kwargs["precompute_ref_log_probs"] = False
     if recipe.training.method == "kto":
         k = recipe.kto
         kwargs["train_sampling_strategy"] = "sequential"  # KTO's KL term pairs each example with its neighbours
@@ -134,6 +144,8 @@ def config(args, recipe: Recipe) -> DPOConfig | KTOConfig:
 
 def reference(recipe: Recipe, precision, start_adapter) -> tuple[dict, str]:
     """The trainer's reference arguments (ref_model, reference_is_base) and how the run output names it."""
+    if not PREFERENCE_METHODS[recipe.training.method].has_reference:
+        return {}, "none (the loss has no reference model)"
     if recipe.full_finetuning:
         ref = models.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
         return {"ref_model": ref}, f"a frozen copy of the base model ({precision.name})"
@@ -181,8 +193,61 @@ class UnpairedTrainer(SafeState, GenerationEval, BaseReference, KTOTrainer):
         return dataset.map(rotate, batched=True, batch_size=args.per_device_train_batch_size)
 
 
+class OddsRatioTrainer(SafeState, GenerationEval, ORPOTrainer):
+    """ORPOTrainer as PreferenceTrainer is DPOTrainer, fed the same pairs.
+
+    Two changes to TRL's loss. TRL takes the SFT term of ORPO over the whole chosen sequence, prompt included
+    (its comment: "orpo chosen nll loss is computed over the full prompt and response"); here it covers exactly
+    the answer tokens SFT trains, as the ORPO paper's SFT term does and as every other tunekit method does.
+    TRL averages that term over each micro-batch's tokens, so the result depends on how an optimizer step is
+    split into micro-batches and processes; here it is averaged over the answer tokens of the whole step, as
+    tunekit's SFT loss is, and 2 processes train exactly as 1 does (the odds-ratio term is a per-pair mean)."""
+
+    loss_is_scaled_for_ga = False  # the Trainer divides by the accumulation steps; the token count below undoes it
+
+    def tokenize_row(self, feature, model=None) -> dict:
+        """TRL's columns from tunekit's ids: prompt + answer cut at max_length (keep the start), prompt masked."""
+        row = {"prompt_input_ids": feature["prompt_ids"], "prompt_attention_mask": [1] * len(feature["prompt_ids"])}
+        for side in ("chosen", "rejected"):
+            ids = (feature["prompt_ids"] + feature[f"{side}_ids"])[:self.max_length]
+            row.update({f"{side}_input_ids": ids, f"{side}_attention_mask": [1] * len(ids),
+                        f"{side}_labels": [IGNORE] * len(feature["prompt_ids"]) + ids[len(feature["prompt_ids"]):]})
+        return row
+
+    def concatenated_forward(self, model, batch):
+        out = super().concatenated_forward(model, batch)
+        chosen_logits = out[2]  # the chosen rows' logits, shifted: position t predicts token t + 1
+        labels = batch["chosen_labels"][:, 1:]
+        labels = F.pad(labels, (0, chosen_logits.shape[1] - labels.shape[1]), value=IGNORE)
+        nll = F.cross_entropy(chosen_logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
+        self._answer_nll = nll, labels.ne(IGNORE).sum()
+        return (*out[:4], nll, *out[5:])
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """The chosen answer tokens of the whole optimizer step, every process's included."""
+        count = sum(b["chosen_labels"][..., 1:].ne(IGNORE).sum() for b in batch_samples).to(device)
+        return self.accelerator.gather(count).sum() if self.args.world_size > 1 else count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._step_tokens = num_items_in_batch
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def get_batch_loss_metrics(self, model, batch, train_eval="train"):
+        loss, metrics = super().get_batch_loss_metrics(model, batch, train_eval)
+        if train_eval == "train" and getattr(self, "_step_tokens", None):
+            # micro-batch token mean -> this micro-batch's share of the step's token mean (the Trainer then
+            # divides by the accumulation steps and the processes' gradients are averaged)
+            nll, tokens = self._answer_nll
+            share = tokens * self.accelerator.num_processes * self.current_gradient_accumulation_steps
+            loss = loss + nll * (share / self._step_tokens - 1)
+        return loss, metrics
+
+
+TRAINERS = {"dpo": PreferenceTrainer, "kto": UnpairedTrainer, "orpo": OddsRatioTrainer}
+
+
 def trainer_class(recipe: Recipe):
-    return UnpairedTrainer if recipe.training.method == "kto" else PreferenceTrainer
+    return TRAINERS[recipe.training.method]
 
 
 @torch.no_grad()
@@ -208,7 +273,8 @@ def measures(model, tokenizer, recipe: Recipe, records: list[Record], limit: int
     """DPO's measures on held-out pairs. preference_accuracy: the share of pairs whose chosen answer the
     model itself finds more likely than the rejected one (summed log-probabilities). With an adapter, the
     implicit rewards beta * (log p_adapter - log p_base) as TRL computes them, the base (adapter off) being
-    the reference: reward_accuracy (chosen rewarded above rejected) and reward_margin (mean difference)."""
+    the reference: reward_accuracy (chosen rewarded above rejected) and reward_margin (mean difference), for
+    every method but ORPO, whose loss has no reference."""
     renderer = Renderer(recipe.data, tokenizer)
     pairs = [tokenize_pair(r, renderer, tokenizer) for r in records[:limit or None]]
     pairs = [p for p in pairs if len(p["prompt_ids"]) < recipe.data.max_length]
@@ -217,7 +283,8 @@ def measures(model, tokenizer, recipe: Recipe, records: list[Record], limit: int
     policy = {side: answer_logps(model, pairs, side, *args) for side in ("chosen", "rejected")}
     scores = {"preference_accuracy": float((policy["chosen"] > policy["rejected"]).float().mean()),
               "preference_pairs": len(pairs)}
-    if hasattr(model, "disable_adapter"):
+    method = PREFERENCE_METHODS.get(recipe.training.method)
+    if hasattr(model, "disable_adapter") and (method is None or method.has_reference):  # ORPO has no reference
         with model.disable_adapter():
             ref = {side: answer_logps(model, pairs, side, *args) for side in ("chosen", "rejected")}
         beta = (recipe.preference or PreferenceConfig()).beta

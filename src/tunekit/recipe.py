@@ -147,6 +147,11 @@ class KtoConfig(Section):
     undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable examples' loss.")
 
 
+class OrpoConfig(Section):
+    beta: float = Field(0.1, gt=0, description="ORPO: weight of the odds-ratio term added to the chosen answers' "
+                        "SFT loss (lambda in the paper; TRL's beta). There is no reference model.")
+
+
 class TrainingConfig(Section):
     precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, else fp16 on GPU, else fp32.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
@@ -188,10 +193,12 @@ class TrainingConfig(Section):
         "directory's name) and the resolved recipe; each is an optional extra: pip install 'tunekit[tensorboard]'. "
         "TensorBoard writes into the run directory's tensorboard/; W&B, MLflow and trackio read their usual "
         "environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...).")
-    method: Literal["sft", "dpo", "kto"] = Field(
+    method: Literal["sft", "dpo", "kto", "orpo"] = Field(
         "sft", description="sft: supervised fine-tuning on answers; dpo: direct preference optimization on "
         "(prompt, chosen, rejected) pairs (data.format: preference) with TRL's DPOTrainer; kto: Kahneman-Tversky "
-        "optimization on completions labelled desirable or not (data.format: unpaired_preference), TRL's KTOTrainer.")
+        "optimization on completions labelled desirable or not (data.format: unpaired_preference), TRL's KTOTrainer; "
+        "orpo: odds-ratio preference optimization on the same pairs as dpo, SFT and preference in one loss without a "
+        "reference model, TRL's ORPOTrainer.")
 
     @model_validator(mode="after")
     def _rules(self) -> "TrainingConfig":
@@ -237,12 +244,15 @@ class MethodNeeds(NamedTuple):
     data_format: str  # the data.format it trains on
     what: str  # what that format holds, for messages
     format_is_its_own: bool  # no other method trains on the format (SFT trains on a pair's chosen answer)
+    has_reference: bool = True  # the loss compares the policy with a reference model (ORPO's does not)
 
 
 PREFERENCE_METHODS = {
     "dpo": MethodNeeds("preference", PreferenceConfig, "preference", "(prompt, chosen, rejected) pairs", False),
     "kto": MethodNeeds("kto", KtoConfig, "unpaired_preference", "(prompt, completion, desirable or not) examples",
                        True),
+    "orpo": MethodNeeds("orpo", OrpoConfig, "preference", "(prompt, chosen, rejected) pairs", False,
+                        has_reference=False),
 }
 
 
@@ -260,6 +270,7 @@ class Recipe(Section):
     preference: PreferenceConfig | None = Field(
         None, description="DPO settings (training.method: dpo).")
     kto: KtoConfig | None = Field(None, description="KTO settings (training.method: kto).")
+    orpo: OrpoConfig | None = Field(None, description="ORPO settings (training.method: orpo).")
     output_dir: str | None = Field(None, description="Run directory; defaults to runs/<recipe name>.")
 
     @model_validator(mode="before")
@@ -305,7 +316,7 @@ class Recipe(Section):
         """Each preference method has its data format and its settings section, and takes the unchanged
         base (or the adapter it starts from) as its reference."""
         method = self.training.method
-        for name, (section, _, data_format, _, own_format) in PREFERENCE_METHODS.items():
+        for name, (section, _, data_format, _, own_format, _) in PREFERENCE_METHODS.items():
             if method != name and getattr(self, section) is not None:
                 raise ValueError(f"{section}: these settings belong to training.method {name}; set training.method: "
                                  f"{name} or remove the {section} section")
@@ -315,11 +326,11 @@ class Recipe(Section):
         if self.model.adapter_from and (self.full_finetuning or (self.lora and self.lora.init != "default")):
             raise ValueError("model.adapter_from continues a LoRA adapter: use adapter: lora with lora.init: default")
         if method in PREFERENCE_METHODS:
-            section, settings, data_format, what, _ = PREFERENCE_METHODS[method]
+            section, settings, data_format, what, _, has_reference = PREFERENCE_METHODS[method]
             if self.data.format != data_format:
                 raise ValueError(f"training.method: {method} trains on {what}; set data.format: {data_format} "
                                  f"(got {self.data.format})")
-            if self.lora is not None and self.lora.init != "default":
+            if has_reference and self.lora is not None and self.lora.init != "default":
                 raise ValueError(f"training.method: {method} takes the base model as its reference, which lora.init="
                                  f"{self.lora.init} rewrites; use lora.init: default")
             if getattr(self, section) is None:

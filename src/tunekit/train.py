@@ -174,7 +174,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     # Tokenizer and data first: bad data fails here, before anything is written or loaded.
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
-    tuned_on_preferences = recipe.training.method != "sft"  # dpo | kto, through TRL (preference.py)
+    tuned_on_preferences = recipe.training.method != "sft"  # dpo | kto | orpo, through TRL (preference.py)
     if tuned_on_preferences:
         from . import preference
 
@@ -239,8 +239,8 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if tuned_on_preferences:
         ref_args, reference = preference.reference(recipe, precision, start.path if start else None)
         settings = getattr(recipe, PREFERENCE_METHODS[recipe.training.method].section)
-        log.info("%s: beta %s, loss %s; reference: %s", recipe.training.method, settings.beta, settings.loss_type,
-                 reference)
+        log.info("%s: %s; reference: %s", recipe.training.method,
+                 ", ".join(f"{k} {v}" for k, v in settings.model_dump().items()), reference)
         trainer = preference.trainer_class(recipe)(
             model=model, **ref_args, args=args,
             train_dataset=bundle.train, eval_dataset=bundle.eval, processing_class=tokenizer, callbacks=callbacks,
