@@ -3,7 +3,7 @@
 Each check runs tunekit's CLI as a user would, on the real SmolLM2-135M-Instruct (the packaged GGUF)
 with the shipped recipes and data: bf16 and fp16 LoRA, QLoRA with bitsandbytes' CUDA kernels, the
 flagship recipe's settings (QLoRA + ZeRO-2 + paged 8-bit AdamW + checkpointing + accumulation), QLoRA
-DPO (llama_dpo.yaml's settings), full fine-tuning with paged 8-bit AdamW, packing with SDPA and with
+DPO (llama_dpo.yaml's settings), KTO, QLoRA ORPO, full fine-tuning with paged 8-bit AdamW, packing with SDPA and with
 flash-attention (when installed), ZeRO-3, 2-process DDP and ZeRO-2 (when 2 GPUs are present), merge
 and eval. Prints one table and writes bench/gpu_check.json, then runs the throughput benchmark
 (bench/run.py) on the GPU into bench/results_gpu.json. Without a CUDA GPU it says so and exits 0.
@@ -63,6 +63,10 @@ CHECKS = [
            "training.max_steps=12", "training.warmup_ratio=0", "training.warmup_steps=2", "training.eval_steps=6",
            "training.save_steps=6", "training.learning_rate=2e-4", *EVAL, "eval.max_new_tokens=32"],
           merge=True, expect_precision="bf16"),
+    Check("kto-bf16", "smollm2_kto.yaml as shipped: KTO, bf16, reference = adapter-off base", "smollm2_kto.yaml",
+          EVAL, expect_precision="bf16"),
+    Check("orpo-qlora", "smollm2_orpo.yaml on a 4-bit nf4 base: ORPO, bf16, no reference", "smollm2_orpo.yaml",
+          ["quantization.bits=4", *EVAL], merge=True, expect_precision="bf16"),
     Check("full-paged8bit", "full fine-tuning, paged 8-bit AdamW", "smollm2_full.yaml",
           ["training.optimizer=paged_adamw_8bit", "training.max_steps=30", "eval=null"]),
     Check("packing-sdpa", "padding-free packing with SDPA attention", "smollm2_lora.yaml",
