@@ -1,0 +1,103 @@
+"""tunekit export --format gguf: the file llama.cpp reads (metadata, vocabulary, q/k rows in llama.cpp's
+order), read back by transformers with the source model's logits and token ids, refused above its
+quantization's tolerance, written atomically, with an Ollama Modelfile beside it. The packaged SmolLM2
+(its llama.cpp pre-tokenizer, token ids) is exported in the demo test (test_e2e_smollm2.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from tunekit import export
+
+
+def fields(path):
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return reader, {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def test_base_model_exports_and_reads_back_with_its_logits_and_token_ids(tmp_path, tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = export.export(str(tiny_model), "f16", tmp_path / "tiny.gguf")
+    reader, meta = fields(out)
+    source = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 2
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.chat_template"] == tok.chat_template
+    assert meta["tokenizer.ggml.tokens"][:4] == ["<|pad|>", "<|bos|>", "<|im_start|>", "<|im_end|>"]
+    assert meta["tokenizer.ggml.token_type"][:4] == [3, 3, 3, 3] and meta["tokenizer.ggml.eos_token_id"] == 3
+    assert len(meta["tokenizer.ggml.merges"]) > 100
+    # q rows in llama.cpp's interleaved rotary order: what transformers' reader undoes
+    q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    stored = torch.tensor(q.data.astype("float32")).reshape(64, 64)
+    expected = export.permute_for_llama_cpp(source.model.layers[0].self_attn.q_proj.weight.detach(), 4)
+    torch.testing.assert_close(stored, expected, atol=1e-3, rtol=1e-3)
+    assert not torch.allclose(stored, source.model.layers[0].self_attn.q_proj.weight.detach(), atol=1e-3)
+
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    ids = tok(["Reverse the word.\n\ncatdog", "café straße 東京"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        torch.testing.assert_close(back(**ids).logits, source(**ids).logits, atol=2e-3, rtol=0)
+    back_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    for text in export.TOKENIZER_PROBES:
+        assert back_tok(text)["input_ids"] == tok(text)["input_ids"]
+    modelfile = (tmp_path / "tiny.Modelfile").read_text()
+    assert modelfile.startswith("FROM ./tiny.gguf\n") and 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert "<|im_start|>{{ .Role }}" in modelfile
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.Modelfile", "tiny.gguf"]
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
+def test_quantized_exports_are_smaller_and_pass_their_tolerance(tmp_path, tiny_model, quant):
+    out = export.export(str(tiny_model), quant, tmp_path / f"{quant}.gguf")
+    reader, meta = fields(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == quant.upper() and types["blk.0.attn_norm.weight"] == "F32"
+    assert out.stat().st_size < 0.6 * (tiny_model / "model.safetensors").stat().st_size
+
+
+def test_an_export_below_its_tolerance_is_refused_and_nothing_is_left(tmp_path, tiny_model, monkeypatch):
+    from tunekit.errors import TunekitError
+
+    monkeypatch.setitem(export.QUANTS, "q4_0", export.Quant("Q4_0", "MOSTLY_Q4_0", 1.0, 1e-6))
+    with pytest.raises(TunekitError, match=r"export refused: GGUF check: max \|logit diff\| .* q4_0 needs top-1"):
+        export.export(str(tiny_model), "q4_0", tmp_path / "x.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_run_is_merged_on_the_fly_and_its_facts_are_recorded(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 2},
+                      eval={"batch_size": 4, "max_new_tokens": 8}, data={"eval_fraction": 0.25})
+    assert run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw))).returncode == 0
+    res = run_cli("export", str(tmp_path / "run"), "--quant", "q8_0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "parity: max |logit diff|" in res.stderr and "GGUF check: max |logit diff|" in res.stderr
+    out = tmp_path / "run" / "run-q8_0.gguf"
+    _, meta = fields(out)
+    facts = json.loads(meta["tunekit.finetune"])
+    assert facts["training_method"] == "sft" and facts["adapter"] == "lora" and facts["steps"] == 2
+    assert meta["general.base_model.0.name"] == str(tiny_model)
+    assert "PARAMETER num_predict 8" in (tmp_path / "run" / "run-q8_0.Modelfile").read_text()
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".export") or "partial" in p.name]
+    again = run_cli("export", str(tmp_path / "run"), "--quant", "q8_0")
+    assert again.returncode != 0 and "Traceback" not in again.stderr
+    assert "run-q8_0.gguf" in again.stderr and "--force" in again.stderr
+
+
+def test_other_architectures_are_refused_with_one_line(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)).save_pretrained(
+        tmp_path / "gpt2")
+    res = run_cli("export", str(tmp_path / "gpt2"), "--out", str(tmp_path / "g.gguf"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "supports Llama-architecture models" in res.stderr and "GPT2LMHeadModel" in res.stderr
+    assert not (tmp_path / "g.gguf").exists()
