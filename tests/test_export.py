@@ -29,6 +29,7 @@ def test_base_model_exports_and_reads_back_with_its_logits_and_token_ids(tmp_pat
     source = AutoModelForCausalLM.from_pretrained(tiny_model)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 2
+    assert "general.license" not in meta  # the tiny model states none
     assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.chat_template"] == tok.chat_template
     assert meta["tokenizer.ggml.tokens"][:4] == ["<|pad|>", "<|bos|>", "<|im_start|>", "<|im_end|>"]
     assert meta["tokenizer.ggml.token_type"][:4] == [3, 3, 3, 3] and meta["tokenizer.ggml.eos_token_id"] == 3

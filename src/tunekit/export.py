@@ -14,6 +14,7 @@ is refused above the tolerance of its quantization type.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -120,8 +121,6 @@ def _tensors(model, quant: Quant):
 def _vocab(writer, tokenizer, vocab_size: int) -> None:
     """Tokens, types and merges of a byte-level BPE ("gpt2" in llama.cpp), special ids and the chat template,
     as llama.cpp reads them."""
-    import json
-
     import gguf
 
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
@@ -174,8 +173,6 @@ class Facts:
 
 
 def write_gguf(model, tokenizer, path: Path, quant: Quant, facts: Facts) -> None:
-    import json
-
     import gguf
 
     cfg = model.config
@@ -230,17 +227,45 @@ def _source(target: str):
     first), a merged directory or a base model."""
     from . import models, rundir
 
+    def finetune(run: Path, recipe) -> dict:
+        record = rundir.RunRecord.load(run)
+        return {"run": run.resolve().name, "training_method": record.training_method, "adapter": record.adapter,
+                "steps": record.global_step, "data": recipe.data.train}
+
     path = Path(target)
     if rundir.is_run(path):
-        t = rundir.resolve_target(target)
-        record = rundir.RunRecord.load(path)
-        finetune = {"run": path.resolve().name, "training_method": record.training_method, "adapter": record.adapter,
-                    "steps": record.global_step, "data": t.recipe.data.train}
-        return path, t.recipe, Facts(path.resolve().name, t.recipe.model.name_or_path, None, finetune)
+        recipe = rundir.resolve_target(target).recipe
+        return path, recipe, Facts(path.resolve().name, recipe.model.name_or_path, None, finetune(path, recipe))
     if path.is_dir() and (path / rundir.MERGED_MARKER).is_file():
         recipe = rundir.resolve_target(target).recipe
-        return path, recipe, Facts(path.resolve().name, recipe.model.name_or_path, None, {"merged_from": target})
+        run = Path(json.loads((path / rundir.MERGED_MARKER).read_text())["source_run"])
+        facts = finetune(run, recipe) if rundir.is_run(run) else {"merged_from": str(run)}
+        return path, recipe, Facts(path.resolve().parent.name if path.name == "merged" else path.resolve().name,
+                                   recipe.model.name_or_path, None, facts)
     return Path(models.materialize(target)), None, Facts(Path(target).stem, target)
+
+
+def license_of(spec: str) -> str | None:
+    """The base model's license where it says one: a GGUF's general.license, or the `license:` line of a
+    model directory's README front matter (the Hub's model card). Hub ids are not fetched for it."""
+    import re
+
+    from .sources import resolve_model
+
+    try:
+        source = resolve_model(spec)
+    except TunekitError:
+        return None
+    if source.kind == "gguf":
+        import gguf
+
+        field = gguf.GGUFReader(source.location).fields.get("general.license")
+        return field.contents() if field is not None else None
+    card = Path(source.location) / "README.md"
+    if source.kind == "dir" and card.is_file():
+        found = re.search(r"^license:\s*(\S+)", card.read_text(encoding="utf-8", errors="replace"), re.M)
+        return found.group(1) if found else None
+    return None
 
 
 @contextlib.contextmanager
@@ -317,6 +342,7 @@ def export(target: str, quant_name: str = "q8_0", out: Path | None = None, force
         raise TunekitError(f"--quant {quant_name}: choose one of {', '.join(QUANTS)}")
     quant = QUANTS[quant_name]
     source, recipe, facts = _source(target)
+    facts.license = license_of(facts.base_model)
     out = Path(out) if out else (source if source.is_dir() and recipe is not None else Path.cwd()) / \
         f"{facts.name}-{quant_name}.gguf"
     if not out.name.endswith(".gguf"):
