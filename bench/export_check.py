@@ -1,0 +1,84 @@
+"""`make export-check`: llama.cpp itself runs the GGUF that `tunekit export` wrote for the demo's fine-tuned
+SmolLM2, and must give the greedy answers `tunekit eval` gave with transformers.
+
+Builds llama.cpp's Python binding (llama-cpp-python, a source archive on the package index) into the venv
+when it is missing and times the build; needs `make demo` to have run (runs/demo: the q8_0 GGUF and the
+merged model's eval predictions). For each held-out prompt, exactly as `tunekit eval` rendered it, llama.cpp
+tokenizes it (ids compared with the transformers tokenizer's) and generates greedily; the answers are
+compared with `tunekit eval`'s. Prints the agreement and writes bench/export_check.json.
+
+    python bench/export_check.py [--demo runs/demo] [--out bench/export_check.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BINDING = "llama-cpp-python==0.3.36"
+
+
+def ensure_binding() -> float | None:
+    """Seconds the build took, or None when the binding was already installed."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return None
+    print(f"export-check: building {BINDING} (llama.cpp from source; minutes on 2 cores)", flush=True)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", BINDING], check=True)
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--demo", default=str(ROOT / "runs" / "demo"), help="the demo directory (make demo)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "export_check.json"))
+    a = p.parse_args()
+    demo = Path(a.demo)
+    gguf_file = demo / "smollm2-demo-q8_0.gguf"
+    predictions = demo / "merged_eval" / "predictions.jsonl"
+    if not gguf_file.is_file() or not predictions.is_file():
+        print(f"export-check: {gguf_file} or {predictions} missing; run `make demo` first", file=sys.stderr)
+        return 2
+    build_s = ensure_binding()
+
+    from llama_cpp import Llama
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo / "run" / "merged")
+    settings = json.loads((demo / "merged_eval" / "metrics.json").read_text()).get("settings", {})
+    max_new = int(settings.get("max_new_tokens", 32))
+    llm = Llama(model_path=str(gguf_file), n_ctx=1024, n_threads=2, verbose=False, seed=0)
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    same_ids = same_text = 0
+    started = time.perf_counter()
+    examples = []
+    for row in rows:
+        ids = llm.tokenize(row["prompt"].encode(), add_bos=False, special=True)
+        same_ids += ids == tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        out = llm.create_completion(ids, max_tokens=max_new, temperature=0.0, top_k=1)
+        text = out["choices"][0]["text"].strip()
+        same_text += text == row["prediction"]
+        examples.append({"llama_cpp": text, "tunekit_eval": row["prediction"]})
+    result = {
+        "gguf": str(gguf_file), "bytes": gguf_file.stat().st_size, "examples": len(rows),
+        "prompt_ids_identical": same_ids / len(rows), "greedy_answer_agreement": same_text / len(rows),
+        "llama_cpp_seconds": round(time.perf_counter() - started, 1),
+        "binding": BINDING, "build_seconds": round(build_s, 1) if build_s is not None else "already installed",
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "first_examples": examples[:5],
+    }
+    Path(a.out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"export-check: {len(rows)} held-out prompts; llama.cpp tokenization identical on "
+          f"{100 * result['prompt_ids_identical']:.1f}%, greedy answers equal to tunekit eval's on "
+          f"{100 * result['greedy_answer_agreement']:.1f}%; build {result['build_seconds']} s; written {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
