@@ -76,7 +76,8 @@ def main() -> int:
     Path(a.out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"export-check: {len(rows)} held-out prompts; llama.cpp tokenization identical on "
           f"{100 * result['prompt_ids_identical']:.1f}%, greedy answers equal to tunekit eval's on "
-          f"{100 * result['greedy_answer_agreement']:.1f}%; build {result['build_seconds']} s; written {a.out}")
+          f"{100 * result['greedy_answer_agreement']:.1f}%; binding build: "
+          f"{result['build_seconds']}{' s' if build_s is not None else ''}; written {a.out}")
     return 0
 
 
