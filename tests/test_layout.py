@@ -14,7 +14,7 @@ PACKAGE = Path(tunekit.__file__).parent
 LAYERS = ["errors", "statefile", "tiny", "demo_data", "distributed", "sources", "hardware", "metrics", "formats", "dsconfig",
           "losspath", "packing",
           "recipe", "outputs", "modelinfo", "data", "arrowdata", "models", "dscheckpoint", "trainer", "preference", "checkpoints", "plan",
-          "preflight", "rundir", "runlist", "evaluation", "report", "trackers", "train", "merge", "demo", "cli", "__main__"]
+          "preflight", "rundir", "runlist", "evaluation", "report", "trackers", "train", "merge", "export", "demo", "cli", "__main__"]
 
 
 def imports(module: Path) -> set[str]:
