@@ -303,15 +303,17 @@ class CountingCollator:
 
     def __call__(self, features):
         batch = self.inner(features)
-        if "input_ids" not in batch:  # ORPO's pairs: chosen and rejected rows run as one batch of the wider width
-            masks = [batch["chosen_attention_mask"], batch["rejected_attention_mask"]]
-            self.real += sum(int(m.sum()) for m in masks)
-            self.computed += 2 * len(features) * max(m.shape[1] for m in masks)
-            return batch
-        mask = batch.get("attention_mask")  # absent in packed batches, which hold no padding
-        self.real += int(mask.sum()) if mask is not None else sum(len(f["input_ids"]) for f in features)
-        self.computed += batch["input_ids"].numel()
+        real, computed = self.count(batch, features)
+        self.real += real
+        self.computed += computed
         return batch
+
+    @staticmethod
+    def count(batch, features) -> tuple[int, int]:
+        """(real, computed) tokens of one batch."""
+        mask = batch.get("attention_mask")  # absent in packed batches, which hold no padding
+        real = int(mask.sum()) if mask is not None else sum(len(f["input_ids"]) for f in features)
+        return real, batch["input_ids"].numel()
 
     @property
     def padding_fraction(self) -> float:

@@ -1,6 +1,6 @@
 """`make demo`: zero-shot eval, LoRA training (scored on held-out data as it trains, logged to
-TensorBoard), merge, eval of the merged model, the report page and a q8_0 GGUF export, on the packaged SmolLM2-135M-Instruct
-and the generated extraction task; prints the before/after table.
+TensorBoard), merge, eval of the merged model, the report page and a q8_0 GGUF export, on the packaged
+SmolLM2-135M-Instruct and the generated extraction task; prints the before/after table.
 
 Each step runs the same CLI command a user would type, so the demo shows exactly what they get."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import dsconfig
-from .recipe import Recipe
+from .recipe import PREFERENCE_METHODS, Recipe
 
 GiB = 1024**3
 QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
@@ -262,14 +262,9 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     return Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step, tuple(phases))
 
 
-# training.method: (sequences per example, no-grad forwards per step) as TRL's trainers run them: DPO puts
-# chosen and rejected in one batch and runs the reference; KTO runs its KL batch, the reference and its KL;
-# ORPO runs chosen and rejected in one batch and has no reference.
-STEP_SHAPES = {"dpo": (2, 1), "kto": (1, 3), "orpo": (2, 0)}
-
-
 def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:
     t = recipe.training
+    method = PREFERENCE_METHODS.get(t.method)
     ds = dsconfig.read(t.deepspeed) if t.deepspeed else {}
     zero = ds.get("zero_optimization") or {}
     base = Settings(world_size=world_size, micro_batch=t.micro_batch_size, seq_len=recipe.data.max_length,
@@ -278,7 +273,8 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
                     optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps,
-                    **dict(zip(("sequences", "extra_forwards"), STEP_SHAPES.get(t.method, (1, 0)))))
+                    sequences=method.sequences if method else 1,
+                    extra_forwards=method.no_grad_forwards if method else 0)
     return dataclasses.replace(base, **overrides)
 
 

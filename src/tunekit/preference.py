@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-
 import warnings
 
 import torch
@@ -193,6 +192,16 @@ class UnpairedTrainer(SafeState, GenerationEval, BaseReference, KTOTrainer):
         return dataset.map(rotate, batched=True, batch_size=args.per_device_train_batch_size)
 
 
+class PairCounter(data_mod.CountingCollator):
+    """Token counts of ORPO's batches: chosen and rejected rows, each with its own mask, run as one batch of
+    the wider width."""
+
+    @staticmethod
+    def count(batch, features) -> tuple[int, int]:
+        masks = [batch["chosen_attention_mask"], batch["rejected_attention_mask"]]
+        return sum(int(m.sum()) for m in masks), 2 * len(features) * max(m.shape[1] for m in masks)
+
+
 class OddsRatioTrainer(SafeState, GenerationEval, ORPOTrainer):
     """ORPOTrainer as PreferenceTrainer is DPOTrainer, fed the same pairs.
 
@@ -204,6 +213,7 @@ class OddsRatioTrainer(SafeState, GenerationEval, ORPOTrainer):
     tunekit's SFT loss is, and 2 processes train exactly as 1 does (the odds-ratio term is a per-pair mean)."""
 
     loss_is_scaled_for_ga = False  # the Trainer divides by the accumulation steps; the token count below undoes it
+    token_counter = PairCounter  # train.py wraps the collator in it
 
     def tokenize_row(self, feature, model=None) -> dict:
         """TRL's columns from tunekit's ids: prompt + answer cut at max_length (keep the start), prompt masked."""

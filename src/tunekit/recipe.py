@@ -244,15 +244,20 @@ class MethodNeeds(NamedTuple):
     data_format: str  # the data.format it trains on
     what: str  # what that format holds, for messages
     format_is_its_own: bool  # no other method trains on the format (SFT trains on a pair's chosen answer)
-    has_reference: bool = True  # the loss compares the policy with a reference model (ORPO's does not)
+    has_reference: bool  # the loss compares the policy with a reference model (ORPO's does not)
+    # a training step as TRL's trainer runs it, for `tunekit plan`: sequences per example (chosen and rejected
+    # in one batch) and no-grad forwards over the batch (DPO: the reference; KTO: its KL batch, the
+    # reference and the reference's KL)
+    sequences: int
+    no_grad_forwards: int
 
 
+PAIRS = "(prompt, chosen, rejected) pairs"
 PREFERENCE_METHODS = {
-    "dpo": MethodNeeds("preference", PreferenceConfig, "preference", "(prompt, chosen, rejected) pairs", False),
+    "dpo": MethodNeeds("preference", PreferenceConfig, "preference", PAIRS, False, True, 2, 1),
     "kto": MethodNeeds("kto", KtoConfig, "unpaired_preference", "(prompt, completion, desirable or not) examples",
-                       True),
-    "orpo": MethodNeeds("orpo", OrpoConfig, "preference", "(prompt, chosen, rejected) pairs", False,
-                        has_reference=False),
+                       True, True, 1, 3),
+    "orpo": MethodNeeds("orpo", OrpoConfig, "preference", PAIRS, False, False, 2, 0),
 }
 
 
@@ -316,25 +321,25 @@ class Recipe(Section):
         """Each preference method has its data format and its settings section, and takes the unchanged
         base (or the adapter it starts from) as its reference."""
         method = self.training.method
-        for name, (section, _, data_format, _, own_format, _) in PREFERENCE_METHODS.items():
-            if method != name and getattr(self, section) is not None:
-                raise ValueError(f"{section}: these settings belong to training.method {name}; set training.method: "
-                                 f"{name} or remove the {section} section")
-            if method != name and own_format and self.data.format == data_format:
-                raise ValueError(f"data.format: {data_format} is training data for training.method {name}; set "
-                                 f"training.method: {name} or use another format")
+        for name, needs in PREFERENCE_METHODS.items():
+            if method != name and getattr(self, needs.section) is not None:
+                raise ValueError(f"{needs.section}: these settings belong to training.method {name}; set "
+                                 f"training.method: {name} or remove the {needs.section} section")
+            if method != name and needs.format_is_its_own and self.data.format == needs.data_format:
+                raise ValueError(f"data.format: {needs.data_format} is training data for training.method {name}; "
+                                 f"set training.method: {name} or use another format")
         if self.model.adapter_from and (self.full_finetuning or (self.lora and self.lora.init != "default")):
             raise ValueError("model.adapter_from continues a LoRA adapter: use adapter: lora with lora.init: default")
         if method in PREFERENCE_METHODS:
-            section, settings, data_format, what, _, has_reference = PREFERENCE_METHODS[method]
-            if self.data.format != data_format:
-                raise ValueError(f"training.method: {method} trains on {what}; set data.format: {data_format} "
-                                 f"(got {self.data.format})")
-            if has_reference and self.lora is not None and self.lora.init != "default":
+            needs = PREFERENCE_METHODS[method]
+            if self.data.format != needs.data_format:
+                raise ValueError(f"training.method: {method} trains on {needs.what}; set data.format: "
+                                 f"{needs.data_format} (got {self.data.format})")
+            if needs.has_reference and self.lora is not None and self.lora.init != "default":
                 raise ValueError(f"training.method: {method} takes the base model as its reference, which lora.init="
                                  f"{self.lora.init} rewrites; use lora.init: default")
-            if getattr(self, section) is None:
-                object.__setattr__(self, section, settings())
+            if getattr(self, needs.section) is None:
+                object.__setattr__(self, needs.section, needs.settings())
         if method == "kto" and self.kto.loss_type == "kto" and self.training.micro_batch_size < 2:
             raise ValueError("training.micro_batch_size: KTO's loss kto estimates its KL term from the other "
                              "examples of a micro-batch; use 2 or more (or kto.loss_type: apo_zero_unpaired)")

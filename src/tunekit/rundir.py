@@ -60,7 +60,7 @@ class RunRecord:
     error: str | None = None
     failed_at_step: int | None = None
     eval: str | None = None  # pending | completed, for runs whose recipe has an eval section
-    training_method: str = "sft"  # sft | dpo | kto
+    training_method: str = "sft"  # sft | dpo | kto | orpo
     adapter_from: dict | None = None  # model.adapter_from: the run whose adapter training started from
 
     def save(self, run_dir: Path) -> None:

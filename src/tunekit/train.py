@@ -245,7 +245,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
             model=model, **ref_args, args=args,
             train_dataset=bundle.train, eval_dataset=bundle.eval, processing_class=tokenizer, callbacks=callbacks,
             generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None))
-        collate = data_mod.CountingCollator(trainer.data_collator)
+        collate = getattr(trainer, "token_counter", data_mod.CountingCollator)(trainer.data_collator)
         trainer.data_collator = collate
         return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
     collate = data_mod.CountingCollator(data_mod.collator(tokenizer, packed, attention == "flash_attention_2"))
