@@ -262,11 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
     p.set_defaults(func=cmd_merge)
 
+    from .export import QUANTS
+
     p = sub.add_parser("export", help="write a GGUF file (llama.cpp, Ollama, LM Studio) checked against its source, "
                                       "and an Ollama Modelfile beside it")
     p.add_argument("target", help="run directory (merged on the fly), merged directory, or base model")
     p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (gguf)")
-    p.add_argument("--quant", default="q8_0", choices=["f32", "f16", "bf16", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1"],
+    p.add_argument("--quant", default="q8_0", choices=list(QUANTS),
                    help="weight type of the 2-D tensors (default q8_0); norms stay f32")
     p.add_argument("--out", help="GGUF file to write (default: NAME-QUANT.gguf in the run or merged directory, "
                                  "or the current directory for a base model)")

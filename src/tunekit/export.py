@@ -22,16 +22,15 @@ from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from . import outputs
 from .errors import TunekitError
 
+# torch, numpy and gguf are imported where they are used: the CLI reads QUANTS for its --quant choices
+
 log = logging.getLogger("tunekit")
 
-# architectures llama.cpp reads as "llama" (transformers' GGUF reader maps them back to LlamaForCausalLM)
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
+# model types llama.cpp reads as "llama" (transformers' GGUF reader maps them back to LlamaForCausalLM)
+SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -82,15 +81,16 @@ def permute_for_llama_cpp(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _check_architecture(config, where: str) -> None:
-    archs = getattr(config, "architectures", None) or [type(config).__name__]
-    if not set(archs) & set(SUPPORTED):
-        raise TunekitError(f"{where}: export --format gguf supports Llama-architecture models ({', '.join(SUPPORTED)}: "
-                           f"Llama 2/3, SmolLM2, Mistral); this one is {', '.join(archs)}")
+    if config.model_type not in SUPPORTED:
+        found = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise TunekitError(f"{where}: export --format gguf supports Llama-architecture models "
+                           f"({', '.join(SUPPORTED.values())}: Llama 2/3, SmolLM2, Mistral); this one is {found}")
 
 
 def _tensors(model, quant: Quant):
     """(GGUF name, numpy data, raw ggml type or None) for every weight, q/k rows permuted, quantized."""
     import gguf
+    import numpy as np
 
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
@@ -211,20 +211,30 @@ def write_gguf(model, tokenizer, path: Path, quant: Quant, facts: Facts) -> None
 
 @dataclass
 class Check:
-    max_abs_diff: float
-    top1_agreement: float
-    positions: int
+    parity: object  # merge.Parity: the file's logits against the source model's
     token_mismatches: list[str]
 
     def line(self) -> str:
-        return (f"GGUF check: max |logit diff| {self.max_abs_diff:.3g}, top-1 agreement "
-                f"{100 * self.top1_agreement:.2f}% over {self.positions} positions; tokenizer ids "
+        return ("GGUF check: " + self.parity.line().removeprefix("parity: ") + "; tokenizer ids "
                 + ("identical" if not self.token_mismatches else f"differ on {len(self.token_mismatches)} texts"))
 
+    def passes(self, quant: Quant) -> bool:
+        p = self.parity
+        return (p.top1_agreement >= quant.min_top1 and not self.token_mismatches
+                and (quant.max_diff is None or p.max_abs_diff <= quant.max_diff))
 
-def _source(target: str):
-    """(model directory, recipe or None, facts) for a run directory (merged into a temporary directory
-    first), a merged directory or a base model."""
+
+@dataclass
+class Source:
+    kind: str  # run | merged | base
+    path: Path  # the run directory, the merged directory, or the base model's directory
+    recipe: object | None  # the recipe of a run or merged model
+    facts: Facts
+
+
+def _source(target: str) -> Source:
+    """What TARGET is (rundir.resolve_target tells runs and merged directories apart), and what the file
+    will say about it."""
     from . import models, rundir
 
     def finetune(run: Path, recipe) -> dict:
@@ -233,16 +243,27 @@ def _source(target: str):
                 "steps": record.global_step, "data": recipe.data.train}
 
     path = Path(target)
-    if rundir.is_run(path):
-        recipe = rundir.resolve_target(target).recipe
-        return path, recipe, Facts(path.resolve().name, recipe.model.name_or_path, None, finetune(path, recipe))
-    if path.is_dir() and (path / rundir.MERGED_MARKER).is_file():
-        recipe = rundir.resolve_target(target).recipe
-        run = Path(json.loads((path / rundir.MERGED_MARKER).read_text())["source_run"])
-        facts = finetune(run, recipe) if rundir.is_run(run) else {"merged_from": str(run)}
-        return path, recipe, Facts(path.resolve().parent.name if path.name == "merged" else path.resolve().name,
-                                   recipe.model.name_or_path, None, facts)
-    return Path(models.materialize(target)), None, Facts(Path(target).stem, target)
+    if not (rundir.is_run(path) or (path / rundir.MERGED_MARKER).is_file()):
+        return Source("base", Path(models.materialize(target)), None, Facts(path.stem, target))
+    t = rundir.resolve_target(target)
+    if t.kind == "run":
+        return Source("run", path, t.recipe, Facts(path.resolve().name, t.recipe.model.name_or_path, None,
+                                                   finetune(path, t.recipe)))
+    run = Path(json.loads((path / rundir.MERGED_MARKER).read_text())["source_run"])
+    facts = finetune(run, t.recipe) if rundir.is_run(run) else {"merged_from": str(run)}
+    name = path.resolve().parent.name if path.name == "merged" else path.resolve().name
+    return Source("merged", path, t.recipe, Facts(name, t.recipe.model.name_or_path, None, facts))
+
+
+def _config(source: Source):
+    """The model's config, read before anything is merged or loaded."""
+    if source.recipe is None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(source.path))
+    from .modelinfo import model_config
+
+    return model_config(source.recipe.model)
 
 
 def license_of(spec: str) -> str | None:
@@ -269,18 +290,18 @@ def license_of(spec: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _model_dir(target: str, source: Path, recipe):
+def _model_dir(source: Source):
     """The directory holding the weights to export: a LoRA run is merged into a temporary directory
     (with `tunekit merge`'s parity check), a full fine-tuning run's model/ is used as it is."""
     from . import merge, rundir
 
-    if not rundir.is_run(source):
-        yield source
-    elif (source / rundir.MODEL_DIR).is_dir():
-        yield source / rundir.MODEL_DIR
+    if source.kind != "run":
+        yield source.path
+    elif (source.path / rundir.MODEL_DIR).is_dir():
+        yield source.path / rundir.MODEL_DIR
     else:
-        with tempfile.TemporaryDirectory(prefix=".export-merge-", dir=source) as tmp:
-            yield merge.merge(source, Path(tmp) / "merged", dtype="fp32")
+        with tempfile.TemporaryDirectory(prefix=".export-merge-", dir=source.path) as tmp:
+            yield merge.merge(source.path, Path(tmp) / "merged", dtype="fp32")
 
 
 def _prompts(recipe, tokenizer) -> dict:
@@ -293,6 +314,7 @@ def _prompts(recipe, tokenizer) -> dict:
 
 
 def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import merge
@@ -304,7 +326,7 @@ def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
              zip(batch["input_ids"], batch["attention_mask"])] + TOKENIZER_PROBES
     mismatches = [t for t in texts if back_tok(t, add_special_tokens=False)["input_ids"] !=
                   source_tokenizer(t, add_special_tokens=False)["input_ids"]]
-    return Check(parity.max_abs_diff, parity.top1_agreement, parity.positions, mismatches)
+    return Check(parity, mismatches)
 
 
 def modelfile(gguf_name: str, tokenizer, recipe) -> str:
@@ -336,23 +358,25 @@ def modelfile(gguf_name: str, tokenizer, recipe) -> str:
 
 
 def export(target: str, quant_name: str = "q8_0", out: Path | None = None, force: bool = False) -> Path:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if quant_name not in QUANTS:
         raise TunekitError(f"--quant {quant_name}: choose one of {', '.join(QUANTS)}")
     quant = QUANTS[quant_name]
-    source, recipe, facts = _source(target)
+    source = _source(target)
+    recipe, facts = source.recipe, source.facts
     facts.license = license_of(facts.base_model)
-    out = Path(out) if out else (source if source.is_dir() and recipe is not None else Path.cwd()) / \
+    out = Path(out) if out else (source.path if source.kind != "base" else Path.cwd()) / \
         f"{facts.name}-{quant_name}.gguf"
     if not out.name.endswith(".gguf"):
         raise TunekitError(f"--out {out}: give a file name ending in .gguf")
+    _check_architecture(_config(source), target)
     with outputs.exclusive(out, "export output"):
         if out.exists() and not (force and out.is_file()):
             raise TunekitError(f"export output {out} exists; pass --force to replace it, or --out another file")
-        with _model_dir(target, source, recipe) as model_dir:
+        with _model_dir(source) as model_dir:
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-            _check_architecture(model.config, target)
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             batch = _prompts(recipe, tokenizer)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -364,9 +388,7 @@ def export(target: str, quant_name: str = "q8_0", out: Path | None = None, force
                 write_gguf(model, tokenizer, tmp, quant, facts)
                 result = check(model, tokenizer, tmp, batch)
                 log.info(result.line())
-                bad = (result.top1_agreement < quant.min_top1 or
-                       (quant.max_diff is not None and result.max_abs_diff > quant.max_diff) or result.token_mismatches)
-                if bad:
+                if not result.passes(quant):
                     raise TunekitError(
                         f"export refused: {result.line()}; {quant_name} needs top-1 >= {100 * quant.min_top1:g}%"
                         + (f", max diff <= {quant.max_diff:g}" if quant.max_diff is not None else "")
