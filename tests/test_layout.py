@@ -11,7 +11,7 @@ import tunekit
 
 PACKAGE = Path(tunekit.__file__).parent
 # lowest first: a module may import only modules listed before it
-LAYERS = ["errors", "statefile", "tiny", "demo_data", "distributed", "sources", "hardware", "metrics", "formats", "dsconfig",
+LAYERS = ["errors", "quiet", "statefile", "tiny", "demo_data", "distributed", "sources", "hub", "hardware", "metrics", "formats", "dsconfig",
           "losspath", "packing",
           "recipe", "outputs", "modelinfo", "data", "arrowdata", "models", "dscheckpoint", "trainer", "preference", "checkpoints", "plan",
           "preflight", "rundir", "runlist", "evaluation", "report", "trackers", "train", "merge", "export", "demo", "cli", "__main__"]

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, launch
+from test_quiet import hidden_lines
 
 pytestmark = [
     pytest.mark.slow,
@@ -65,7 +66,7 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
     four = tmp_path / "eval4.jsonl"
     rows = 8 if recipe == "smollm2_kto.yaml" else 4  # unpaired: every other completion is a desirable reference
     four.write_text("".join((ROOT / eval_file).read_text().splitlines(keepends=True)[:rows]))
-    launch(ROOT / "recipes" / recipe, out, 2, *offline, *LAUNCHERS[launcher], f"training.max_steps={steps}",
+    res = launch(ROOT / "recipes" / recipe, out, 2, *offline, *LAUNCHERS[launcher], f"training.max_steps={steps}",
            f"data.eval={four}", "eval.limit=4")
     info = json.loads((out / "run.json").read_text())
     assert info["status"] == "completed" and info["world_size"] == 2 and info["global_step"] == steps
@@ -74,3 +75,4 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
     metrics = json.loads((out / "eval" / "metrics.json").read_text())
     assert metrics["scores"]["examples"] == 4 and "rougeL" in metrics["scores"]
     assert len((out / "eval" / "predictions.jsonl").read_text().splitlines()) == 4
+    assert not hidden_lines(res.stdout + res.stderr)  # e.g. DeepSpeed's "Setting accelerator to CPU" on every rank

@@ -107,6 +107,20 @@ def _encode(batch, renderer: Renderer, cfg: DataConfig):
     }
 
 
+def _save(ds, path: Path) -> None:
+    """save_to_disk without its progress bar: writing a prepared set takes a fraction of the
+    tokenizing time, whose bar is shown."""
+    import datasets
+
+    was_on = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(path))
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
 def _tokenized(raw, renderer: Renderer, cfg: DataConfig, work: Path, name: str, num_proc: int | None):
     """(dataset of input_ids/labels, stats) for the raw rows; rows without a trained token dropped."""
     import datasets
@@ -163,12 +177,12 @@ def _prepare(cfg: DataConfig, renderer: Renderer, seed: int, out: Path, num_proc
             f"data.train: no example has a trained token left after truncation to {cfg.max_length} tokens; "
             "raise data.max_length"
         )
-    train.save_to_disk(str(out / TRAIN_SET))
+    _save(train, out / TRAIN_SET)
     summary = {"train": vars(train_stats), "eval": None}
     if eval_rows:
         evaluation, eval_stats = _tokenized(datasets.Dataset.from_list(eval_rows), renderer, cfg, work, "eval", None)
         if eval_stats.examples:
-            evaluation.save_to_disk(str(out / EVAL_SET))
+            _save(evaluation, out / EVAL_SET)
         summary["eval"] = vars(eval_stats)
         with (out / EVAL_RECORDS).open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in eval_rows)

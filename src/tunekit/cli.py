@@ -84,9 +84,14 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_validate(a) -> int:
     from . import recipe as recipe_mod
+    from .hub import Unavailable
     from .modelinfo import fit_max_length
 
-    recipe = fit_max_length(recipe_mod.load(a.recipe, a.overrides))
+    recipe = recipe_mod.load(a.recipe, a.overrides)
+    try:
+        recipe = fit_max_length(recipe, shipped=True)
+    except Unavailable as e:  # the recipe may well be right; say what could not be checked and why
+        logging.getLogger("tunekit").warning("data.max_length not checked against the model's context window: %s", e)
     print(recipe_mod.to_yaml(recipe), end="")
     if recipe.training.deepspeed and a.world_size:
         import json
@@ -95,7 +100,7 @@ def cmd_validate(a) -> int:
         from .train import deepspeed_config
 
         precision = resolve_precision(recipe.training.precision)
-        ds = deepspeed_config(recipe, precision, a.world_size)
+        ds = deepspeed_config(recipe, precision, a.world_size, shipped=True)
         print(f"# DeepSpeed config for world size {a.world_size}, precision {precision.name} ({precision.reason})")
         print(json.dumps(ds, indent=2))
     return 0
@@ -184,15 +189,16 @@ def cmd_plan(a) -> int:
     from . import plan, recipe as recipe_mod
     from .hardware import resolve_precision
 
-    from .modelinfo import fit_max_length
+    from .modelinfo import config_file, fit_max_length
 
-    recipe = fit_max_length(recipe_mod.load(a.recipe, a.overrides))
+    given = config_file(a.model_config) if a.model_config else None
+    recipe = fit_max_length(recipe_mod.load(a.recipe, a.overrides), shipped=True, given=given)
     precision = recipe.training.precision  # planned as written: a GPU's precision need not exist here
     if precision == "auto":
         precision = resolve_precision("auto").name
     settings = plan.settings_from(recipe, a.world_size, precision, peak_tflops=a.peak_tflops,
                                   utilization=a.utilization)
-    cfg, model = plan.meta_model(recipe)
+    cfg, model = plan.meta_model(recipe, given)
     result = plan.make(recipe, settings, cfg, model)
     budget = a.gpu_memory
     fixes = plan.suggestions(recipe, result, budget, cfg, model) if budget and result.peak > budget else []
@@ -251,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak TFLOP/s per device (default: H100 bf16)")
     p.add_argument("--utilization", type=fraction, default=0.4, help="fraction of peak reached (default 0.4)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--model-config", metavar="FILE",
+                   help="the model's config.json, for a model not downloaded here (without it: the model's own "
+                        "config, else tunekit's copy for well-known models: Llama 3.x, Qwen2.5, Qwen3, Mistral 7B, "
+                        "Gemma 2/3)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("merge", help="merge a run's adapter into its base and save deployable weights")
@@ -303,10 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a `tunekit eval` of the base model (its --out directory): adds a before/after table")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=cmd_report)
+    for p in sub.choices.values():
+        p.add_argument("--verbose", action="store_true",
+                       help="show every library's messages (a listed few that need no action are hidden otherwise: "
+                            "tunekit/quiet.py)")
     return parser
 
 
-def _setup_logging() -> None:
+def _setup_logging(verbose: bool) -> None:
+    from . import quiet
+
+    quiet.install(verbose)
     log = logging.getLogger("tunekit")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -315,14 +332,11 @@ def _setup_logging() -> None:
         # one voice in multi-process runs: other ranks report only problems
         log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
         log.propagate = False
-    # bitsandbytes warns on import, on CPUs with avx512_bf16, that an optional kernel package is
-    # missing; its own fallback is used (and training turns that path off anyway, see models.py)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging()
+    _setup_logging(args.verbose)
     try:
         return args.func(args)
     except TunekitError as e:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import hub
 from .errors import TunekitError
 from .formats import FORMATS, Record
 from .recipe import DataConfig
@@ -143,12 +144,17 @@ def iter_records(spec: str, split: str, key: str) -> Iterator[Record]:
         elif path.exists():
             raise TunekitError(f"{key}: {spec!r} is not a .jsonl, .json, .csv or .parquet file")
         else:
+            hub.probe_dataset(spec)
             ds = datasets.load_dataset(spec, split=split)
             label = f"{spec}[{split}] row"
     except TunekitError:
         raise
     except Exception as e:  # datasets raises many types for unreachable hub names and bad files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if hub.offline() and not path.exists():
+            raise TunekitError(f"{key}: data set {spec!r} is not in the local datasets cache and the Hub cannot be "
+                               f"used here ({first[:120]}); load it once where the Hub is reachable and copy the "
+                               f"cache (HF_HOME), or set {key} to a local .jsonl/.json/.csv/.parquet file") from None
         raise TunekitError(f"{key}: cannot load {spec!r} ({first[:200]})") from None
     for i, row in enumerate(ds):
         yield Record(row, f"{label} {i + 1}")

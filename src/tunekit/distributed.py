@@ -73,6 +73,8 @@ def accelerate_cpu_request() -> int | None:
 def relaunch(n: int, argv: list[str]) -> int:
     """Start `n` CPU worker processes of the same tunekit command with torch's elastic launcher."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    # the cores shared out between the processes (torch's launcher would set 1 and warn that it did)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            "-m", "tunekit", *argv]
     return subprocess.run(cmd, env=env).returncode

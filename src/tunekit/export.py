@@ -244,7 +244,7 @@ def _source(target: str) -> Source:
 
     path = Path(target)
     if not (rundir.is_run(path) or (path / rundir.MERGED_MARKER).is_file()):
-        return Source("base", Path(models.materialize(target)), None, Facts(path.stem, target))
+        return Source("base", Path(models.materialize(target, key="export target")), None, Facts(path.stem, target))
     t = rundir.resolve_target(target)
     if t.kind == "run":
         return Source("run", path, t.recipe, Facts(path.resolve().name, t.recipe.model.name_or_path, None,

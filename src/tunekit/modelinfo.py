@@ -1,12 +1,16 @@
 """What a model's own files say about it (its transformers config, its context window), read
-without loading any weights: config.json of a directory or the Hub, or the header of a GGUF file."""
+without loading any weights: config.json of a directory or the Hub, or the header of a GGUF file;
+for planning before a download, a config.json given by hand or tunekit's shipped copy."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
+from pathlib import Path
 
+from . import hub
 from .errors import TunekitError
 from .recipe import ModelConfig, Recipe
 from .sources import resolve_model
@@ -17,11 +21,65 @@ log = logging.getLogger("tunekit")
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
-def model_config(cfg: ModelConfig):
+SHIPPED = Path(__file__).with_name("model_configs.json")
+_told: set[str] = set()
+
+
+def model_config(cfg: ModelConfig, shipped: bool = False):
     """The model's transformers config, without weights: config.json of a directory or the Hub, or
-    the metadata of a GGUF file (read from its header, no conversion). Raises OSError/ValueError when
-    a hub model's config cannot be reached. Read once per process; each caller gets its own copy."""
-    return copy.deepcopy(_read_config(cfg))
+    the metadata of a GGUF file (read from its header, no conversion). A hub model that cannot be had
+    here raises hub.Unavailable, unless `shipped` allows tunekit's copy of a well-known model's config.
+    Read once per process; each caller gets its own copy."""
+    try:
+        return copy.deepcopy(_read_config(cfg))
+    except hub.Unavailable as e:
+        found = shipped_config(cfg.name_or_path) if shipped else None
+        if found is None:
+            raise
+        if cfg.name_or_path not in _told:
+            _told.add(cfg.name_or_path)
+            log.info("%s: using tunekit's shipped copy of its config (%s)", cfg.name_or_path, e.why)
+        return found
+
+
+def _from_dict(raw: dict, where: str):
+    from transformers import CONFIG_MAPPING
+
+    raw = dict(raw)
+    kind = raw.pop("model_type", None)
+    if kind not in CONFIG_MAPPING:
+        raise TunekitError(f"{where}: model_type {kind!r} is not an architecture this transformers knows; "
+                           f"give the model's own config.json")
+    return CONFIG_MAPPING[kind](**raw)
+
+
+def shipped_config(name: str):
+    """tunekit's copy of a well-known hub model's config (architecture numbers only), or None."""
+    table = json.loads(SHIPPED.read_text())
+    name = table["aliases"].get(name, name)
+    raw = table["configs"].get(name)
+    return None if raw is None else _from_dict(raw, f"{SHIPPED.name} {name}")
+
+
+def shipped_names() -> list[str]:
+    table = json.loads(SHIPPED.read_text())
+    return sorted([*table["configs"], *table["aliases"]], key=str.lower)
+
+
+def config_file(path: str):
+    """A transformers config from a config.json file (`tunekit plan --model-config`)."""
+    where = f"--model-config {path}"
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TunekitError(f"{where}: file not found") from None
+    except IsADirectoryError:
+        raise TunekitError(f"{where}: is a directory; give its config.json") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TunekitError(f"{where}: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise TunekitError(f"{where}: expected a JSON object (a model's config.json)")
+    return _from_dict(raw, where)
 
 
 @functools.lru_cache(maxsize=8)
@@ -36,13 +94,16 @@ def _read_config(cfg: ModelConfig):
         header = dict(load_gguf_checkpoint(source.location, return_tensors=False)["config"])
         header.pop("_model_name_or_path", None)
         return CONFIG_MAPPING[header.pop("model_type")](**header)
+    if source.kind == "hub":
+        hub.require(cfg.name_or_path, cfg.revision)
     return AutoConfig.from_pretrained(source.location, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
 
 
-def context_window(cfg: ModelConfig) -> tuple[int, str] | None:
-    """(tokens, where it was read) for the model, or None when its config cannot be reached."""
+def context_window(cfg: ModelConfig, shipped: bool = False, given=None) -> tuple[int, str] | None:
+    """(tokens, where it was read) for the model (or from a `given` config), or None when its config
+    cannot be read."""
     try:
-        config = model_config(cfg)
+        config = given if given is not None else model_config(cfg, shipped)
     except (OSError, ValueError):
         return None
     for key in CONTEXT_KEYS:
@@ -52,11 +113,11 @@ def context_window(cfg: ModelConfig) -> tuple[int, str] | None:
     return None
 
 
-def fit_max_length(recipe: Recipe) -> Recipe:
+def fit_max_length(recipe: Recipe, shipped: bool = False, given=None) -> Recipe:
     """data.max_length against the model's context window: positions past it were never trained,
     and rotary or learned position embeddings either fail or silently degrade there. A length the
     recipe sets beyond the window is refused; the default is lowered to the window, with a warning."""
-    found = context_window(recipe.model)
+    found = context_window(recipe.model, shipped, given)
     if found is None:
         log.info("data.max_length not checked against the model's context window (its config is not reachable)")
         return recipe

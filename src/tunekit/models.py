@@ -16,7 +16,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from . import dsconfig
+from . import dsconfig, hub
 from .errors import TunekitError
 from .hardware import DTYPES, Precision
 from .outputs import cache_root
@@ -61,27 +61,25 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def materialize(spec: str) -> str:
-    """A path or hub id that from_pretrained can read."""
-    source: ModelSource = resolve_model(spec)
+def materialize(spec: str, revision: str | None = None, key: str = "model.name_or_path") -> str:
+    """A path or hub id that from_pretrained can read (a hub model checked to be reachable)."""
+    source: ModelSource = resolve_model(spec, key)
     if source.kind == "gguf":
         return str(convert_gguf(Path(source.location)))
+    if source.kind == "hub":
+        hub.require(spec, revision, key)
     return source.location
-
-
-def _hub_error(cfg_key: str, spec: str, exc: Exception) -> TunekitError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return TunekitError(f"{cfg_key}: cannot load {spec!r} ({first[:200]})")
 
 
 def load_tokenizer(cfg: ModelConfig, directory: Path | None = None):
     """The recipe's tokenizer, or the one saved in a run/merged `directory`."""
     spec = str(directory) if directory is not None else cfg.tokenizer or cfg.name_or_path
-    location = spec if directory is not None else materialize(spec)
+    key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
+    location = spec if directory is not None else materialize(spec, cfg.revision, key)
     try:
         tok = AutoTokenizer.from_pretrained(location, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise _hub_error("model.tokenizer" if cfg.tokenizer else "model.name_or_path", spec, e) from None
+        raise hub.load_error(key, spec, e) from None
     if not getattr(tok, "is_fast", False):
         raise TunekitError(f"model.tokenizer: {spec!r} has no fast tokenizer; label masking needs character offsets")
     if tok.pad_token is None:
@@ -144,7 +142,7 @@ def keep_4bit_trainable_on_cpu(model) -> int:
 
 
 def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | None = None, device_map=None):
-    location = materialize(cfg.name_or_path)
+    location = materialize(cfg.name_or_path, cfg.revision)
     if cfg.trust_remote_code:
         log.warning("trust_remote_code is ON for %s: its own modelling code will run", cfg.name_or_path)
     kwargs = dict(dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
@@ -157,7 +155,7 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as e:
-        raise _hub_error("model.name_or_path", cfg.name_or_path, e) from None
+        raise hub.load_error("model.name_or_path", cfg.name_or_path, e) from None
     if quant is not None:
         keep_4bit_trainable_on_cpu(model)
     return model

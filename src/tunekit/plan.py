@@ -73,14 +73,16 @@ class Plan:
         return held + max((sum(self.parts[k] for k in phase) for phase in self.phases), default=0)
 
 
-def meta_model(recipe: Recipe):
-    """The model's config and the model (with its adapter) built on the meta device: no weights."""
+def meta_model(recipe: Recipe, cfg=None):
+    """The model's config (`cfg` when given, else its own, else tunekit's shipped copy) and the model
+    (with its adapter) built on the meta device: no weights."""
     from transformers import AutoModelForCausalLM
 
     from .modelinfo import model_config
     from .models import lora_config
 
-    cfg = model_config(recipe.model)
+    if cfg is None:
+        cfg = model_config(recipe.model, shipped=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.model.trust_remote_code)
     peft_cfg = lora_config(recipe)

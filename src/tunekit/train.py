@@ -43,11 +43,12 @@ class LossHistory(TrainerCallback):
                                     **logs}) + "\n")
 
 
-def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int) -> dict | None:
-    """The recipe's DeepSpeed JSON with every "auto" that the recipe decides filled in."""
+def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int, shipped: bool = False) -> dict | None:
+    """The recipe's DeepSpeed JSON with every "auto" that the recipe decides filled in (`shipped`: the
+    hidden size may come from tunekit's copy of a well-known model's config)."""
     if recipe.training.deepspeed is None:
         return None
-    hidden = getattr(modelinfo.model_config(recipe.model), "hidden_size", None)
+    hidden = getattr(modelinfo.model_config(recipe.model, shipped), "hidden_size", None)
     return dsconfig.resolve(dsconfig.read(recipe.training.deepspeed), recipe, world_size, precision.name,
                             f"training.deepspeed {recipe.training.deepspeed}", hidden)
 
