@@ -7,7 +7,11 @@ merged model's eval predictions). For each held-out prompt, exactly as `tunekit 
 tokenizes it (ids compared with the transformers tokenizer's) and generates greedily; the answers are
 compared with `tunekit eval`'s. Prints the agreement and writes bench/export_check.json.
 
-    python bench/export_check.py [--demo runs/demo] [--out bench/export_check.json]
+It also exports a tiny Llama with a Llama 2-style SentencePiece vocabulary (tunekit.tiny; needs the
+`sentencepiece` package) and compares llama.cpp's tokenization of the tiny corpus and the export's probe
+texts with transformers': the token scores tunekit writes are what llama.cpp merges by.
+
+    python bench/export_check.py [--demo runs/demo] [--out bench/export_check.json] [--sentencepiece-only]
 """
 
 from __future__ import annotations
@@ -35,11 +39,44 @@ def ensure_binding() -> float | None:
     return time.perf_counter() - started
 
 
+def sentencepiece_check() -> dict:
+    import tempfile
+
+    from llama_cpp import Llama
+
+    from tunekit import export
+    from tunekit.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "spm-llama"
+        tok = build_sentencepiece_tokenizer(model_dir)
+        tok.pad_token = tok.unk_token
+        build_model(model_dir, tok)
+        tok = build_sentencepiece_tokenizer(model_dir)
+        gguf_file = export.export(str(model_dir), "f32", Path(tmp) / "spm.gguf")
+        llm = Llama(model_path=str(gguf_file), vocab_only=True, verbose=False)
+        texts = CORPUS + export.TOKENIZER_PROBES + [" text that begins with a space"]
+        differ = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=False)
+                  != tok(t, add_special_tokens=False)["input_ids"]]
+    print(f"export-check: SentencePiece vocabulary: llama.cpp tokenizes {len(texts) - len(differ)}/{len(texts)} texts "
+          f"as transformers does; differ: {differ}")
+    return {"texts": len(texts), "identical": len(texts) - len(differ), "differ": differ}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", default=str(ROOT / "runs" / "demo"), help="the demo directory (make demo)")
     p.add_argument("--out", default=str(ROOT / "bench" / "export_check.json"))
+    p.add_argument("--sentencepiece-only", action="store_true",
+                   help="run only the SentencePiece check and update its entry in --out")
     a = p.parse_args()
+    if a.sentencepiece_only:
+        ensure_binding()
+        out = Path(a.out)
+        result = json.loads(out.read_text()) if out.is_file() else {}
+        result["sentencepiece_vocabulary"] = sentencepiece_check()
+        out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return 0
     demo = Path(a.demo)
     gguf_file = demo / "smollm2-demo-q8_0.gguf"
     predictions = demo / "merged_eval" / "predictions.jsonl"
@@ -72,6 +109,7 @@ def main() -> int:
         "llama_cpp_seconds": round(time.perf_counter() - started, 1),
         "binding": BINDING, "build_seconds": round(build_s, 1) if build_s is not None else "already installed",
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "first_examples": examples[:5],
+        "sentencepiece_vocabulary": sentencepiece_check(),
     }
     Path(a.out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"export-check: {len(rows)} held-out prompts; llama.cpp tokenization identical on "

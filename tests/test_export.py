@@ -54,6 +54,51 @@ def test_base_model_exports_and_reads_back_with_its_logits_and_token_ids(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.Modelfile", "tiny.gguf"]
 
 
+def test_a_sentencepiece_vocabulary_exports_as_llama_cpp_reads_llama_2(tmp_path):
+    """Llama 2 / Mistral 7B style: SentencePiece BPE with byte fallback. llama.cpp merges by token score,
+    which tokenizer.json does not keep; the scores written must reproduce transformers' merge order."""
+    pytest.importorskip("sentencepiece", reason="needs `pip install sentencepiece` (make test installs it)")
+    from transformers import AutoTokenizer
+
+    from tunekit.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
+
+    model_dir = tmp_path / "spm-llama"
+    tok = build_sentencepiece_tokenizer(model_dir)
+    tok.pad_token = tok.unk_token  # the model's config wants a pad id; the tokenizer, as Llama 2's, has none
+    build_model(model_dir, tok)
+    build_sentencepiece_tokenizer(model_dir)
+    out = export.export(str(model_dir), "f32", tmp_path / "spm.gguf")
+    _, meta = fields(out)
+    assert meta["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in meta
+    adds_bos = tok("a")["input_ids"][0] == tok.bos_token_id
+    assert meta["tokenizer.ggml.add_space_prefix"] is True and meta["tokenizer.ggml.add_bos_token"] is adds_bos
+    types, tokens = meta["tokenizer.ggml.token_type"], meta["tokenizer.ggml.tokens"]
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"] and types[:3] == [2, 3, 3]  # UNKNOWN, CONTROL
+    assert tokens[3:259] == [f"<0x{b:02X}>" for b in range(256)] and set(types[3:259]) == {6}  # BYTE
+    assert len(set(meta["tokenizer.ggml.scores"])) == len(tokens)  # a strict order, no ties
+    back = AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    texts = CORPUS + export.TOKENIZER_PROBES
+    assert [back(t)["input_ids"] for t in texts] == [tok(t)["input_ids"] for t in texts]
+
+    # without the scores' order (as llama.cpp's LlamaHfVocab writes: -1000 for all) the check refuses the file
+    from tunekit.errors import TunekitError
+
+    real = export._sentencepiece_vocab
+
+    def flat_scores(writer, *args):
+        add = writer.add_token_scores
+        writer.add_token_scores = lambda scores: add([-1000.0] * len(scores))
+        real(writer, *args)
+
+    export._sentencepiece_vocab = flat_scores
+    try:
+        with pytest.raises(TunekitError, match="tokenizer ids differ"):
+            export.export(str(model_dir), "f32", tmp_path / "flat.gguf")
+    finally:
+        export._sentencepiece_vocab = real
+    assert not (tmp_path / "flat.gguf").exists()
+
+
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
 def test_quantized_exports_are_smaller_and_pass_their_tolerance(tmp_path, tiny_model, quant):
     out = export.export(str(tiny_model), quant, tmp_path / f"{quant}.gguf")

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from hashlib import sha256
@@ -69,8 +70,10 @@ PRE_TOKENIZERS = {
 }
 
 # Text the read-back tokenizer must split exactly as the source one does: accents, CJK, emoji.
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
 TOKENIZER_PROBES = ["Crème brûlée, naïve façade, Ångström, São Paulo.", "東京で寿司を食べました。北京欢迎你。",
-                    "Emoji: 🚀🦙😶\u200d🌫️ ✅ and 👩🏽\u200d💻.", CHECK_TEXT]
+                    "Emoji: 🚀🦙😶\u200d🌫️ ✅ and 👩🏽\u200d💻.", CHECK_TEXT,
+                    "The lazy dog reverses words; instructions, responses and requests were translated."]
 
 
 def permute_for_llama_cpp(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -119,18 +122,33 @@ def _tensors(model, quant: Quant):
 
 
 def _vocab(writer, tokenizer, vocab_size: int) -> None:
-    """Tokens, types and merges of a byte-level BPE ("gpt2" in llama.cpp), special ids and the chat template,
-    as llama.cpp reads them."""
-    import gguf
-
+    """The tokenizer as llama.cpp reads it: a byte-level BPE ("gpt2": tokens, types, merges, pre-tokenizer)
+    or a SentencePiece-style BPE with byte fallback ("llama": tokens, types, scores), then the special ids,
+    BOS/EOS flags and the chat template."""
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     model = spec.get("model", {})
-    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
-    if model.get("type") != "BPE" or not byte_level:
-        # SentencePiece-style vocabularies (Llama 2, Mistral 7B) need llama.cpp's "llama" vocabulary with the
-        # sentencepiece scores; not written yet, so refused rather than written wrong
-        raise TunekitError("export: GGUF export supports byte-level BPE tokenizers (Llama 3.x, SmolLM2, Mistral "
-                           "Nemo); this tokenizer is SentencePiece-style (Llama 2, Mistral 7B), not supported yet")
+    if model.get("type") == "BPE" and "ByteLevel" in json.dumps(spec.get("pre_tokenizer")):
+        _byte_level_vocab(writer, tokenizer, vocab_size, model)
+    elif model.get("type") == "BPE" and model.get("byte_fallback") and "\u2581" in json.dumps(spec, ensure_ascii=False):
+        _sentencepiece_vocab(writer, tokenizer, vocab_size, spec)
+    else:
+        raise TunekitError(f"export: GGUF export supports byte-level BPE tokenizers (Llama 3.x, SmolLM2, Mistral Nemo) "
+                           f"and SentencePiece BPE ones with byte fallback (Llama 2, Mistral 7B); this one is a "
+                           f"{model.get('type', 'unknown')} tokenizer of another kind")
+    for key, token_id in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
+                          ("unk", tokenizer.unk_token_id), ("pad", tokenizer.pad_token_id)):
+        if token_id is not None:
+            getattr(writer, f"add_{key}_token_id")(token_id)
+    ids = tokenizer("a")["input_ids"]  # what encoding adds, whichever attribute or post-processor says so
+    writer.add_add_bos_token(tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id)
+    writer.add_add_eos_token(tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def _tokens_and_types(tokenizer, vocab_size: int, byte_tokens: bool) -> tuple[list[str], list]:
+    import gguf
+
     added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     tokens, types = [], []
@@ -139,10 +157,23 @@ def _vocab(writer, tokenizer, vocab_size: int) -> None:
         if token is None:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(token)
+        if i == tokenizer.unk_token_id and byte_tokens:
+            types.append(gguf.TokenType.UNKNOWN)
+        elif added.get(token):
+            types.append(gguf.TokenType.CONTROL)
+        elif token in added:
+            types.append(gguf.TokenType.USER_DEFINED)
+        elif byte_tokens and BYTE_TOKEN.fullmatch(token):
+            types.append(gguf.TokenType.BYTE)
         else:
-            tokens.append(token)
-            types.append(gguf.TokenType.CONTROL if added.get(token) else
-                         gguf.TokenType.USER_DEFINED if token in added else gguf.TokenType.NORMAL)
+            types.append(gguf.TokenType.NORMAL)
+    return tokens, types
+
+
+def _byte_level_vocab(writer, tokenizer, vocab_size: int, model: dict) -> None:
+    tokens, types = _tokens_and_types(tokenizer, vocab_size, byte_tokens=False)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     found = sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
     pre = PRE_TOKENIZERS.get(found)
@@ -154,13 +185,29 @@ def _vocab(writer, tokenizer, vocab_size: int) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    for key, token_id in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
-                          ("unk", tokenizer.unk_token_id), ("pad", tokenizer.pad_token_id)):
-        if token_id is not None:
-            getattr(writer, f"add_{key}_token_id")(token_id)
-    writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
-    if tokenizer.chat_template:
-        writer.add_chat_template(tokenizer.chat_template)
+
+
+def _sentencepiece_vocab(writer, tokenizer, vocab_size: int, spec: dict) -> None:
+    """llama.cpp's SentencePiece tokenizer merges the adjacent pair whose joined token scores highest, and
+    ignores merges. tokenizer.json keeps no scores, only the merge list that transformers derived from them
+    (highest score first), so each token scores minus the rank of the first merge that makes it; tokens no
+    merge makes (characters, bytes, specials) score below every merge. The read-back check then rebuilds
+    the merges from these scores, as transformers does for such files, and compares token ids."""
+    tokens, types = _tokens_and_types(tokenizer, vocab_size, byte_tokens=True)
+    merges = spec["model"].get("merges", [])
+    rank: dict[str, int] = {}
+    for r, m in enumerate(merges):
+        left, right = m.split(" ", 1) if isinstance(m, str) else m
+        rank.setdefault(left + right, r)
+    floor = len(merges) + 1
+    scores = [-float(rank[t]) if t in rank else -float(floor + i) for i, t in enumerate(tokens)]
+    prepend = json.dumps(spec.get("pre_tokenizer")) + json.dumps(spec.get("normalizer"))
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix('"prepend_scheme": "never"' not in prepend)
 
 
 @dataclass
@@ -310,7 +357,13 @@ def _prompts(recipe, tokenizer) -> dict:
     if recipe is not None:
         return merge.parity_batch(recipe, tokenizer)
     tokenizer.padding_side = "right"
-    return tokenizer(TOKENIZER_PROBES[:3], return_tensors="pt", padding=True)
+    pad = tokenizer.pad_token
+    if pad is None:  # Llama 2 has none; any id serves behind the attention mask
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        return tokenizer(TOKENIZER_PROBES[:3], return_tensors="pt", padding=True)
+    finally:
+        tokenizer.pad_token = pad
 
 
 def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:

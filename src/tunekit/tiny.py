@@ -40,6 +40,27 @@ def build_tokenizer(path: Path):
     return fast
 
 
+def build_sentencepiece_tokenizer(path: Path):
+    """A Llama 2-style tokenizer: a 420-piece SentencePiece BPE with byte fallback trained on the same corpus
+    (needs the `sentencepiece` package), converted by transformers as it converts Llama 2's, saved to `path`."""
+    import io
+    import tempfile
+
+    import sentencepiece
+    from transformers import LlamaTokenizer
+
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 20), model_writer=proto, model_type="bpe", vocab_size=420,
+        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "tokenizer.model").write_bytes(proto.getvalue())
+        tok = LlamaTokenizer.from_pretrained(tmp, legacy=False)
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return tok
+
+
 def build_model(path: Path, tokenizer, seed: int = 0) -> None:
     """Save a 2-layer, 64-wide random Llama (512-token context) and `tokenizer` to `path`."""
     import torch
