@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import hub
-from .errors import TunekitError
+from .errors import TunekitError, first_line
 from .formats import FORMATS, Record
 from .recipe import DataConfig
 
@@ -150,7 +150,7 @@ def iter_records(spec: str, split: str, key: str) -> Iterator[Record]:
     except TunekitError:
         raise
     except Exception as e:  # datasets raises many types for unreachable hub names and bad files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         if hub.offline() and not path.exists():
             raise TunekitError(f"{key}: data set {spec!r} is not in the local datasets cache and the Hub cannot be "
                                f"used here ({first[:120]}); load it once where the Hub is reachable and copy the "

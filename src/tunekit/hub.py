@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from .errors import TunekitError
+from .errors import TunekitError, first_line
 
 log = logging.getLogger("tunekit")
 
@@ -151,9 +151,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def _reason(exc: BaseException) -> str:
     """The innermost message of a network error: 'Name or service not known', 'Connection refused'."""
-    exc = _chain(exc)[-1]
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text.removeprefix("[Errno -2] ").removeprefix("[Errno 111] ")[:120]
+    return first_line(_chain(exc)[-1]).removeprefix("[Errno -2] ").removeprefix("[Errno 111] ")[:120]
 
 
 def load_error(key: str, spec: str, exc: Exception) -> TunekitError:
@@ -161,8 +159,7 @@ def load_error(key: str, spec: str, exc: Exception) -> TunekitError:
     cache lacks while offline, a broken download, an incompatible checkpoint)."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if any(isinstance(e, LocalEntryNotFoundError) for e in _chain(exc)):
         return TunekitError(f"{key}: {spec!r} is only partly in the local Hugging Face cache and the Hub cannot be "
                             f"used; {_get(key, spec)}")
-    return TunekitError(f"{key}: cannot load {spec!r} ({first[:200]})")
+    return TunekitError(f"{key}: cannot load {spec!r} ({first_line(exc)[:200]})")

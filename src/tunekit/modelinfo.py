@@ -61,11 +61,6 @@ def shipped_config(name: str):
     return None if raw is None else _from_dict(raw, f"{SHIPPED.name} {name}")
 
 
-def shipped_names() -> list[str]:
-    table = json.loads(SHIPPED.read_text())
-    return sorted([*table["configs"], *table["aliases"]], key=str.lower)
-
-
 def config_file(path: str):
     """A transformers config from a config.json file (`tunekit plan --model-config`)."""
     where = f"--model-config {path}"
@@ -88,12 +83,11 @@ def _read_config(cfg: ModelConfig):
 
     source = resolve_model(cfg.name_or_path)
     if source.kind == "gguf":
-        from transformers import CONFIG_MAPPING
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
         header = dict(load_gguf_checkpoint(source.location, return_tensors=False)["config"])
         header.pop("_model_name_or_path", None)
-        return CONFIG_MAPPING[header.pop("model_type")](**header)
+        return _from_dict(header, f"{cfg.name_or_path} (GGUF header)")
     if source.kind == "hub":
         hub.require(cfg.name_or_path, cfg.revision)
     return AutoConfig.from_pretrained(source.location, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
