@@ -11,10 +11,11 @@ import tunekit
 
 PACKAGE = Path(tunekit.__file__).parent
 # lowest first: a module may import only modules listed before it
-LAYERS = ["errors", "quiet", "statefile", "tiny", "demo_data", "distributed", "sources", "hub", "hardware", "metrics", "formats", "dsconfig",
-          "losspath", "packing",
-          "recipe", "outputs", "modelinfo", "data", "arrowdata", "models", "dscheckpoint", "trainer", "preference", "checkpoints", "plan",
-          "preflight", "rundir", "runlist", "evaluation", "report", "trackers", "train", "merge", "export", "demo", "cli", "__main__"]
+LAYERS = ["errors", "quiet", "statefile", "tiny", "demo_data", "distributed", "sources", "hub", "hardware", "metrics", "scoretable",
+          "formats", "dsconfig", "losspath", "packing", "checkpointdir",
+          "recipe", "outputs", "rundir", "runlist", "report", "modelinfo", "data", "arrowdata", "models", "trained", "dscheckpoint",
+          "trainer", "preference", "checkpoints", "plan",
+          "preflight", "evaluation", "trackers", "train", "merge", "export", "demo", "cli", "__main__"]
 
 
 def imports(module: Path) -> set[str]:

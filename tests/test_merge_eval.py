@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit import data as data_mod
 from tunekit import merge as merge_mod
-from tunekit import models, recipe as recipe_mod, rundir
+from tunekit import models, recipe as recipe_mod, rundir, trained
 from tunekit.errors import TunekitError
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
@@ -47,7 +47,7 @@ def _inputs(run_dir):
 
 def _adapter_logits(run_dir, batch):
     """The adapter model as trained (QLoRA: re-quantized from the training dtype), computing in fp32."""
-    model = rundir.load_trained(rundir.resolve_target(str(run_dir)), torch.float32)
+    model = trained.load_trained(rundir.resolve_target(str(run_dir)), torch.float32)
     return merge_mod.logits(model, batch)
 
 
@@ -170,7 +170,7 @@ def test_batched_generation_matches_one_at_a_time(lora_run):
 
     target = rundir.resolve_target(str(lora_run))
     tok = models.load_tokenizer(recipe.model, lora_run / "adapter")
-    model = rundir.load_trained(target, torch.float32)
+    model = trained.load_trained(target, torch.float32)
     prompts = [r.prompt for r in (data_mod.Renderer(recipe.data, tok).render(x)
                                   for x in data_mod.eval_records(recipe.data, 0))]
     batched = evaluation.generate(model, tok, prompts, False, batch_size=8, max_new_tokens=6)

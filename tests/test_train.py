@@ -86,6 +86,7 @@ def test_pissa_and_olora_adapters_are_saved_against_the_original_base(init, tmp_
     adapter is converted so that the original base plus it is the model that was trained."""
     from tunekit import merge as merge_mod
     from tunekit import rundir
+    from tunekit import trained as trained_mod
 
     raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", lora={"init": init},
                       training={"learning_rate": 5e-3, "max_steps": 8, "save_steps": 8})
@@ -96,7 +97,7 @@ def test_pissa_and_olora_adapters_are_saved_against_the_original_base(init, tmp_
     tok = models.load_tokenizer(recipe.model, result.run_dir / "adapter")
     batch = merge_mod.parity_batch(recipe, tok)
     trained = merge_mod.logits(result.trainer.model.float(), batch)
-    reloaded = merge_mod.logits(rundir.load_trained(rundir.resolve_target(str(result.run_dir)), torch.float32), batch)
+    reloaded = merge_mod.logits(trained_mod.load_trained(rundir.resolve_target(str(result.run_dir)), torch.float32), batch)
     mask = batch["attention_mask"].bool()
     assert (trained[mask] - reloaded[mask]).abs().max().item() < 1e-4
     config = json.loads((result.run_dir / "adapter" / "adapter_config.json").read_text())

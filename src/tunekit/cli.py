@@ -166,6 +166,7 @@ def cmd_eval(a) -> int:
 
     from . import evaluation
     from .recipe import EvalConfig
+    from .scoretable import format_table
 
     for flag, value in (("--data", a.data), ("--recipe", a.recipe)):
         if value is not None and not Path(value).is_file():
@@ -181,7 +182,7 @@ def cmd_eval(a) -> int:
         out = Path(a.out) / ("target" if i == 0 else "compare") if a.out and a.compare else (Path(a.out) if a.out else None)
         result = evaluation.evaluate(target, cfg, a.data, out, a.dtype, a.force)
         columns.append((target.label, result["scores"]))
-    print(evaluation.format_table(columns))
+    print(format_table(columns))
     return 0
 
 

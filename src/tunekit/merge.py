@@ -23,8 +23,8 @@ from .hardware import DTYPES
 from .modelinfo import model_config
 from .recipe import load as load_recipe
 from .recipe import to_yaml
-from .rundir import (ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, MODEL_DIR, RECIPE_FILE, RUN_FILE, RunRecord, is_run,
-                     quantization_as_trained)
+from .rundir import ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, MODEL_DIR, RECIPE_FILE, RUN_FILE, RunRecord, is_run
+from .trained import quantization_as_trained
 
 log = logging.getLogger("tunekit")
 

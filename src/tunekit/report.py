@@ -13,8 +13,8 @@ from pathlib import Path
 
 from . import runlist
 from .errors import TunekitError
-from .evaluation import table_rows
 from .rundir import EVAL_DIR, HISTORY_FILE, RUN_FILE, RunRecord
+from .scoretable import table_rows
 
 REPORT_FILE = "report.html"
 SAMPLES = 8  # predictions shown per run

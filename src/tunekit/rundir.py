@@ -1,6 +1,7 @@
 """The run directory that `tunekit train` writes, in one place: its layout, the typed record kept in
-run.json (written only by `RunRecord.save`), when a run may be resumed, what a path given to eval or
-merge is (a run, a merged model, a base model), and the model as it was trained."""
+run.json (written only by `RunRecord.save`), when a run may be resumed, and what a path given to eval or
+merge is (a run, a merged model, a base model). Files only: no torch, transformers or peft here, so that
+`tunekit runs` and `tunekit report` stay light; loading the model a run trained is trained.py's job."""
 
 from __future__ import annotations
 
@@ -9,11 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from . import checkpoints, models, outputs
+from . import checkpointdir, outputs
 from .errors import TunekitError
-from .hardware import DTYPES, Precision
 from .recipe import Recipe, to_yaml
 from .recipe import load as load_recipe
 from .sources import resolve_model
@@ -79,10 +77,6 @@ class RunRecord:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
 
-    @property
-    def trained_precision(self) -> Precision:
-        return Precision(self.precision["name"], self.precision["reason"])
-
 
 def is_run(path: Path) -> bool:
     return path.is_dir() and (path / RUN_FILE).is_file()
@@ -144,7 +138,7 @@ def check_resume(recipe: Recipe, run_dir: Path) -> Path | None:
         if eval_pending(recipe, run_dir):
             return None
         raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
-    return checkpoints.resume_point(run_dir / CHECKPOINTS_DIR)
+    return checkpointdir.resume_point(run_dir / CHECKPOINTS_DIR)
 
 
 def eval_pending(recipe: Recipe, run_dir: Path) -> bool:
@@ -198,27 +192,3 @@ def resolve_target(spec: str, recipe_path: str | None = None, data: str | None =
         raise TunekitError(f"{spec}: a base model needs --recipe RECIPE (for its data and prompt settings) or --data FILE")
     return Target("base", spec, recipe)
 
-
-def quantization_as_trained(recipe: Recipe, record: RunRecord, compute: torch.dtype):
-    """(load dtype, bitsandbytes config) that re-quantize the base exactly as in training (the same
-    load dtype gives the same 4-bit codes and scales), computing in `compute`."""
-    quant = models.quantization_config(recipe, record.trained_precision)
-    quant.bnb_4bit_compute_dtype = compute
-    return DTYPES[record.precision["name"]], quant
-
-
-def load_trained(target: Target, dtype: torch.dtype):
-    """The model as the target defines it: base + adapter (quantized base for QLoRA), full weights,
-    a merged directory, or the base model alone."""
-    recipe = target.recipe
-    if target.kind == "merged":
-        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location)}), dtype)
-    if target.kind == "base":
-        return models.load_base(recipe.model, dtype)
-    weights = weights_dir(target.location)
-    if weights.name == MODEL_DIR:
-        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(weights)}), dtype)
-    if recipe.quantization is None:
-        return models.load_adapter_model(recipe.model, weights, dtype)
-    load_dtype, quant = quantization_as_trained(recipe, RunRecord.load(target.location), dtype)
-    return models.load_adapter_model(recipe.model, weights, load_dtype, quant)

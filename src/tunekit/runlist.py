@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from . import checkpoints, outputs
+from . import checkpointdir, outputs
 from .errors import TunekitError
 from .rundir import CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, RUN_FILE, RunRecord
 
@@ -56,8 +56,8 @@ def read(run_dir: Path, root: Path) -> Row:
         status = "interrupted"
     steps = record.global_step if record.global_step is not None else record.failed_at_step
     if steps is None:
-        newest = checkpoints.newest_complete(run_dir / CHECKPOINTS_DIR)
-        steps = checkpoints.step_of(newest) if newest else None
+        newest = checkpointdir.newest_complete(run_dir / CHECKPOINTS_DIR)
+        steps = checkpointdir.step_of(newest) if newest else None
     values = {k: v for k, v in (("train_loss", record.train_loss), ("eval_loss", record.eval_loss)) if v is not None}
     metrics_file = run_dir / EVAL_DIR / "metrics.json"
     if metrics_file.is_file():

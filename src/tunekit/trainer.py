@@ -17,10 +17,10 @@ import torch
 from transformers import Trainer
 
 from . import losspath, statefile
+from .checkpointdir import OPTIMIZER
 
 log = logging.getLogger("tunekit")
 
-OPTIMIZER = "optimizer.safetensors"
 SCHEDULER = "scheduler.safetensors"
 SCALER = "scaler.safetensors"
 
