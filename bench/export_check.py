@@ -44,7 +44,7 @@ def sentencepiece_check() -> dict:
 
     from llama_cpp import Llama
 
-    from tunekit import export
+    from tunekit import export, export_check
     from tunekit.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +55,7 @@ def sentencepiece_check() -> dict:
         tok = build_sentencepiece_tokenizer(model_dir)
         gguf_file = export.export(str(model_dir), "f32", Path(tmp) / "spm.gguf")
         llm = Llama(model_path=str(gguf_file), vocab_only=True, verbose=False)
-        texts = CORPUS + export.TOKENIZER_PROBES + [" text that begins with a space"]
+        texts = CORPUS + export_check.TOKENIZER_PROBES + [" text that begins with a space"]
         differ = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=False)
                   != tok(t, add_special_tokens=False)["input_ids"]]
     print(f"export-check: SentencePiece vocabulary: llama.cpp tokenizes {len(texts) - len(differ)}/{len(texts)} texts "

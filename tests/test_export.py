@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import export
+from tunekit import export, export_check, gguf_writer
 
 
 def fields(path):
@@ -37,7 +37,7 @@ def test_base_model_exports_and_reads_back_with_its_logits_and_token_ids(tmp_pat
     # q rows in llama.cpp's interleaved rotary order: what transformers' reader undoes
     q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
     stored = torch.tensor(q.data.astype("float32")).reshape(64, 64)
-    expected = export.permute_for_llama_cpp(source.model.layers[0].self_attn.q_proj.weight.detach(), 4)
+    expected = gguf_writer.permute_for_llama_cpp(source.model.layers[0].self_attn.q_proj.weight.detach(), 4)
     torch.testing.assert_close(stored, expected, atol=1e-3, rtol=1e-3)
     assert not torch.allclose(stored, source.model.layers[0].self_attn.q_proj.weight.detach(), atol=1e-3)
 
@@ -46,7 +46,7 @@ def test_base_model_exports_and_reads_back_with_its_logits_and_token_ids(tmp_pat
     with torch.no_grad():
         torch.testing.assert_close(back(**ids).logits, source(**ids).logits, atol=2e-3, rtol=0)
     back_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
-    for text in export.TOKENIZER_PROBES:
+    for text in export_check.TOKENIZER_PROBES:
         assert back_tok(text)["input_ids"] == tok(text)["input_ids"]
     modelfile = (tmp_path / "tiny.Modelfile").read_text()
     assert modelfile.startswith("FROM ./tiny.gguf\n") and 'PARAMETER stop "<|im_end|>"' in modelfile
@@ -77,25 +77,25 @@ def test_a_sentencepiece_vocabulary_exports_as_llama_cpp_reads_llama_2(tmp_path)
     assert tokens[3:259] == [f"<0x{b:02X}>" for b in range(256)] and set(types[3:259]) == {6}  # BYTE
     assert len(set(meta["tokenizer.ggml.scores"])) == len(tokens)  # a strict order, no ties
     back = AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
-    texts = CORPUS + export.TOKENIZER_PROBES
+    texts = CORPUS + export_check.TOKENIZER_PROBES
     assert [back(t)["input_ids"] for t in texts] == [tok(t)["input_ids"] for t in texts]
 
     # without the scores' order (as llama.cpp's LlamaHfVocab writes: -1000 for all) the check refuses the file
     from tunekit.errors import TunekitError
 
-    real = export._sentencepiece_vocab
+    real = gguf_writer._sentencepiece_vocab
 
     def flat_scores(writer, *args):
         add = writer.add_token_scores
         writer.add_token_scores = lambda scores: add([-1000.0] * len(scores))
         real(writer, *args)
 
-    export._sentencepiece_vocab = flat_scores
+    gguf_writer._sentencepiece_vocab = flat_scores
     try:
         with pytest.raises(TunekitError, match="tokenizer ids differ"):
             export.export(str(model_dir), "f32", tmp_path / "flat.gguf")
     finally:
-        export._sentencepiece_vocab = real
+        gguf_writer._sentencepiece_vocab = real
     assert not (tmp_path / "flat.gguf").exists()
 
 
@@ -111,7 +111,7 @@ def test_quantized_exports_are_smaller_and_pass_their_tolerance(tmp_path, tiny_m
 def test_an_export_below_its_tolerance_is_refused_and_nothing_is_left(tmp_path, tiny_model, monkeypatch):
     from tunekit.errors import TunekitError
 
-    monkeypatch.setitem(export.QUANTS, "q4_0", export.Quant("Q4_0", "MOSTLY_Q4_0", 1.0, 1e-6))
+    monkeypatch.setitem(gguf_writer.QUANTS, "q4_0", gguf_writer.Quant("Q4_0", "MOSTLY_Q4_0", 1.0, 1e-6))
     with pytest.raises(TunekitError, match=r"export refused: GGUF check: max \|logit diff\| .* q4_0 needs top-1"):
         export.export(str(tiny_model), "q4_0", tmp_path / "x.gguf")
     assert list(tmp_path.iterdir()) == []
@@ -147,3 +147,75 @@ def test_other_architectures_are_refused_with_one_line(tmp_path):
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "supports Llama-architecture models" in res.stderr and "GPT2LMHeadModel" in res.stderr
     assert not (tmp_path / "g.gguf").exists()
+
+
+# ---------------------------------------------------------------- --format safetensors, and the format registry
+
+
+def _logits(model_dir, batch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def test_a_base_model_exports_as_a_safetensors_directory_that_loads_with_its_logits(tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    out = export.export(str(tiny_model), out=tmp_path / "st", format="safetensors")
+    assert out == tmp_path / "st" and list(out.glob("*.safetensors")) and not list(out.glob("*.bin"))
+    tok = AutoTokenizer.from_pretrained(out)
+    batch = tok(["Crème brûlée", "東京"], return_tensors="pt", padding=True)
+    torch.testing.assert_close(_logits(out, batch), _logits(tiny_model, batch), atol=0, rtol=0)
+    assert f"Base model: `{tiny_model}`" in (out / "README.md").read_text()
+
+    half = export.export(str(tiny_model), out=tmp_path / "bf16", format="safetensors", dtype="bf16")
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("fmt, option, flag", [("safetensors", {"quant": "q4_0"}, "--quant"),
+                                              ("gguf", {"dtype": "bf16"}, "--dtype")])
+def test_an_option_the_format_does_not_take_is_refused_before_any_weight_loads(tmp_path, tiny_model, monkeypatch,
+                                                                               fmt, option, flag):
+    from tunekit import export_source
+    from tunekit.errors import TunekitError
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was resolved before the options were checked")
+
+    monkeypatch.setattr(export_source, "resolve", no_loading)
+    with pytest.raises(TunekitError, match=f"export --format {fmt} does not take {flag}") as e:
+        export.export(str(tiny_model), out=tmp_path / "x", format=fmt, **option)
+    assert "\n" not in str(e.value) and list(tmp_path.iterdir()) == []
+
+
+def test_the_cli_refuses_a_wrong_format_option_in_one_line(tmp_path, tiny_model):
+    res = run_cli("export", str(tiny_model), "--format", "safetensors", "--quant", "q8_0", "--out", str(tmp_path / "o"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "does not take --quant (it takes --dtype)" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = run_cli("export", str(tiny_model), "--format", "onnx")
+    assert res.returncode == 2 and "invalid choice: 'onnx'" in res.stderr
+
+
+@pytest.mark.slow
+def test_a_run_exports_as_a_safetensors_directory_equal_to_its_merged_model(tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    from tunekit import merge as merge_mod
+    from tunekit import recipe as recipe_mod
+    from tunekit import train
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 2, "learning_rate": 1e-2},
+                      eval=None)
+    train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
+    res = run_cli("export", str(tmp_path / "run"), "--format", "safetensors")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "parity: max |logit diff|" in res.stderr
+    out = tmp_path / "run" / "run-safetensors"
+    merged = merge_mod.merge(tmp_path / "run", tmp_path / "merged")
+    tok = AutoTokenizer.from_pretrained(out)
+    batch = tok(["Reverse the words: red green blue", "東京"], return_tensors="pt", padding=True)
+    torch.testing.assert_close(_logits(out, batch), _logits(merged, batch), atol=0, rtol=0)
+    assert "# Merged model" in (out / "README.md").read_text() and list(out.glob("*.safetensors"))

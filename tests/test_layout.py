@@ -15,7 +15,8 @@ LAYERS = ["errors", "quiet", "statefile", "tiny", "demo_data", "distributed", "s
           "formats", "dsconfig", "losspath", "packing", "checkpointdir",
           "recipe", "outputs", "rundir", "runlist", "report", "modelinfo", "data", "arrowdata", "models", "trained", "dscheckpoint",
           "trainer", "preference", "checkpoints", "plan",
-          "preflight", "evaluation", "trackers", "train", "merge", "export", "demo", "cli", "__main__"]
+          "preflight", "evaluation", "trackers", "train", "merge", "export_source", "model_license", "modelfile", "gguf_writer",
+          "export_check", "export_formats", "export", "demo", "cli", "__main__"]
 
 
 def imports(module: Path) -> set[str]:

@@ -157,7 +157,7 @@ def cmd_export(a) -> int:
 
     from . import export
 
-    export.export(a.target, a.quant, Path(a.out) if a.out else None, a.force)
+    export.export(a.target, a.quant, Path(a.out) if a.out else None, a.force, a.format, a.dtype)
     return 0
 
 
@@ -231,25 +231,20 @@ def cmd_report(a) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
-    parser.add_argument("--version", action="version", version=f"tunekit {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    p = sub.add_parser("validate", help="check a recipe and print it with every default filled")
+def _validate_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
     p.add_argument("--world-size", type=positive_int, metavar="N",
                    help="also print the DeepSpeed config resolved for N processes")
-    p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("train", help="train a recipe into its run directory")
+
+def _train_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
     p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in output_dir from its newest complete checkpoint")
-    p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("plan", help="memory per device and time per step, before loading any weights")
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
     p.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="number of devices (default 1)")
     p.add_argument("--gpu-memory", type=size, metavar="SIZE",
@@ -262,31 +257,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's config.json, for a model not downloaded here (without it: the model's own "
                         "config, else tunekit's copy for well-known models: Llama 3.x, Qwen2.5, Qwen3, Mistral 7B, "
                         "Gemma 2/3)")
-    p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("merge", help="merge a run's adapter into its base and save deployable weights")
+
+def _merge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run directory written by `tunekit train`")
     p.add_argument("--out", help="output directory (default: RUN_DIR/merged)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="saved dtype (default: the base model's)")
     p.add_argument("--tolerance", type=positive_float, default=1e-3,
                    help="largest max |logit difference| between adapter and merged model accepted (default 1e-3)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
-    p.set_defaults(func=cmd_merge)
 
-    from .export import QUANTS
 
-    p = sub.add_parser("export", help="write a GGUF file (llama.cpp, Ollama, LM Studio) checked against its source, "
-                                      "and an Ollama Modelfile beside it")
+def _export_args(p: argparse.ArgumentParser) -> None:
+    """--format and each format's own options, from the registry (export_formats.FORMATS)."""
+    from .export_formats import FORMATS, all_options
+
     p.add_argument("target", help="run directory (merged on the fly), merged directory, or base model")
-    p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (gguf)")
-    p.add_argument("--quant", default="q8_0", choices=list(QUANTS),
-                   help="weight type of the 2-D tensors (default q8_0); norms stay f32")
-    p.add_argument("--out", help="GGUF file to write (default: NAME-QUANT.gguf in the run or merged directory, "
-                                 "or the current directory for a base model)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing file")
-    p.set_defaults(func=cmd_export)
+    p.add_argument("--format", choices=list(FORMATS), default="gguf",
+                   help="; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()) + " (default gguf)")
+    for option in all_options().values():
+        formats = [f.name for f in FORMATS.values() if option in f.options]
+        p.add_argument(option.flag, choices=list(option.choices), help=f"{'/'.join(formats)}: {option.help}")
+    p.add_argument("--out", help="file (gguf) or directory (safetensors) to write (default: NAME-QUANT.gguf or "
+                                 "NAME-safetensors in the run or merged directory, or the current directory for a "
+                                 "base model)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output")
 
-    p = sub.add_parser("eval", help="generate on held-out data and score BLEU, chrF, ROUGE, exact match, loss")
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="run directory, merged directory, or base model (hub id, directory, GGUF)")
     p.add_argument("--recipe", help="recipe whose data and prompt settings a base-model target uses")
     p.add_argument("--data", help="eval file (default: the recipe's eval data)")
@@ -298,23 +296,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="OTHER_TARGET", help="evaluate a second target and print both side by side")
     p.add_argument("--out", help="output directory for metrics.json and predictions.jsonl")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
-    p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("runs", help="list the runs under a directory: status, steps, scores, wall time, output")
+
+def _runs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default runs/)")
     p.add_argument("--sort", metavar="METRIC",
                    help="best first by a metric: bleu, chrf, rougeL, exact_match, eval_loss, steps, wall_s, ...")
-    p.set_defaults(func=cmd_runs)
 
-    p = sub.add_parser("report", help="one self-contained HTML page: curves, scores, best step, predictions; "
-                                      "several runs overlaid")
+
+def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
     p.add_argument("--out", help="HTML file to write (default RUN/report.html; required for several runs)")
     p.add_argument("--baseline", metavar="EVAL_DIR",
                    help="a `tunekit eval` of the base model (its --out directory): adds a before/after table")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
-    p.set_defaults(func=cmd_report)
-    for p in sub.choices.values():
+
+
+# verb -> (help, its arguments, its function), in the order `tunekit --help` lists them
+VERBS = {
+    "validate": ("check a recipe and print it with every default filled", _validate_args, cmd_validate),
+    "train": ("train a recipe into its run directory", _train_args, cmd_train),
+    "plan": ("memory per device and time per step, before loading any weights", _plan_args, cmd_plan),
+    "merge": ("merge a run's adapter into its base and save deployable weights", _merge_args, cmd_merge),
+    "export": ("write a GGUF file (llama.cpp, Ollama, LM Studio) checked against its source, and an Ollama "
+               "Modelfile beside it; or a safetensors directory (--format safetensors)", _export_args, cmd_export),
+    "eval": ("generate on held-out data and score BLEU, chrF, ROUGE, exact match, loss", _eval_args, cmd_eval),
+    "runs": ("list the runs under a directory: status, steps, scores, wall time, output", _runs_args, cmd_runs),
+    "report": ("one self-contained HTML page: curves, scores, best step, predictions; several runs overlaid",
+               _report_args, cmd_report),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
+    parser.add_argument("--version", action="version", version=f"tunekit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for verb, (help_text, add_arguments, func) in VERBS.items():
+        p = sub.add_parser(verb, help=help_text)
+        add_arguments(p)
+        p.set_defaults(func=func)
         p.add_argument("--verbose", action="store_true",
                        help="show every library's messages (a listed few that need no action are hidden otherwise: "
                             "tunekit/quiet.py)")
