@@ -178,16 +178,17 @@ def all_options() -> dict[str, Option]:
 
 
 def resolve_options(format_name: str, given: dict[str, str | None]) -> tuple[ExportFormat, dict]:
-    """The format and its options with defaults filled; an option it does not take is a one-line error."""
+    """The format and its options (keyword -> value) with defaults filled. A value given for an option the
+    format does not take is a one-line error; `given` holds every format's keywords, None where not given."""
     if format_name not in FORMATS:
         raise TunekitError(f"--format {format_name}: choose one of {', '.join(FORMATS)}")
     fmt = FORMATS[format_name]
     takes = {o.key: o for o in fmt.options}
-    flags = lambda keys: ", ".join(all_options()[k].flag if k in all_options() else k for k in keys) or "no options"  # noqa: E731
-    wrong = [k for k, v in given.items() if v is not None and k not in takes]
+    wrong = [all_options()[k].flag for k, v in given.items() if v is not None and k not in takes]
     if wrong:
-        raise TunekitError(f"export --format {fmt.name} does not take {flags(wrong)} (it takes {flags(takes)})")
-    for key, value in given.items():
-        if value is not None and value not in takes[key].choices:
-            raise TunekitError(f"{takes[key].flag} {value}: choose one of {', '.join(takes[key].choices)}")
-    return fmt, {k: given.get(k) if given.get(k) is not None else o.default for k, o in takes.items()}
+        it_takes = ", ".join(o.flag for o in fmt.options) or "no options"
+        raise TunekitError(f"export --format {fmt.name} does not take {', '.join(wrong)} (it takes {it_takes})")
+    for key, option in takes.items():
+        if given.get(key) is not None and given[key] not in option.choices:
+            raise TunekitError(f"{option.flag} {given[key]}: choose one of {', '.join(option.choices)}")
+    return fmt, {k: given[k] if given.get(k) is not None else o.default for k, o in takes.items()}
