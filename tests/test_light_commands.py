@@ -49,3 +49,8 @@ assert cli.main(["report", str(run), "--out", {str(tmp_path / "r.html")!r}]) == 
 """
     assert heavy_modules_after(body) == []
     assert (tmp_path / "r.html").is_file()
+
+
+def test_the_command_line_parser_with_every_export_format_loads_no_torch():
+    """`tunekit --help` stays instant: the export formats' flags come from a registry that loads no model code."""
+    assert heavy_modules_after("from tunekit import cli; cli.build_parser()") == []

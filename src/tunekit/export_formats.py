@@ -13,10 +13,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import export_source, outputs, rundir
+from typing import TYPE_CHECKING
+
+from . import outputs
 from .errors import TunekitError
-from .export_source import Source
 from .gguf_writer import QUANTS
+
+if TYPE_CHECKING:
+    from .export_source import Source
+
+# the sources (recipes) and the models are imported where used: the CLI reads FORMATS for its flags, instantly
 
 log = logging.getLogger("tunekit")
 
@@ -58,6 +64,7 @@ class Gguf(ExportFormat):
         return source.home / f"{source.facts.name}-{options['quant']}.gguf"
 
     def check(self, source: Source, out: Path, options: dict, target: str) -> None:
+        from . import export_source
         from .gguf_writer import check_architecture
 
         if not out.name.endswith(".gguf"):
@@ -65,6 +72,8 @@ class Gguf(ExportFormat):
         check_architecture(export_source.config(source), target)
 
     def write(self, source: Source, out: Path, options: dict, force: bool) -> Path:
+        from . import export_source
+
         with outputs.exclusive(out, "export output"):
             if out.exists() and not (force and out.is_file()):
                 raise TunekitError(f"export output {out} exists; pass --force to replace it, or --out another file")
@@ -121,6 +130,8 @@ class Safetensors(ExportFormat):
             raise TunekitError(f"--out {out}: a file; --format safetensors writes a directory")
 
     def write(self, source: Source, out: Path, options: dict, force: bool) -> Path:
+        from . import export_source, rundir
+
         if source.kind == "run" and not (source.path / rundir.MODEL_DIR).is_dir():
             from . import merge  # an adapter run: merged exactly as `tunekit merge` does, parity check and card
 
@@ -136,6 +147,7 @@ class Safetensors(ExportFormat):
     def _save(source: Source, model_dir: Path, out: Path, dtype: str | None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from . import rundir
         from .hardware import DTYPES
 
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype] if dtype else "auto")

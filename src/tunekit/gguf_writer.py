@@ -13,9 +13,12 @@ import re
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import TunekitError
-from .export_source import Facts
+
+if TYPE_CHECKING:
+    from .export_source import Facts
 
 # torch, numpy and gguf are imported where they are used: the CLI reads QUANTS for its --quant choices
 
