@@ -90,7 +90,7 @@ def _merged_model(recipe, record: RunRecord, adapter_dir: Path, batch) -> tuple[
 
 def _default_dtype(recipe) -> str:
     cfg = model_config(recipe.model)
-    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    dtype = getattr(cfg, "dtype", None)  # transformers 5 reads a config.json's torch_dtype into dtype
     names = {v: k for k, v in DTYPES.items()}
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
