@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_recipe, write_jsonl, write_recipe
-from tunekit import data as data_mod, evaluation, models, preference, recipe as recipe_mod, train
+from tunekit import data as data_mod, evaluation, methods, models, recipe as recipe_mod, train
+from tunekit.methods import pairs as pairs_mod
 from tunekit.errors import TunekitError
 
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
@@ -33,10 +34,10 @@ def dpo_raw(tiny_model, data, out, **training):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda r: r.update(preference={"beta": 0.2}) or r["training"].update(method="sft"),
-     "preference: these settings belong to training.method dpo"),
+    (lambda r: r.update(dpo={"beta": 0.2}) or r["training"].update(method="sft"),
+     "dpo: these settings belong to training.method dpo"),
     (lambda r: r["data"].update(format="alpaca"), "training.method: dpo trains on (prompt, chosen, rejected) pairs"),
-    (lambda r: r.update(preference={"loss_type": "sigmoidd"}), "preference.loss_type"),
+    (lambda r: r.update(dpo={"loss_type": "sigmoidd"}), "dpo.loss_type"),
     (lambda r: r["lora"].update(init="pissa"), "lora.init=pissa"),
     (lambda r: r.update(orpo={"beta": 0.2}), "orpo: these settings belong to training.method orpo"),
     (lambda r: r["training"].update(method="orpo") or r.update(orpo={"loss_type": "sigmoid"}), "orpo.loss_type"),
@@ -56,7 +57,7 @@ def test_pairs_are_tokenized_exactly_as_sft_renders_them(tmp_path, tiny_model):
     tok = models.load_tokenizer(recipe.model)
     renderer = data_mod.Renderer(recipe.data, tok)
     for record in data_mod.read_records(str(data), "train", "data.train"):
-        pair = preference.tokenize_pair(record, renderer, tok)
+        pair = pairs_mod.tokenize_pair(record, renderer, tok)
         for answer in ("chosen", "rejected"):
             as_sft = data_mod.Record({**record.values, "chosen": record.values[answer]}, record.where)
             ex, _ = data_mod.tokenize(renderer.render(as_sft), tok, 10**6, mask_prompt=True)
@@ -134,12 +135,12 @@ def test_a_base_model_that_prefers_the_rejected_answers_scores_low(tmp_path, tin
     tok = models.load_tokenizer(recipe.model)
     model = models.load_base(recipe.model, torch.float32)
     records = data_mod.read_records(str(data), "train", "data.train")
-    scores = preference.measures(model, tok, recipe, records, None, 3)
+    scores = methods.of(recipe).measures(model, tok, recipe, records, None, 3)
     assert "reward_accuracy" not in scores and scores["preference_pairs"] == len(WORDS)
     renderer = data_mod.Renderer(recipe.data, tok)
     wins = 0
     for record in records:
-        pair = preference.tokenize_pair(record, renderer, tok)
+        pair = pairs_mod.tokenize_pair(record, renderer, tok)
         sums = []
         for side in ("chosen", "rejected"):
             ids = torch.tensor([pair["prompt_ids"] + pair[f"{side}_ids"]])
@@ -221,7 +222,7 @@ def test_orpo_learns_the_preference_without_a_reference(tmp_path, tiny_model):
     raw = dpo_raw(tiny_model, data, tmp_path / "run", method="orpo")
     raw["data"]["eval"] = str(data)
     recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
-    assert recipe.orpo.beta == 0.1 and recipe.preference is None
+    assert recipe.orpo.beta == 0.1 and recipe.dpo is None
     result = train.run(recipe)
     first, last = (evals := eval_history(tmp_path / "run"))[0], evals[-1]
     assert last["eval_loss"] < first["eval_loss"] and last["eval_nll_loss"] < first["eval_nll_loss"]
@@ -260,7 +261,7 @@ def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_mo
     raw["data"].update(format="unpaired_preference", eval=str(data))
     raw["eval"] = {"batch_size": 8, "max_new_tokens": 8}
     recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
-    assert recipe.kto.beta == 0.1 and recipe.preference is None
+    assert recipe.kto.beta == 0.1 and recipe.dpo is None
     result = train.run(recipe)
     first, last = (evals := eval_history(tmp_path / "run"))[0], evals[-1]
     assert last["eval_loss"] < first["eval_loss"]
@@ -278,7 +279,7 @@ def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_mo
 @pytest.mark.parametrize("change, message", [
     (lambda r: r["training"].update(method="sft"), "data.format: unpaired_preference is training data for "
                                                    "training.method kto"),
-    (lambda r: r.update(preference={"beta": 0.2}), "preference: these settings belong to training.method dpo"),
+    (lambda r: r.update(dpo={"beta": 0.2}), "dpo: these settings belong to training.method dpo"),
     (lambda r: r["training"].update(micro_batch_size=1), "training.micro_batch_size: KTO's loss kto"),
     (lambda r: r.update(kto={"loss_type": "sigmoid"}), "kto.loss_type"),
 ])

@@ -29,9 +29,9 @@ def test_defaults_filled(tmp_path, base):
 
 def test_method_and_quantization_are_separate_and_the_old_qlora_spelling_still_reads(tmp_path, base, caplog):
     path = write_recipe(tmp_path / "r.yaml", base)
-    assert recipe_mod.load(path).method == "lora"
-    assert recipe_mod.load(path, ["quantization.bits=4"]).method == "qlora"
-    assert recipe_mod.load(path, ["adapter=none"]).method == "full"
+    assert recipe_mod.load(path).adapter_kind == "lora"
+    assert recipe_mod.load(path, ["quantization.bits=4"]).adapter_kind == "qlora"
+    assert recipe_mod.load(path, ["adapter=none"]).adapter_kind == "full"
     with caplog.at_level("INFO", logger="tunekit"):
         old = recipe_mod.load(path, ["adapter=qlora"])
     assert old.adapter == "lora" and old.quantization == recipe_mod.QuantizationConfig()
@@ -43,7 +43,7 @@ def test_overrides_set_any_field_and_are_validated(tmp_path, base):
     path = write_recipe(tmp_path / "r.yaml", base)
     r = recipe_mod.load(path, ["training.learning_rate=1e-4", "lora.r=4",
                                "quantization.quant_type=fp4", "lora.target_modules=[q_proj, v_proj]"])
-    assert r.training.learning_rate == 1e-4 and r.lora.r == 4 and r.method == "qlora"
+    assert r.training.learning_rate == 1e-4 and r.lora.r == 4 and r.adapter_kind == "qlora"
     assert r.quantization.quant_type == "fp4" and r.lora.target_modules == ["q_proj", "v_proj"]
     with pytest.raises(TunekitError, match="unknown key training.learning_rat; did you mean training.learning_rate"):
         recipe_mod.load(path, ["training.learning_rat=1"])

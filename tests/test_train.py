@@ -193,7 +193,7 @@ def test_flagship_recipe_settings_run_on_cpu_with_a_local_model(tmp_path, tiny_m
         "training.save_steps=3", f"output_dir={tmp_path / 'run'}", "model.attn_implementation=null",
     ]
     recipe = recipe_mod.load(ROOT / "recipes" / "llama_qlora.yaml", overrides)
-    assert recipe.method == "qlora" and recipe.training.deepspeed.endswith("ds_configs/zero2.json")
+    assert recipe.adapter_kind == "qlora" and recipe.training.deepspeed.endswith("ds_configs/zero2.json")
     assert recipe.training.gradient_checkpointing and recipe.training.gradient_accumulation_steps == 8
     # through the CLI, as users run it: DeepSpeed sets up process-wide state
     res = run_cli("train", "recipes/llama_qlora.yaml", *[a for o in overrides for a in ("--set", o)])

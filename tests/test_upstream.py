@@ -19,7 +19,9 @@ import pytest
 
 # tunekit's classes that subclass upstream ones: one import line per module, so a module move is one edit
 from tunekit.trainer import GenerationEval, SafeState, SafeStateTrainer
-from tunekit.preference import OddsRatioTrainer, PreferenceTrainer, UnpairedTrainer
+from tunekit.methods.dpo import DpoTrainer
+from tunekit.methods.kto import KtoTrainer
+from tunekit.methods.orpo import OrpoTrainer
 
 # ---------------------------------------------------------------- transformers' Trainer
 # (name, why tunekit overrides it) -- all in SafeState, inherited unchanged by every tunekit trainer
@@ -35,34 +37,34 @@ TRAINER_HOOKS = [
 # (public name, why) overridden by a tunekit trainer but not a documented extension point
 TRAINER_OVERRIDES = [
     ("evaluation_loop", "GenerationEval adds the generation metrics to the stock loss pass"),
-    ("compute_loss", "SafeStateTrainer's chunked loss over trained positions; OddsRatioTrainer keeps the step's count"),
+    ("compute_loss", "SafeStateTrainer's chunked loss over trained positions; OrpoTrainer keeps the step's count"),
     ("create_optimizer", "LoRA+ through peft's optimizer builder"),
 ]
 # (pattern in Trainer's source, why)
 TRAINER_INTERNALS = [
     (r"self\.deepspeed\s*=\s*self\.model_wrapped", "the Trainer hands its DeepSpeed engine to self.deepspeed, where "
                                                     "SafeState's property switches it to safetensors checkpoints"),
-    (r"self\.loss_is_scaled_for_ga", "the Trainer reads OddsRatioTrainer's loss_is_scaled_for_ga (False: it divides "
+    (r"self\.loss_is_scaled_for_ga", "the Trainer reads OrpoTrainer's loss_is_scaled_for_ga (False: it divides "
                                      "by the accumulation steps, which the step's token count undoes)"),
 ]
 
 # ---------------------------------------------------------------- TRL
 # (tunekit class, upstream class name, method, why) -- methods of TRL's trainers (or the Trainer under them)
 TRL_HOOKS = [
-    (PreferenceTrainer, "DPOTrainer", "_prepare_dataset", "the pairs come tokenized by tunekit's renderer: TRL's own "
+    (DpoTrainer, "DPOTrainer", "_prepare_dataset", "the pairs come tokenized by tunekit's renderer: TRL's own "
                                                           "tokenization is skipped"),
-    (UnpairedTrainer, "KTOTrainer", "_prepare_dataset", "tokenized by tunekit too; only TRL's KL pairing is rebuilt"),
-    (OddsRatioTrainer, "ORPOTrainer", "_get_num_items_in_batch", "the step's answer tokens, across processes, for "
+    (KtoTrainer, "KTOTrainer", "_prepare_dataset", "tokenized by tunekit too; only TRL's KL pairing is rebuilt"),
+    (OrpoTrainer, "ORPOTrainer", "_get_num_items_in_batch", "the step's answer tokens, across processes, for "
                                                                  "ORPO's SFT term"),
-    (OddsRatioTrainer, "ORPOTrainer", "tokenize_row", "TRL's chosen/rejected columns from tunekit's ids"),
-    (OddsRatioTrainer, "ORPOTrainer", "concatenated_forward", "the SFT term over answer tokens: reads the chosen "
+    (OrpoTrainer, "ORPOTrainer", "tokenize_row", "TRL's chosen/rejected columns from tunekit's ids"),
+    (OrpoTrainer, "ORPOTrainer", "concatenated_forward", "the SFT term over answer tokens: reads the chosen "
                                                               "logits (output 2) and replaces the nll (output 4)"),
-    (OddsRatioTrainer, "ORPOTrainer", "get_batch_loss_metrics", "rescales the SFT term to the step's token mean"),
+    (OrpoTrainer, "ORPOTrainer", "get_batch_loss_metrics", "rescales the SFT term to the step's token mean"),
 ]
 # (upstream class name, attribute, why) -- attributes of TRL's trainers that tunekit reads or sets
 TRL_ATTRIBUTES = [
-    ("KTOTrainer", "calculate_KL", "UnpairedTrainer._prepare_dataset builds the KL pairs only when TRL computes KL"),
-    ("ORPOTrainer", "loss_is_scaled_for_ga", "OddsRatioTrainer sets it False, as ORPOTrainer does, and relies on it"),
+    ("KTOTrainer", "calculate_KL", "KtoTrainer._prepare_dataset builds the KL pairs only when TRL computes KL"),
+    ("ORPOTrainer", "loss_is_scaled_for_ga", "OrpoTrainer sets it False, as ORPOTrainer does, and relies on it"),
 ]
 
 # ---------------------------------------------------------------- transformers' tracker callbacks (trackers.py)
@@ -160,7 +162,7 @@ def test_the_helpers_report_what_is_missing():
 
 
 # ---------------------------------------------------------------- the checks
-TUNEKIT_TRAINERS = (SafeStateTrainer, PreferenceTrainer, UnpairedTrainer, OddsRatioTrainer)
+TUNEKIT_TRAINERS = (SafeStateTrainer, DpoTrainer, KtoTrainer, OrpoTrainer)
 
 
 def test_the_private_trainer_methods_tunekit_overrides_still_exist_upstream():
@@ -172,9 +174,9 @@ def test_the_private_trainer_methods_tunekit_overrides_still_exist_upstream():
             if getattr(trainer, name) is not getattr(SafeState, name):
                 problems.append(f"{trainer.__name__}.{name} bypasses SafeState")
     for name, _ in TRAINER_OVERRIDES:
-        owners = [c for c in (SafeStateTrainer, GenerationEval, OddsRatioTrainer) if name in c.__dict__]
+        owners = [c for c in (SafeStateTrainer, GenerationEval, OrpoTrainer) if name in c.__dict__]
         problems += [p for c in owners for p in override_problems(c, Trainer, name)]
-    assert not problems, "update trainer.py / preference.py: " + "; ".join(problems)
+    assert not problems, "update trainer.py / methods/: " + "; ".join(problems)
 
 
 def test_the_trainer_internals_tunekit_relies_on_are_still_there():
@@ -191,11 +193,11 @@ def test_the_trl_methods_tunekit_overrides_still_exist_upstream():
         upstream = upstream_base(ours)
         assert upstream.__name__ == upstream_name, f"{ours.__name__} now subclasses {upstream.__name__}"
         problems += override_problems(ours, upstream, name)
-    assert not problems, "update preference.py: " + "; ".join(problems)
+    assert not problems, "update methods/: " + "; ".join(problems)
 
 
 def test_the_trl_attributes_tunekit_reads_are_still_set():
-    by_name = {upstream_base(c).__name__: upstream_base(c) for c in (UnpairedTrainer, OddsRatioTrainer)}
+    by_name = {upstream_base(c).__name__: upstream_base(c) for c in (KtoTrainer, OrpoTrainer)}
     for upstream_name, attribute, why in TRL_ATTRIBUTES:
         cls = by_name[upstream_name]
         # set in __init__ (a trainer needs a model to build) or on the class

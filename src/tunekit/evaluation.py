@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import data as data_mod
-from . import distributed, metrics, models, outputs
+from . import distributed, methods, metrics, models, outputs
 from .errors import TunekitError
 from .hardware import DTYPES
 from .recipe import EvalConfig, Recipe
@@ -132,10 +132,8 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Reco
         if examples:
             loss = token_loss(model, tokenizer, examples, cfg.batch_size)
             scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
-    if recipe.data.format == "preference":
-        from . import preference  # imports TRL: only for pair data
-
-        scores.update(preference.measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
+    # the training method's measures (preference accuracy and rewards on pairs, ...)
+    scores.update(methods.of(recipe).measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
     scores["examples"] = len(rendered)
     scores["generation_seconds"] = round(gen_seconds, 2)
     rows = [{"prompt": r.prompt, "reference": r.reference, "prediction": p} for r, p in zip(rendered, predictions)]

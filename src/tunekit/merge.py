@@ -105,7 +105,7 @@ def model_card(recipe, run_dir: Path, parity: Parity, dtype: str) -> str:
         rows = [f"| {k} | {v:.2f} |" for k, v in result["scores"].items() if isinstance(v, float)]
         scores = "\n## Evaluation (adapter run, held-out data)\n\n| metric | value |\n|---|---|\n" + "\n".join(rows) + "\n"
     return (
-        f"# Merged model\n\nBase model: `{recipe.model.name_or_path}`  \nAdapter: {recipe.method}, "
+        f"# Merged model\n\nBase model: `{recipe.model.name_or_path}`  \nAdapter: {recipe.adapter_kind}, "
         f"rank {recipe.lora.r}, alpha {recipe.lora.alpha}  \nWeights: {dtype}, safetensors  \n"
         f"Merged from run `{run_dir}`; {parity.line()}.\n\n"
         "Load with `AutoModelForCausalLM.from_pretrained(this_dir)` and `AutoTokenizer.from_pretrained(this_dir)`.\n"
@@ -137,7 +137,7 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
 
     tokenizer = models.load_tokenizer(recipe.model, adapter_dir)
     batch = parity_batch(recipe, tokenizer)
-    log.info("merging %s adapter into %s in fp32", recipe.method, recipe.model.name_or_path)
+    log.info("merging %s adapter into %s in fp32", recipe.adapter_kind, recipe.model.name_or_path)
     merged, reference = _merged_model(recipe, record, adapter_dir, batch)
     parity = compare(reference, logits(merged, batch), batch["attention_mask"])
     log.info(parity.line())
@@ -152,7 +152,7 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
         tokenizer.save_pretrained(tmp)
         shutil.copy(run_dir / RECIPE_FILE, tmp / RECIPE_FILE)
         outputs.write_json(tmp / MERGED_MARKER, {
-            "source_run": str(run_dir.resolve()), "base_model": recipe.model.name_or_path, "adapter": recipe.method,
+            "source_run": str(run_dir.resolve()), "base_model": recipe.model.name_or_path, "adapter": recipe.adapter_kind,
             "dtype": dtype, "parity": vars(parity), "tolerance": tolerance, "versions": outputs.versions(),
         })
         (tmp / "README.md").write_text(model_card(recipe, run_dir, parity, dtype), encoding="utf-8")

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import dsconfig
-from .recipe import PREFERENCE_METHODS, Recipe
+from . import dsconfig, methods
+from .recipe import Recipe
 
 GiB = 1024**3
 QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
@@ -213,8 +213,9 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     kept, recomputed = activation_bytes(cfg, s, recipe)
     from .losspath import unsupported_reason
 
-    # TRL's DPO loss takes log-probabilities from the full logits: the stock path
-    chunked = recipe.training.chunked_loss and recipe.training.method == "sft" and unsupported_reason(model) is None
+    # the method's trainer may take log-probabilities from the full logits (TRL's): the stock path
+    chunked = (recipe.training.chunked_loss and methods.of(recipe).chunked_loss
+               and unsupported_reason(model) is None)
     logits = loss_path_bytes(cfg, s, recipe, chunked)
     act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
     parts[act_key] = kept
@@ -266,7 +267,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
 
 def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:
     t = recipe.training
-    method = PREFERENCE_METHODS.get(t.method)
+    method = methods.of(recipe)
     ds = dsconfig.read(t.deepspeed) if t.deepspeed else {}
     zero = ds.get("zero_optimization") or {}
     base = Settings(world_size=world_size, micro_batch=t.micro_batch_size, seq_len=recipe.data.max_length,
@@ -275,8 +276,7 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
                     optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps,
-                    sequences=method.sequences if method else 1,
-                    extra_forwards=method.no_grad_forwards if method else 0)
+                    sequences=method.sequences, extra_forwards=method.no_grad_forwards)
     return dataclasses.replace(base, **overrides)
 
 
@@ -292,7 +292,7 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
         options.append((f"training.micro_batch_size={half} with gradient_accumulation_steps x{s.micro_batch // half}",
                         recipe, dataclasses.replace(s, micro_batch=half,
                                                     accumulation=s.accumulation * (s.micro_batch // half))))
-    if recipe.method == "lora":
+    if recipe.adapter_kind == "lora":
         from .recipe import QuantizationConfig
 
         qrecipe = recipe.model_copy(update={"quantization": QuantizationConfig()})
@@ -313,7 +313,7 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
                                             offload_params=stage == 3)))
     out = []
     for label, r, st in options:
-        m = model if r.method == recipe.method else None
+        m = model if r.adapter_kind == recipe.adapter_kind else None
         p = make(r, st, cfg, m) if m is not None else make(r, st)
         if p.peak < plan.peak:
             out.append((label, p))
@@ -339,7 +339,7 @@ def parse_size(text: str) -> int:
 def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str, Plan]]) -> str:
     s, c = plan.settings, plan.counts
     lines = [
-        f"model: {recipe.model.name_or_path}  method: {recipe.method}  precision: {s.precision}",
+        f"model: {recipe.model.name_or_path}  adapter: {recipe.adapter_kind}  precision: {s.precision}",
         f"parameters: {c.total:,} total, {c.trainable:,} trainable ({100 * c.trainable / max(c.total, 1):.2f}%)",
         f"per device: world size {s.world_size}, micro-batch {s.micro_batch}"
         + (f" pairs ({s.micro_batch * s.sequences} sequences)" if s.sequences > 1 else "")

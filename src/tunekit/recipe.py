@@ -8,22 +8,19 @@ import logging
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Union
+from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
+from . import methods
 from .errors import TunekitError
 from .formats import FORMATS
 from .metrics import METRICS
+from .section import Section
 
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # as written; hardware.Precision is the resolved one
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-
-
-class Section(BaseModel):
-    # allow_inf_nan=False: YAML reads `.inf`/`.nan` (and pydantic the strings "inf"/"nan") as floats
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -120,38 +117,6 @@ class DataConfig(Section):
         return self
 
 
-# DPO losses TRL's DPOTrainer implements (trl 1.16, DPOConfig.loss_type)
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft")
-
-
-class PreferenceConfig(Section):
-    beta: float = Field(0.1, gt=0, description="DPO: how far the policy may move from the reference (higher: "
-                        "closer to it). For loss_type ipo, the regularization strength.")
-    loss_type: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
-        "sigmoid", description="DPO loss, as TRL names them: " + ", ".join(DPO_LOSSES) + ".")
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="DPO: assumed probability that a pair's "
-                                   "preference is flipped (conservative DPO; sigmoid loss).")
-
-
-KTO_LOSSES = ("kto", "apo_zero_unpaired")
-
-
-class KtoConfig(Section):
-    beta: float = Field(0.1, gt=0, description="KTO: how far the policy may move from the reference (higher: closer).")
-    loss_type: Literal[KTO_LOSSES] = Field(  # type: ignore[valid-type]
-        "kto", description="KTO loss, as TRL names them: kto (with the KL estimate from mismatched completions in "
-        "each micro-batch, which needs micro_batch_size >= 2) or apo_zero_unpaired.")
-    desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable examples' loss (to balance "
-                                    "unequal numbers of desirable and undesirable examples).")
-    undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable examples' loss.")
-
-
-class OrpoConfig(Section):
-    beta: float = Field(0.1, gt=0, description="ORPO: weight of the odds-ratio term added to the chosen answers' "
-                        "SFT loss (lambda in the paper; TRL's beta). There is no reference model.")
-
-
 class TrainingConfig(Section):
     precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, else fp16 on GPU, else fp32.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
@@ -193,12 +158,9 @@ class TrainingConfig(Section):
         "directory's name) and the resolved recipe; each is an optional extra: pip install 'tunekit[tensorboard]'. "
         "TensorBoard writes into the run directory's tensorboard/; W&B, MLflow and trackio read their usual "
         "environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...).")
-    method: Literal["sft", "dpo", "kto", "orpo"] = Field(
-        "sft", description="sft: supervised fine-tuning on answers; dpo: direct preference optimization on "
-        "(prompt, chosen, rejected) pairs (data.format: preference) with TRL's DPOTrainer; kto: Kahneman-Tversky "
-        "optimization on completions labelled desirable or not (data.format: unpaired_preference), TRL's KTOTrainer; "
-        "orpo: odds-ratio preference optimization on the same pairs as dpo, SFT and preference in one loss without a "
-        "reference model, TRL's ORPOTrainer.")
+    method: Literal[tuple(methods.METHODS)] = Field(  # type: ignore[valid-type]  # names from the registry
+        methods.DEFAULT, description="; ".join(f"{m.name}: {m.summary}" for m in methods.METHODS.values())
+        + " (tunekit.methods).")
 
     @model_validator(mode="after")
     def _rules(self) -> "TrainingConfig":
@@ -238,30 +200,9 @@ class EvalConfig(Section):
         "once per epoch), on the first `limit` examples, logged beside eval_loss.")
 
 
-class MethodNeeds(NamedTuple):
-    section: str  # the recipe section holding the method's settings
-    settings: type  # its class (defaults when the section is left out)
-    data_format: str  # the data.format it trains on
-    what: str  # what that format holds, for messages
-    format_is_its_own: bool  # no other method trains on the format (SFT trains on a pair's chosen answer)
-    has_reference: bool  # the loss compares the policy with a reference model (ORPO's does not)
-    # a training step as TRL's trainer runs it, for `tunekit plan`: sequences per example (chosen and rejected
-    # in one batch) and no-grad forwards over the batch (DPO: the reference; KTO: its KL batch, the
-    # reference and the reference's KL)
-    sequences: int
-    no_grad_forwards: int
+class RecipeBase(Section):
+    """The sections every recipe has; `Recipe` adds each training method's section (tunekit.methods)."""
 
-
-PAIRS = "(prompt, chosen, rejected) pairs"
-PREFERENCE_METHODS = {
-    "dpo": MethodNeeds("preference", PreferenceConfig, "preference", PAIRS, False, True, 2, 1),
-    "kto": MethodNeeds("kto", KtoConfig, "unpaired_preference", "(prompt, completion, desirable or not) examples",
-                       True, True, 1, 3),
-    "orpo": MethodNeeds("orpo", OrpoConfig, "preference", PAIRS, False, False, 2, 0),
-}
-
-
-class Recipe(Section):
     model: ModelConfig = Field(description="Base model.")
     adapter: Literal["lora", "none"] = Field(
         "lora", description="lora: train LoRA adapters (with a quantization section: QLoRA); none: full fine-tuning. "
@@ -272,20 +213,21 @@ class Recipe(Section):
     data: DataConfig = Field(description="Training and eval data.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation settings.")
     eval: EvalConfig | None = Field(None, description="Generate and score at the end of training.")
-    preference: PreferenceConfig | None = Field(
-        None, description="DPO settings (training.method: dpo).")
-    kto: KtoConfig | None = Field(None, description="KTO settings (training.method: kto).")
-    orpo: OrpoConfig | None = Field(None, description="ORPO settings (training.method: orpo).")
-    output_dir: str | None = Field(None, description="Run directory; defaults to runs/<recipe name>.")
 
     @model_validator(mode="before")
     @classmethod
     def _adapter_sections(cls, data: Any) -> Any:
-        """The adapter method (lora | none) and the base's quantization are separate settings;
-        'qlora', their old single spelling, is read as lora plus a quantization section."""
+        """The adapter (lora | none) and the base's quantization are separate settings; 'qlora', their old
+        single spelling, is read as lora plus a quantization section. A method section written by its earlier
+        name (preference: for dpo:) is read as the new one (from_dict notes it)."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        for old, new in methods.renamed_sections(data):
+            if data.get(new) is not None and data[old] is not None:
+                raise ValueError(f"{old} is the earlier name of the {new} section and both are set; keep {new}")
+            value = data.pop(old)
+            data[new] = data.get(new) if value is None else value
         if data.get("adapter") == "qlora":
             data["adapter"] = "lora"
             if data.get("quantization") is None:
@@ -312,37 +254,18 @@ class Recipe(Section):
         return self.adapter == "none"
 
     @property
-    def method(self) -> str:
-        """qlora | lora | full, for people to read (logs, run.json, plans)."""
+    def adapter_kind(self) -> str:
+        """qlora | lora | full, for people to read (logs, run.json, plans); training.method is sft, dpo, ..."""
         return "full" if self.full_finetuning else "qlora" if self.quantization is not None else "lora"
 
     @model_validator(mode="after")
     def _method_settings(self) -> "Recipe":
-        """Each preference method has its data format and its settings section, and takes the unchanged
-        base (or the adapter it starts from) as its reference."""
-        method = self.training.method
-        for name, needs in PREFERENCE_METHODS.items():
-            if method != name and getattr(self, needs.section) is not None:
-                raise ValueError(f"{needs.section}: these settings belong to training.method {name}; set "
-                                 f"training.method: {name} or remove the {needs.section} section")
-            if method != name and needs.format_is_its_own and self.data.format == needs.data_format:
-                raise ValueError(f"data.format: {needs.data_format} is training data for training.method {name}; "
-                                 f"set training.method: {name} or use another format")
+        """The training method's rules (tunekit.methods): no section or data format of another method, the
+        method's own data format and checks; its section takes its defaults when left out."""
+        methods.check_others(self)
         if self.model.adapter_from and (self.full_finetuning or (self.lora and self.lora.init != "default")):
             raise ValueError("model.adapter_from continues a LoRA adapter: use adapter: lora with lora.init: default")
-        if method in PREFERENCE_METHODS:
-            needs = PREFERENCE_METHODS[method]
-            if self.data.format != needs.data_format:
-                raise ValueError(f"training.method: {method} trains on {needs.what}; set data.format: "
-                                 f"{needs.data_format} (got {self.data.format})")
-            if needs.has_reference and self.lora is not None and self.lora.init != "default":
-                raise ValueError(f"training.method: {method} takes the base model as its reference, which lora.init="
-                                 f"{self.lora.init} rewrites; use lora.init: default")
-            if getattr(self, needs.section) is None:
-                object.__setattr__(self, needs.section, needs.settings())
-        if method == "kto" and self.kto.loss_type == "kto" and self.training.micro_batch_size < 2:
-            raise ValueError("training.micro_batch_size: KTO's loss kto estimates its KL term from the other "
-                             "examples of a micro-batch; use 2 or more (or kto.loss_type: apo_zero_unpaired)")
+        methods.check(self)
         return self
 
     @model_validator(mode="after")
@@ -371,6 +294,19 @@ class Recipe(Section):
                 f"{p} and {q.compute_dtype} both on; make them agree"
             )
         return self
+
+
+def _method_sections() -> dict:
+    """One optional section per training method that has settings, named after the method."""
+    return {m.section: (m.settings | None, Field(None, description=f"{m.name} settings (training.method: {m.name})."))
+            for m in methods.METHODS.values() if m.section is not None}
+
+
+Recipe = create_model(
+    "Recipe", __base__=RecipeBase, __module__=__name__, __doc__="A validated recipe (the schema above).",
+    **_method_sections(),
+    output_dir=(str | None, Field(None, description="Run directory; defaults to runs/<recipe name>.")),
+)
 
 
 # ---------------------------------------------------------------- errors
@@ -512,6 +448,10 @@ def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
 def from_dict(raw: Any, source: str = "recipe", base: Path | None = None, name: str = "run") -> Recipe:
     if not isinstance(raw, dict):
         raise TunekitError(f"{source}: a recipe must be a YAML mapping of sections (model, data, training, ...)")
+    for old, new in methods.renamed_sections(raw):
+        if raw[old] is not None:
+            logging.getLogger("tunekit").info("%s: the %s section is now named %s; read as %s (rename it)",
+                                              source, old, new, new)
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:

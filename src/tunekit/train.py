@@ -16,14 +16,12 @@ from pathlib import Path
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from . import data as data_mod
-from . import (arrowdata, checkpoints, distributed, dsconfig, modelinfo, models, outputs, packing, preflight, rundir,
-               trackers)
+from . import checkpoints, distributed, dsconfig, methods, modelinfo, models, outputs, packing, preflight, rundir, trackers
 from .errors import TunekitError
 from .hardware import Precision, resolve_precision
-from .recipe import PREFERENCE_METHODS, Recipe, to_yaml
+from .recipe import Recipe, to_yaml
 from .rundir import (ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, INITIAL_ADAPTER_DIR, MODEL_DIR,
                      RECIPE_FILE, RunRecord)
-from .trainer import SafeStateTrainer
 
 log = logging.getLogger("tunekit")
 
@@ -161,7 +159,9 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
 
 def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bool,
             resume_from: Path | None) -> Prepared:
-    """Data, output directory, process group, model and Trainer; writes recipe.yaml and run.json."""
+    """Data, output directory, process group, model and Trainer; writes recipe.yaml and run.json. The training
+    method (tunekit.methods) builds the data, its TRL config, its reference and its trainer."""
+    method = methods.of(recipe)
     if resume_from is None:
         outputs.check_free(run_dir, force, "output_dir")
     trackers.check(recipe.training.report_to)
@@ -175,94 +175,98 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     # Tokenizer and data first: bad data fails here, before anything is written or loaded.
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
-    tuned_on_preferences = recipe.training.method != "sft"  # dpo | kto | orpo, through TRL (preference.py)
-    if tuned_on_preferences:
-        from . import preference
+    bundle = load_data(recipe, method, tokenizer)
+    if launch.is_main:
+        claim_run_dir(recipe, run_dir, force, resume_from)
 
-        bundle = preference.build(recipe, tokenizer)
-    else:
-        bundle = arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
+    process_group = distributed.prepare(deepspeed=ds is not None)  # may create the process group
+    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
+    args = method.trainer_config(args, recipe)
+    inputs = methods.TrainerInputs(recipe, None, args, bundle, tokenizer, precision, False, "",
+                                   start_adapter=start.path if start else None)
+    load_model(inputs, method, run_dir, launch.is_main and resume_from is None)
+    record = run_record(inputs, resume_from, start)
+    if launch.is_main:
+        write_run_files(recipe, run_dir, ds, record)
+    inputs.callbacks = run_callbacks(recipe, run_dir)
+    inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None)
+    trainer, collate = method.make_trainer(inputs)
+    return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+def load_data(recipe: Recipe, method: methods.Method, tokenizer):
+    """The method's tokenized train/eval data sets."""
+    bundle = method.build_data(recipe, tokenizer)
     if recipe.training.metric_for_best and bundle.eval is None:
         raise TunekitError(f"training.metric_for_best: {recipe.training.metric_for_best} needs held-out data; "
                            "set data.eval or data.eval_fraction")
     log.info("prompt template: %s; prompt tokens %s", bundle.template,
              "masked" if recipe.data.mask_prompt else "trained")
-    if launch.is_main:
-        if resume_from is None:
-            outputs.claim(run_dir, force, "output_dir")
-            preflight.warn_if_disk_short(recipe, run_dir)
-        else:
-            log.info("resuming from %s", resume_from.name)
-            checkpoints.truncate_history(run_dir / HISTORY_FILE, checkpoints.step_of(resume_from))
+    return bundle
 
-    process_group = distributed.prepare(deepspeed=ds is not None)  # may create the process group
-    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
-    if tuned_on_preferences:
-        args = preference.config(args, recipe)
+
+def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path | None) -> None:
+    """The main process takes the run directory, or cuts its history back to the checkpoint it resumes."""
+    if resume_from is None:
+        outputs.claim(run_dir, force, "output_dir")
+        preflight.warn_if_disk_short(recipe, run_dir)
+    else:
+        log.info("resuming from %s", resume_from.name)
+        checkpoints.truncate_history(run_dir / HISTORY_FILE, checkpoints.step_of(resume_from))
+
+
+def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: Path, fresh_main: bool) -> None:
+    """The model to train, with its adapter, into `inputs` (and whether batches are packed, the attention);
+    `fresh_main`: the main process of a new run saves a rewritten adapter initialisation."""
+    recipe = inputs.recipe
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
-    model = models.load_for_training(recipe, precision, start.path if start else None)
-    if start is not None:
-        log.info("adapter: starting from %s", start.path)
-    packed = False if tuned_on_preferences else packing.use(model, recipe.data.packing)  # TRL's collator pads the pairs
+    model = models.load_for_training(recipe, inputs.precision, inputs.start_adapter)
+    if inputs.start_adapter is not None:
+        log.info("adapter: starting from %s", inputs.start_adapter)
+    packed = method.packs and packing.use(model, recipe.data.packing)  # TRL's collators pad the pairs
     attention = model.config._attn_implementation
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
              "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention)
-    mutated_init = recipe.lora is not None and recipe.lora.init != "default"
-    if mutated_init and launch.is_main and resume_from is None:
+    if recipe.lora is not None and recipe.lora.init != "default" and fresh_main:
         models.save_initial_adapter(model, run_dir / INITIAL_ADAPTER_DIR)
-    total, trainable = models.count_parameters(model)
-    log.info("parameters: %s total, %s trainable (%.2f%%), method: %s", f"{total:,}", f"{trainable:,}",
-             100 * trainable / max(total, 1), recipe.method)
+    inputs.model, inputs.packed, inputs.attention = model, packed, attention
+
+
+def run_record(inputs: methods.TrainerInputs, resume_from: Path | None, start) -> RunRecord:
+    """run.json as training starts (logged: parameters and the batch per optimizer step)."""
+    recipe, args, bundle, precision = inputs.recipe, inputs.args, inputs.data, inputs.precision
+    total, trainable = models.count_parameters(inputs.model)
+    log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
+             100 * trainable / max(total, 1), recipe.adapter_kind)
     effective = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     log.info("batch: world size %d x micro-batch %d x accumulation %d = %d examples per optimizer step",
              args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps, effective)
-
-    record = RunRecord(
+    return RunRecord(
         status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=outputs.command_line(),
         versions=outputs.versions(), precision={"name": precision.name, "reason": precision.reason},
-        adapter=recipe.method, training_method=recipe.training.method, base_model=recipe.model.name_or_path,
+        adapter=recipe.adapter_kind, training_method=recipe.training.method, base_model=recipe.model.name_or_path,
         parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
         resumed_from=resume_from.name if resume_from else None, adapter_from=start.source if start else None,
-        data={"template": bundle.template, "packed": packed, "attention": attention, "train": vars(bundle.train_stats),
-              "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
+        data={"template": bundle.template, "packed": inputs.packed, "attention": inputs.attention,
+              "train": vars(bundle.train_stats), "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
     )
-    if launch.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RECIPE_FILE).write_text(to_yaml(recipe), encoding="utf-8")
-        if ds is not None:
-            outputs.write_json(run_dir / DEEPSPEED_FILE, ds)
-        record.save(run_dir)
 
-    callbacks = ([LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
-                 + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
-                    if recipe.training.early_stopping_patience else [])
-                 + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
-    if tuned_on_preferences:
-        ref_args, reference = preference.reference(recipe, precision, start.path if start else None)
-        settings = getattr(recipe, PREFERENCE_METHODS[recipe.training.method].section)
-        log.info("%s: %s; reference: %s", recipe.training.method,
-                 ", ".join(f"{k} {v}" for k, v in settings.model_dump().items()), reference)
-        trainer = preference.trainer_class(recipe)(
-            model=model, **ref_args, args=args,
-            train_dataset=bundle.train, eval_dataset=bundle.eval, processing_class=tokenizer, callbacks=callbacks,
-            generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None))
-        collate = getattr(trainer, "token_counter", data_mod.CountingCollator)(trainer.data_collator)
-        trainer.data_collator = collate
-        return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
-    collate = data_mod.CountingCollator(data_mod.collator(tokenizer, packed, attention == "flash_attention_2"))
-    trainer = SafeStateTrainer(
-        model=model,
-        args=args,
-        train_dataset=bundle.train,
-        eval_dataset=bundle.eval,
-        data_collator=collate,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
-        chunked_loss=recipe.training.chunked_loss,
-        generation_eval=generation_eval(recipe, tokenizer, bundle.eval is not None),
-    )
-    return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+def write_run_files(recipe: Recipe, run_dir: Path, ds: dict | None, record: RunRecord) -> None:
+    """recipe.yaml (as trained), the resolved DeepSpeed config and run.json, by the main process."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RECIPE_FILE).write_text(to_yaml(recipe), encoding="utf-8")
+    if ds is not None:
+        outputs.write_json(run_dir / DEEPSPEED_FILE, ds)
+    record.save(run_dir)
+
+
+def run_callbacks(recipe: Recipe, run_dir: Path) -> list:
+    """Loss history, checkpoint marks, the non-finite stop, early stopping and the trackers."""
+    return ([LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
+            + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
+               if recipe.training.early_stopping_patience else [])
+            + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
 
 
 def generation_eval(recipe: Recipe, tokenizer, evaluates: bool):

@@ -1,0 +1,162 @@
+"""The training-method registry (tunekit.methods): the recipe's allowed training.method values, the method
+sections and their cross-checks, plan and eval all come from it, and no module outside methods/ compares
+method names. A method registered before the schema is built is a valid training.method, with its section."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+import tunekit
+from conftest import tiny_recipe, write_jsonl, write_recipe
+from tunekit import methods, recipe as recipe_mod
+from tunekit.errors import TunekitError
+
+PACKAGE = Path(tunekit.__file__).parent
+
+
+def test_the_allowed_methods_and_sections_are_the_registry():
+    allowed = typing.get_args(recipe_mod.TrainingConfig.model_fields["method"].annotation)
+    assert allowed == tuple(methods.METHODS) == ("sft", "dpo", "kto", "orpo")
+    sections = {m.section for m in methods.METHODS.values() if m.section}
+    assert sections == {"dpo", "kto", "orpo"} and sections <= set(recipe_mod.Recipe.model_fields)
+    for m in methods.METHODS.values():
+        assert m.name in recipe_mod.TrainingConfig.model_fields["method"].description
+
+
+def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_model):
+    raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),
+                      tmp_path / "run", training={"method": "grpo"})
+    with pytest.raises(TunekitError, match="training.method: .*'sft', 'dpo', 'kto' or 'orpo'"):
+        recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+    with pytest.raises(TunekitError, match="unknown method 'grpo'; registered: sft, dpo, kto, orpo"):
+        methods.get("grpo")
+
+
+FAKE = '''
+import logging, sys, yaml
+from pydantic import Field
+from tunekit.section import Section
+from tunekit.methods import METHODS, Method, register
+
+class ToySettings(Section):
+    alpha: float = Field(1.0, gt=0)
+
+class Toy(Method):
+    name = "toy"
+    summary = "a method registered by a test"
+    settings = ToySettings
+    data_formats = ("alpaca",)
+    data_description = "alpaca rows"
+    sequences = 3
+
+register(Toy())
+from tunekit import recipe, plan  # the schema is built after the registration
+raw = yaml.safe_load(open(sys.argv[1]))
+raw["training"]["method"] = "toy"
+r = recipe.from_dict(raw)
+assert r.toy.alpha == 1.0 and r.training.method == "toy"
+assert plan.settings_from(r, 1, "fp32").sequences == 3
+raw["dpo"] = {"beta": 0.2}
+try:
+    recipe.from_dict(raw)
+except Exception as e:
+    print("refused:", e)
+raw.pop("dpo"); raw["training"]["method"] = "sft"; raw["toy"] = {"alpha": 2.0}
+try:
+    recipe.from_dict(raw)
+except Exception as e:
+    print("refused:", e)
+'''
+
+
+def test_a_registered_method_is_a_training_method_with_its_section(tmp_path, tiny_model):
+    """What docs/adding-a-method.md describes: one module's class, registered, is all the schema needs."""
+    raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),
+                      tmp_path / "run")
+    path = write_recipe(tmp_path / "r.yaml", raw)
+    out = subprocess.run([sys.executable, "-c", FAKE, str(path)], capture_output=True, text=True, check=True).stdout
+    assert "refused: recipe: dpo: these settings belong to training.method dpo" in out
+    assert "refused: recipe: toy: these settings belong to training.method toy" in out
+
+
+def test_the_recipe_imports_no_torch():
+    code = "import sys, tunekit.recipe; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def dpo_raw(tmp_path, tiny_model, **sections):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "dpo"}, **sections)
+    raw["data"]["format"] = "preference"
+    return raw
+
+
+def test_the_old_preference_section_reads_as_dpo_with_a_note(tmp_path, tiny_model, caplog):
+    path = write_recipe(tmp_path / "r.yaml", dpo_raw(tmp_path, tiny_model, preference={"beta": 0.3}))
+    with caplog.at_level(logging.INFO, logger="tunekit"):
+        r = recipe_mod.load(path)
+    assert r.dpo.beta == 0.3 and "preference" not in recipe_mod.Recipe.model_fields
+    notes = [rec.getMessage() for rec in caplog.records if "preference" in rec.getMessage()]
+    assert notes == [f"{path}: the preference section is now named dpo; read as dpo (rename it)"]
+    assert "preference" not in yaml_of(r) and recipe_mod.from_dict(yaml_of(r)).dpo.beta == 0.3
+
+
+def yaml_of(r):
+    import yaml
+
+    return yaml.safe_load(recipe_mod.to_yaml(r))
+
+
+def test_an_old_run_recipe_with_an_empty_preference_section_reads_silently(tmp_path, tiny_model, caplog):
+    raw = dpo_raw(tmp_path, tiny_model, preference=None)
+    raw["preference"] = None  # older runs' recipe.yaml wrote every method section, empty ones as null
+    with caplog.at_level(logging.INFO, logger="tunekit"):
+        r = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+    assert r.dpo.beta == 0.1 and not [rec for rec in caplog.records if "preference" in rec.getMessage()]
+
+
+def test_both_the_old_and_the_new_section_name_is_refused(tmp_path, tiny_model):
+    raw = dpo_raw(tmp_path, tiny_model, preference={"beta": 0.3}, dpo={"beta": 0.2})
+    with pytest.raises(TunekitError, match="preference is the earlier name of the dpo section and both are set"):
+        recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+
+
+def method_name_literals(tree: ast.AST) -> list[str]:
+    """Comparisons with a method name (==, !=, in, not in a tuple/list/set of them) and dict keys naming one."""
+    names = set(methods.METHODS) | {"sft", "dpo", "kto", "orpo"}
+
+    def strings(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [s for e in node.elts for s in strings(e)]
+        return []
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            found += [f"line {node.lineno}: compares with {s!r}" for part in (node.left, *node.comparators)
+                      for s in strings(part) if s in names]
+        elif isinstance(node, ast.Dict):
+            found += [f"line {node.lineno}: dict key {s!r}" for k in node.keys if k is not None
+                      for s in strings(k) if s in names]
+    return found
+
+
+def test_no_module_outside_methods_compares_method_names():
+    wrong = {str(p.relative_to(PACKAGE)): hits for p in sorted(PACKAGE.rglob("*.py"))
+             if "methods" not in p.relative_to(PACKAGE).parts[:-1]
+             and (hits := method_name_literals(ast.parse(p.read_text(encoding="utf-8"))))}
+    assert not wrong, f"method names compared outside tunekit/methods/ (ask the registry instead): {wrong}"
+
+
+def test_the_name_check_catches_comparisons_and_tables():
+    code = 'a == "sft"\nb in ("dpo", "x")\n"kto" != c\nd = {"orpo": 1}\ne == "lora"\n'
+    assert len(method_name_literals(ast.parse(code))) == 4
