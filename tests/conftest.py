@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,67 @@ import yaml
 from tunekit.tiny import build_model, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# `make test-all` records its run in tests/test-all-last-run.json: the claims that rest on tests marked `full`
+# were last checked by that run. Written at the end of the session, passed or not.
+def pytest_addoption(parser):
+    parser.addoption("--record-run", metavar="FILE", default=None,
+                     help="write the run's date, commit, selection, duration, outcome and per-test durations "
+                          "to FILE (JSON)")
+
+
+def pytest_configure(config):
+    if config.getoption("--record-run"):
+        config.pluginmanager.register(RunRecorder(config), "tunekit-run-recorder")
+
+
+class RunRecorder:
+    def __init__(self, config):
+        self.config, self.start = config, time.time()
+        self.seconds: dict[str, float] = {}
+        self.outcomes: dict[str, str] = {}
+
+    def pytest_deselected(self, items):
+        self.deselected = getattr(self, "deselected", 0) + len(items)
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+        if report.when == "call" or report.outcome != "passed":  # a failed setup or teardown decides
+            if self.outcomes.get(report.nodeid) in (None, "passed"):
+                self.outcomes[report.nodeid] = report.outcome
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        import datetime
+        import platform
+
+        def git(*args):
+            res = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+            return res.stdout.strip() if res.returncode == 0 else None
+
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+        counts: dict[str, int] = {}
+        for outcome in self.outcomes.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        if getattr(self, "deselected", 0):
+            counts["deselected"] = self.deselected
+        seconds = time.time() - self.start
+        record = {
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": git("rev-parse", "HEAD"),
+            "uncommitted_changes_to_tracked_files": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "command": "pytest " + " ".join(self.config.invocation_params.args),
+            "outcome": "passed" if exitstatus == 0 else f"failed (pytest exit status {int(exitstatus)})",
+            "counts": counts,
+            "duration_s": round(seconds),
+            "duration": f"{int(seconds // 60)} min {round(seconds % 60)} s",
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "native_bf16": any(f in cpuinfo.split() for f in ("avx512_bf16", "amx_bf16"))},
+            "seconds_per_test": {k: round(v, 1) for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])},
+        }
+        Path(self.config.getoption("--record-run")).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")

@@ -1,4 +1,9 @@
-"""End to end through the CLI on the real SmolLM2-135M-Instruct (packaged GGUF, no Hub)."""
+"""End to end through the CLI on the real SmolLM2-135M-Instruct (packaged GGUF, no Hub).
+
+The demo and DPO tests check the README's measured results (about five and six minutes each on 2 CPU
+cores); they are marked `full` and run in `make test-all`, whose last run tests/test-all-last-run.json
+records. `make test` trains the DPO recipe (and one recipe of every other method) in
+tests/test_shipped_recipes.py."""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ def _train_shipped(recipe: str, run_dir, **overrides):
     return _losses(run_dir)
 
 
+@pytest.mark.full
 def test_demo_pipeline_shows_a_clear_gain(tmp_path):
     import subprocess
 
@@ -94,6 +100,7 @@ def test_full_finetuning_recipe_runs_and_saves_loadable_weights(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
 
 
+@pytest.mark.full
 def test_dpo_recipe_turns_the_base_preference_around(tmp_path):
     """recipes/smollm2_dpo.yaml as shipped (eval section included, scored on 8 held-out pairs): the base model prefers
     every rejected answer (it restates the sentence); after the run the held-out reward accuracy is above

