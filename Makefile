@@ -34,7 +34,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=40 --record-run=tests/test-all-last-run.json tests
 
 demo: $(STAMP)
-	$(PY) -m tunekit.demo
+	$(PY) -m tunekit.cli.demo
 
 # The real-text data sets come from two Debian packages (bench/realdata.py); installed here when missing.
 BENCH_DATA := /usr/share/trans/de-en /usr/share/wordnet/data.noun
@@ -51,7 +51,7 @@ gpu-check: $(STAMP)
 # llama.cpp itself on the demo's exported GGUF: builds llama-cpp-python from source (minutes) when missing,
 # then compares its greedy answers with `tunekit eval`'s. Runs the demo first when its outputs are missing.
 export-check: $(STAMP)
-	@test -f runs/demo/smollm2-demo-q8_0.gguf || $(PY) -m tunekit.demo
+	@test -f runs/demo/smollm2-demo-q8_0.gguf || $(PY) -m tunekit.cli.demo
 	$(PY) bench/export_check.py
 
 # The documentation site: the reference pages are generated from the recipe schema and the CLI parser,

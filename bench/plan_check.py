@@ -30,9 +30,13 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
     import psutil
     import torch
 
-    from tunekit import losspath, models, plan
-    from tunekit.hardware import Precision
-    from tunekit.recipe import from_dict
+    from tunekit.models import losspath
+
+    from tunekit.models import loading as models
+
+    from tunekit.plan import estimate as plan
+    from tunekit.core.hardware import Precision
+    from tunekit.config.recipe import from_dict
 
     raw = {"model": {"name_or_path": model}, "adapter": adapter, "data": {"train": data, "max_length": seq},
            "training": {"precision": precision, "micro_batch_size": micro, "gradient_checkpointing": ckpt,
@@ -131,7 +135,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="tunekit-plan-"))
     data = work / "d.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n')
-    from tunekit.tiny import build_model, build_tokenizer
+    from tunekit.models.tiny import build_model, build_tokenizer
 
     tiny = work / "tiny"
     tiny.mkdir()

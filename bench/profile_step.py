@@ -34,10 +34,14 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
     from transformers import DataCollatorForSeq2Seq
 
-    from tunekit import arrowdata, losspath, models
-    from tunekit import data as data_mod
-    from tunekit.hardware import Precision
-    from tunekit.recipe import from_dict
+    from tunekit.data import arrow as arrowdata
+
+    from tunekit.models import losspath
+
+    from tunekit.models import loading as models
+    from tunekit.data import records as data_mod
+    from tunekit.core.hardware import Precision
+    from tunekit.config.recipe import from_dict
 
     model_dir = models.materialize(BASE)
     files = realdata.write(Path(tempfile.mkdtemp(prefix="tunekit-profile-")), 8 * a.batches, 8)

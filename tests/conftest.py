@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random Llama model and a small byte-level BPE tokenizer (tunekit.tiny),
+"""Shared fixtures: a tiny random Llama model and a small byte-level BPE tokenizer (tunekit.models.tiny),
 built once per session, plus helpers to write data and recipes and to run the CLI."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tunekit.tiny import build_model, build_tokenizer
+from tunekit.models.tiny import build_model, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

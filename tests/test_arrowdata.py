@@ -10,9 +10,9 @@ import sys
 import pytest
 from conftest import reverse_rows, write_jsonl
 
-from tunekit import arrowdata
-from tunekit.errors import TunekitError
-from tunekit.recipe import DataConfig
+from tunekit.data import arrow as arrowdata
+from tunekit.core.errors import TunekitError
+from tunekit.config.recipe import DataConfig
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +72,8 @@ BUILD = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from transformers import AutoTokenizer
-from tunekit import arrowdata
-from tunekit.recipe import DataConfig
+from tunekit.data import arrow as arrowdata
+from tunekit.config.recipe import DataConfig
 bundle = arrowdata.build(DataConfig(train=sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2]), 0)
 print(len(bundle.train))
 """

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from conftest import write_jsonl
-from tunekit import arrowdata
-from tunekit import data as data_mod
-from tunekit.data import IGNORE, Record, Renderer, tokenize
-from tunekit.errors import TunekitError
-from tunekit.recipe import DataConfig
+from tunekit.data import arrow as arrowdata
+from tunekit.data import records as data_mod
+from tunekit.data.records import IGNORE, Record, Renderer, tokenize
+from tunekit.core.errors import TunekitError
+from tunekit.config.recipe import DataConfig
 
 
 def cfg(**kw) -> DataConfig:
@@ -161,7 +161,7 @@ def test_collator_pads_labels_with_ignore(tiny_tokenizer):
 def test_the_format_registry_drives_the_recipe_schema():
     import typing
 
-    from tunekit.formats import FORMATS
+    from tunekit.data.formats import FORMATS
 
     assert list(typing.get_args(DataConfig.model_fields["format"].annotation)) == list(FORMATS)
     for name, fmt in FORMATS.items():  # every registered format renders through the one Renderer

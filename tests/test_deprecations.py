@@ -30,7 +30,7 @@ import pytest
 from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
 
 import tunekit
-from tunekit import cli
+from tunekit.cli import main as cli
 
 TUNEKIT = str(Path(tunekit.__file__).parent)
 HERE = str(Path(__file__).resolve())
@@ -223,7 +223,7 @@ def test_the_recorder_tells_a_direct_deprecated_call_from_a_library_internal_one
 def test_a_deprecated_call_from_tunekit_during_a_command_is_caught(tiny_env, monkeypatch):
     """The whole path: a command run in-process through cli.main, with a tunekit function (compiled as a
     tunekit file) reading the deprecated `config.torch_dtype`, is reported as tunekit's."""
-    from tunekit import merge
+    from tunekit.export import merge
 
     fake = _compiled_as(f"{TUNEKIT}/_fake_merge.py", (
         "def _default_dtype(recipe):\n"
@@ -244,7 +244,7 @@ def tiny_env(tiny_model, tmp_path_factory):
     import json
     import shutil
 
-    from tunekit.demo_data import unpaired
+    from tunekit.data.demo import unpaired
 
     root = tmp_path_factory.mktemp("deprecations")
     model = root / "tiny"

@@ -26,7 +26,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from tunekit import cli, recipe  # the only tunekit import: the parser (cli.build_parser) and recipes (recipe.load, .from_dict, .Recipe)
+from tunekit.cli import main as cli  # the parser (cli.build_parser)
+from tunekit.config import recipe  # recipes (recipe.load, .from_dict, .Recipe)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

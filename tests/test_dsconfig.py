@@ -7,9 +7,11 @@ import json
 import pytest
 
 from conftest import ROOT, run_cli, write_jsonl, write_recipe
-from tunekit import dsconfig, recipe as recipe_mod, train
-from tunekit.hardware import Precision
-from tunekit.errors import TunekitError
+from tunekit.config import deepspeed as dsconfig
+from tunekit.config import recipe as recipe_mod
+from tunekit.training import runner as train
+from tunekit.core.hardware import Precision
+from tunekit.core.errors import TunekitError
 
 
 @pytest.fixture()

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import export, export_check, gguf_writer
+from tunekit.export import run as export
+from tunekit.export import check as export_check
+from tunekit.export import gguf as gguf_writer
 
 
 def fields(path):
@@ -60,7 +62,7 @@ def test_a_sentencepiece_vocabulary_exports_as_llama_cpp_reads_llama_2(tmp_path)
     pytest.importorskip("sentencepiece", reason="needs `pip install sentencepiece` (make test installs it)")
     from transformers import AutoTokenizer
 
-    from tunekit.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
+    from tunekit.models.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
 
     model_dir = tmp_path / "spm-llama"
     tok = build_sentencepiece_tokenizer(model_dir)
@@ -81,7 +83,7 @@ def test_a_sentencepiece_vocabulary_exports_as_llama_cpp_reads_llama_2(tmp_path)
     assert [back(t)["input_ids"] for t in texts] == [tok(t)["input_ids"] for t in texts]
 
     # without the scores' order (as llama.cpp's LlamaHfVocab writes: -1000 for all) the check refuses the file
-    from tunekit.errors import TunekitError
+    from tunekit.core.errors import TunekitError
 
     real = gguf_writer._sentencepiece_vocab
 
@@ -109,7 +111,7 @@ def test_quantized_exports_are_smaller_and_pass_their_tolerance(tmp_path, tiny_m
 
 
 def test_an_export_below_its_tolerance_is_refused_and_nothing_is_left(tmp_path, tiny_model, monkeypatch):
-    from tunekit.errors import TunekitError
+    from tunekit.core.errors import TunekitError
 
     monkeypatch.setitem(gguf_writer.QUANTS, "q4_0", gguf_writer.Quant("Q4_0", "MOSTLY_Q4_0", 1.0, 1e-6))
     with pytest.raises(TunekitError, match=r"export refused: GGUF check: max \|logit diff\| .* q4_0 needs top-1"):
@@ -178,8 +180,8 @@ def test_a_base_model_exports_as_a_safetensors_directory_that_loads_with_its_log
                                               ("gguf", {"dtype": "bf16"}, "--dtype")])
 def test_an_option_the_format_does_not_take_is_refused_before_any_weight_loads(tmp_path, tiny_model, monkeypatch,
                                                                                fmt, option, flag):
-    from tunekit import export_source
-    from tunekit.errors import TunekitError
+    from tunekit.export import source as export_source
+    from tunekit.core.errors import TunekitError
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was resolved before the options were checked")
@@ -202,9 +204,9 @@ def test_the_cli_refuses_a_wrong_format_option_in_one_line(tmp_path, tiny_model)
 def test_a_run_exports_as_a_safetensors_directory_equal_to_its_merged_model(tmp_path, tiny_model):
     from transformers import AutoTokenizer
 
-    from tunekit import merge as merge_mod
-    from tunekit import recipe as recipe_mod
-    from tunekit import train
+    from tunekit.export import merge as merge_mod
+    from tunekit.config import recipe as recipe_mod
+    from tunekit.training import runner as train
 
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 2, "learning_rate": 1e-2},

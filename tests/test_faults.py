@@ -20,8 +20,13 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, assert_no_pickles, cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import checkpoints, models, preflight, recipe as recipe_mod, statefile, train
-from tunekit.errors import TunekitError
+from tunekit.runs import checkpoints
+from tunekit.models import loading as models
+from tunekit.training import preflight
+from tunekit.config import recipe as recipe_mod
+from tunekit.core import statefile
+from tunekit.training import runner as train
+from tunekit.core.errors import TunekitError
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import hub
-from tunekit.errors import TunekitError
+from tunekit.models import hub
+from tunekit.core.errors import TunekitError
 
 # what huggingface.co answers to HEAD /{repo}/resolve/{revision}/config.json, by repo name
 ANSWERS = {
@@ -182,7 +182,7 @@ def test_flagship_plan_runs_offline_from_the_shipped_config():
 def test_unreachable_hub_data_set_fails_at_once_in_one_line(hub_at):
     from huggingface_hub import constants
 
-    from tunekit import data
+    from tunekit.data import records as data
 
     hub_at(closed_port())
     started = time.monotonic()

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-HEAVY = ("torch", "transformers", "peft", "trl", "tunekit.models", "tunekit.trained")
+HEAVY = ("torch", "transformers", "peft", "trl", "tunekit.models.loading", "tunekit.runs.trained")
 
 PROGRAM = """
 import json, sys
@@ -26,7 +26,7 @@ def heavy_modules_after(body: str) -> list[str]:
 
 
 def test_the_runs_and_report_modules_import_no_torch():
-    assert heavy_modules_after("import tunekit.runlist, tunekit.report, tunekit.rundir, tunekit.scoretable") == []
+    assert heavy_modules_after("import tunekit.reporting.listing, tunekit.reporting.report, tunekit.runs.layout, tunekit.evaluation.table") == []
 
 
 def test_the_runs_and_report_commands_load_no_torch(tmp_path):
@@ -37,8 +37,8 @@ def test_the_runs_and_report_commands_load_no_torch(tmp_path):
     (run / "eval" / "metrics.json").write_text(json.dumps({"scores": {"chrf": 40.0, "examples": 4}}))
     (run / "loss_history.jsonl").write_text(json.dumps({"step": 1, "loss": 2.5, "time": 1.0}) + "\n")
     body = f"""
-from tunekit import cli
-from tunekit.rundir import RunRecord
+from tunekit.cli import main as cli
+from tunekit.runs.layout import RunRecord
 run = Path({str(run)!r})
 RunRecord(status="completed", started="2026-11-22T10:00:00+0000", command=["tunekit", "train"], versions={{}},
           precision={{"name": "fp32", "reason": "test"}}, adapter="lora", base_model="m",
@@ -53,4 +53,4 @@ assert cli.main(["report", str(run), "--out", {str(tmp_path / "r.html")!r}]) == 
 
 def test_the_command_line_parser_with_every_export_format_loads_no_torch():
     """`tunekit --help` stays instant: the export formats' flags come from a registry that loads no model code."""
-    assert heavy_modules_after("from tunekit import cli; cli.build_parser()") == []
+    assert heavy_modules_after("from tunekit.cli import main as cli; cli.build_parser()") == []

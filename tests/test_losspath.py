@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 from conftest import reverse_rows, tiny_recipe, write_jsonl
 
-from tunekit import arrowdata
-from tunekit import data as data_mod
-from tunekit import losspath, models
-from tunekit.hardware import Precision
-from tunekit.recipe import from_dict
-from tunekit.train import training_arguments
-from tunekit.trainer import SafeStateTrainer
+from tunekit.data import arrow as arrowdata
+from tunekit.data import records as data_mod
+from tunekit.models import losspath
+from tunekit.models import loading as models
+from tunekit.core.hardware import Precision
+from tunekit.config.recipe import from_dict
+from tunekit.training.runner import training_arguments
+from tunekit.training.trainer import SafeStateTrainer
 
 # fp32: the two paths differ only in summation order. bf16: matmuls over a chunk round differently from
 # one matmul over all rows (near-cancelling sums most), and the stock path computes the head's weight

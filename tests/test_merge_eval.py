@@ -9,10 +9,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import data as data_mod
-from tunekit import merge as merge_mod
-from tunekit import models, recipe as recipe_mod, rundir, trained
-from tunekit.errors import TunekitError
+from tunekit.data import records as data_mod
+from tunekit.export import merge as merge_mod
+from tunekit.models import loading as models
+from tunekit.config import recipe as recipe_mod
+from tunekit.runs import layout as rundir
+from tunekit.runs import trained
+from tunekit.core.errors import TunekitError
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 
@@ -166,7 +169,7 @@ def test_eval_of_merged_matches_adapter_run(lora_run, tmp_path):
 
 def test_batched_generation_matches_one_at_a_time(lora_run):
     recipe = recipe_mod.load(lora_run / "recipe.yaml")
-    from tunekit import evaluation
+    from tunekit.evaluation import runner as evaluation
 
     target = rundir.resolve_target(str(lora_run))
     tok = models.load_tokenizer(recipe.model, lora_run / "adapter")

@@ -1,4 +1,4 @@
-"""The training-method registry (tunekit.methods): the recipe's allowed training.method values, the method
+"""The training-method registry (tunekit.training.methods): the recipe's allowed training.method values, the method
 sections and their cross-checks, plan and eval all come from it, and no module outside methods/ compares
 method names. A method registered before the schema is built is a valid training.method, with its section."""
 
@@ -15,8 +15,9 @@ import pytest
 
 import tunekit
 from conftest import tiny_recipe, write_jsonl, write_recipe
-from tunekit import methods, recipe as recipe_mod
-from tunekit.errors import TunekitError
+from tunekit.training import methods
+from tunekit.config import recipe as recipe_mod
+from tunekit.core.errors import TunekitError
 
 PACKAGE = Path(tunekit.__file__).parent
 
@@ -42,8 +43,8 @@ def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_
 FAKE = '''
 import logging, sys, yaml
 from pydantic import Field
-from tunekit.section import Section
-from tunekit.methods import METHODS, Method, register
+from tunekit.config.section import Section
+from tunekit.training.methods import METHODS, Method, register
 
 class ToySettings(Section):
     alpha: float = Field(1.0, gt=0)
@@ -57,7 +58,8 @@ class Toy(Method):
     sequences = 3
 
 register(Toy())
-from tunekit import recipe, plan  # the schema is built after the registration
+from tunekit.config import recipe
+from tunekit.plan import estimate as plan  # the schema is built after the registration
 raw = yaml.safe_load(open(sys.argv[1]))
 raw["training"]["method"] = "toy"
 r = recipe.from_dict(raw)
@@ -87,7 +89,7 @@ def test_a_registered_method_is_a_training_method_with_its_section(tmp_path, tin
 
 
 def test_the_recipe_imports_no_torch():
-    code = "import sys, tunekit.recipe; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
+    code = "import sys, tunekit.config.recipe; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 from rouge_score import rouge_scorer
 
-from tunekit import metrics
+from tunekit.evaluation import metrics
 
 
 def test_bleu_hand_computed():
@@ -78,8 +78,8 @@ def test_the_registry_drives_the_recipe_schema_and_the_table():
     default list includes it, and the eval table shows every score key it returns."""
     import typing
 
-    from tunekit import evaluation
-    from tunekit.recipe import EvalConfig
+    from tunekit.evaluation import runner as evaluation
+    from tunekit.config.recipe import EvalConfig
 
     allowed = typing.get_args(typing.get_args(EvalConfig.model_fields["metrics"].annotation)[0])
     assert list(allowed) == list(metrics.METRICS) == EvalConfig().metrics

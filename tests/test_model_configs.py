@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from tunekit import modelinfo
-from tunekit.recipe import ModelConfig
+from tunekit.models import info as modelinfo
+from tunekit.config.recipe import ModelConfig
 
 # Published sizes, as printed on each model's Hugging Face page ("Model size", counted from its
 # safetensors files), except Qwen3, whose pages count a tied output head twice: there, the model card's
@@ -58,7 +58,7 @@ def test_aliases_resolve_and_unknown_models_do_not():
 
 
 def test_the_shipped_config_is_used_only_where_allowed(monkeypatch):
-    from tunekit import hub
+    from tunekit.models import hub
 
     def unavailable(*a, **k):
         raise hub.Unavailable("model.name_or_path: offline", "offline")
@@ -73,7 +73,7 @@ def test_the_shipped_config_is_used_only_where_allowed(monkeypatch):
 
 
 def test_model_config_file(tmp_path):
-    from tunekit.errors import TunekitError
+    from tunekit.core.errors import TunekitError
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TABLE["configs"]["Qwen/Qwen2.5-0.5B"]))
@@ -90,7 +90,7 @@ def test_model_config_file(tmp_path):
 
 def test_plan_reads_a_config_file_for_a_model_not_here(tmp_path, capsys):
     from conftest import tiny_recipe, write_recipe
-    from tunekit import cli
+    from tunekit.cli import main as cli
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TABLE["configs"]["Qwen/Qwen2.5-0.5B"]))

@@ -10,10 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer
 
 from conftest import tiny_recipe, write_jsonl, write_recipe
-from tunekit import arrowdata
-from tunekit import data as data_mod
-from tunekit import models, packing, recipe as recipe_mod, train
-from tunekit.hardware import Precision
+from tunekit.data import arrow as arrowdata
+from tunekit.data import records as data_mod
+from tunekit.models import loading as models
+from tunekit.data import packing
+from tunekit.config import recipe as recipe_mod
+from tunekit.training import runner as train
+from tunekit.core.hardware import Precision
 
 # fp32 on CPU: packed and alone differ only by summation order (measured max 2e-7)
 TOL = 1e-5

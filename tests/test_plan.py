@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import models, plan, recipe as recipe_mod
-from tunekit.hardware import Precision
+from tunekit.models import loading as models
+from tunekit.plan import estimate as plan
+from tunekit.config import recipe as recipe_mod
+from tunekit.core.hardware import Precision
 
 
 @pytest.fixture()

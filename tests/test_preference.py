@@ -10,9 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_recipe, write_jsonl, write_recipe
-from tunekit import data as data_mod, evaluation, methods, models, recipe as recipe_mod, train
-from tunekit.methods import pairs as pairs_mod
-from tunekit.errors import TunekitError
+from tunekit.data import records as data_mod
+from tunekit.evaluation import runner as evaluation
+from tunekit.training import methods
+from tunekit.models import loading as models
+from tunekit.config import recipe as recipe_mod
+from tunekit.training import runner as train
+from tunekit.training.methods import pairs as pairs_mod
+from tunekit.core.errors import TunekitError
 
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
 
@@ -106,7 +111,7 @@ def test_dpo_run_scores_generations_while_training_and_its_measures_reach_metric
     """With an eval section, a DPO run logs generation metrics at each evaluation; its end-of-run eval
     (metrics.json) carries reward accuracy and margin, equal to TRL's own on the same held-out pairs and
     weights; the run merges with parity."""
-    from tunekit import merge as merge_mod
+    from tunekit.export import merge as merge_mod
 
     data = write_jsonl(tmp_path / "p.jsonl", pairs())
     raw = dpo_raw(tiny_model, data, tmp_path / "run", eval_steps=12)
@@ -206,7 +211,7 @@ def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, ti
     trained = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
     assert all(torch.equal(ref[k].to(v.dtype), v) for k, v in base.items())
     assert any(not torch.equal(trained[k], v) for k, v in base.items() if k in trained)
-    from tunekit import plan
+    from tunekit.plan import estimate as plan
 
     settings = plan.settings_from(recipe, 1, "fp32")
     cfg, meta = plan.meta_model(recipe)
@@ -246,7 +251,7 @@ def test_orpo_learns_the_preference_without_a_reference(tmp_path, tiny_model):
 
 
 def unpaired_rows(n_repeat=4):
-    from tunekit.demo_data import unpaired
+    from tunekit.data.demo import unpaired
 
     return unpaired(pairs(n_repeat))
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from conftest import run_cli
-from tunekit import quiet
+from tunekit.core import quiet
 
 # a message each hidden entry must catch, as the library prints it
 EXAMPLES = {

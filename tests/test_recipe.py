@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli, write_jsonl, write_recipe
-from tunekit import recipe as recipe_mod
-from tunekit.errors import TunekitError
+from tunekit.config import recipe as recipe_mod
+from tunekit.core.errors import TunekitError
 
 
 @pytest.fixture()
@@ -70,7 +70,7 @@ def test_every_shipped_recipe_validates(path):
 
 
 def test_help_is_fast_and_does_not_import_torch():
-    code = ("import sys, tunekit.cli as c\n"
+    code = ("import sys, tunekit.cli.main as c\n"
             "try: c.main(['--help'])\nexcept SystemExit: pass\n"
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -12,7 +12,10 @@ import subprocess
 import pytest
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import evaluation, recipe as recipe_mod, report, train
+from tunekit.evaluation import runner as evaluation
+from tunekit.config import recipe as recipe_mod
+from tunekit.reporting import report
+from tunekit.training import runner as train
 
 BASELINE = {"bleu": 1.25, "chrf": 10.5, "rougeL": 3.0, "exact_match": 0.0, "examples": 6}
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-from tunekit import cli, outputs
-from tunekit.rundir import RunRecord
+from tunekit.cli import main as cli
+
+from tunekit.core import outputs
+from tunekit.runs.layout import RunRecord
 
 
 def make_run(root, name, status="completed", step=40, scores=None, finished="2026-11-22T10:12:30+0000",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tunekit import statefile
+from tunekit.core import statefile
 
 
 def test_adamw_state_round_trips_and_training_continues_identically(tmp_path):

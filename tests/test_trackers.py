@@ -8,8 +8,9 @@ import struct
 
 import pytest
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import recipe as recipe_mod, train
-from tunekit.errors import TunekitError
+from tunekit.config import recipe as recipe_mod
+from tunekit.training import runner as train
+from tunekit.core.errors import TunekitError
 
 STEPS, EVERY = 4, 2
 

@@ -10,9 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit import models, recipe as recipe_mod, train
-from tunekit.errors import TunekitError
-from tunekit.hardware import Precision
+from tunekit.models import loading as models
+from tunekit.config import recipe as recipe_mod
+from tunekit.training import runner as train
+from tunekit.core.errors import TunekitError
+from tunekit.core.hardware import Precision
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 
@@ -70,7 +72,7 @@ def test_lora_variants_train_keep_the_base_and_merge_to_the_adapter(variant, tmp
     if variant == "use_rslora":
         assert config["use_rslora"]
     if variant == "lr_ratio":  # LoRA+: the optimizer's groups, as checkpointed
-        from tunekit import statefile
+        from tunekit.core import statefile
 
         state = statefile.load(run_dir / "checkpoints" / "checkpoint-12" / "optimizer.safetensors")
         rates = sorted({g["lr"] for g in state["param_groups"] if g["params"]})  # constant schedule
@@ -84,9 +86,9 @@ def test_lora_variants_train_keep_the_base_and_merge_to_the_adapter(variant, tmp
 def test_pissa_and_olora_adapters_are_saved_against_the_original_base(init, tmp_path, tiny_model, data_file):
     """These inits move part of each base weight into the adapter and train W_res + BA; the saved
     adapter is converted so that the original base plus it is the model that was trained."""
-    from tunekit import merge as merge_mod
-    from tunekit import rundir
-    from tunekit import trained as trained_mod
+    from tunekit.export import merge as merge_mod
+    from tunekit.runs import layout as rundir
+    from tunekit.runs import trained as trained_mod
 
     raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", lora={"init": init},
                       training={"learning_rate": 5e-3, "max_steps": 8, "save_steps": 8})

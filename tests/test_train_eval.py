@@ -8,7 +8,9 @@ import json
 import pytest
 
 from conftest import launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
-from tunekit import evaluation, recipe as recipe_mod, train
+from tunekit.evaluation import runner as evaluation
+from tunekit.config import recipe as recipe_mod
+from tunekit.training import runner as train
 
 SCORES = ("bleu", "chrf", "rouge1", "rougeL", "exact_match")
 

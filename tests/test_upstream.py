@@ -18,10 +18,10 @@ import types
 import pytest
 
 # tunekit's classes that subclass upstream ones: one import line per module, so a module move is one edit
-from tunekit.trainer import GenerationEval, SafeState, SafeStateTrainer
-from tunekit.methods.dpo import DpoTrainer
-from tunekit.methods.kto import KtoTrainer
-from tunekit.methods.orpo import OrpoTrainer
+from tunekit.training.trainer import GenerationEval, SafeState, SafeStateTrainer
+from tunekit.training.methods.dpo import DpoTrainer
+from tunekit.training.methods.kto import KtoTrainer
+from tunekit.training.methods.orpo import OrpoTrainer
 
 # ---------------------------------------------------------------- transformers' Trainer
 # (name, why tunekit overrides it) -- all in SafeState, inherited unchanged by every tunekit trainer

@@ -1,0 +1,1 @@
+"""The command line: argv -> one library call per verb."""

@@ -1,0 +1,375 @@
+"""Command line: parse argv, call one library function per verb, turn known errors into one line.
+
+Heavy libraries are imported inside the verbs so that `tunekit --help` stays instant."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tunekit import __version__
+from tunekit.core.errors import TunekitError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (usage is one `--help` away) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# Argument types: each refuses a bad value with a message argparse prefixes with the argument's name.
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _finite(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def size(text: str) -> int:
+    from tunekit.plan.estimate import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def override(text: str) -> str:
+    from tunekit.config.recipe import parse_override
+
+    try:
+        parse_override(text)
+    except TunekitError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--set {text!r}: ")) from None
+    return text
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="YAML recipe file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", type=override,
+                   help="override a recipe field by dotted key, e.g. --set training.learning_rate=1e-4 (repeatable)")
+
+
+def cmd_validate(a) -> int:
+    from tunekit.config import recipe as recipe_mod
+    from tunekit.models.hub import Unavailable
+    from tunekit.models.info import fit_max_length
+
+    recipe = recipe_mod.load(a.recipe, a.overrides)
+    try:
+        recipe = fit_max_length(recipe, shipped=True)
+    except Unavailable as e:  # the recipe may well be right; say what could not be checked and why
+        logging.getLogger("tunekit").warning("data.max_length not checked against the model's context window: %s", e)
+    print(recipe_mod.to_yaml(recipe), end="")
+    if recipe.training.deepspeed and a.world_size:
+        import json
+
+        from tunekit.core.hardware import resolve_precision
+        from tunekit.training.runner import deepspeed_config
+
+        precision = resolve_precision(recipe.training.precision)
+        ds = deepspeed_config(recipe, precision, a.world_size, shipped=True)
+        print(f"# DeepSpeed config for world size {a.world_size}, precision {precision.name} ({precision.reason})")
+        print(json.dumps(ds, indent=2))
+    return 0
+
+
+def cmd_train(a) -> int:
+    from pathlib import Path
+
+    from tunekit.config import recipe as recipe_mod
+    from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
+
+    recipe = recipe_mod.load(a.recipe, a.overrides)
+    out = Path(recipe.output_dir)
+    main_process = os.environ.get("RANK", "0") == "0"
+    if a.resume:
+        require_dir(out, "--resume: output_dir")
+    elif main_process:  # fail fast, before torch is imported
+        check_writable(out, "output_dir")
+        with exclusive(out):  # a run in progress is named, not reported as "exists"
+            check_free(out, a.force, "output_dir")
+    from tunekit.core import distributed
+    from tunekit.evaluation import runner as evaluation
+    from tunekit.training import runner as train
+
+    requested = distributed.accelerate_cpu_request()
+    if requested:
+        logging.getLogger("tunekit").info(
+            "accelerate started one process for --num_processes %d on a machine without GPUs; "
+            "starting %d CPU processes (gloo) with torch.distributed.run", requested, requested)
+        return distributed.relaunch(requested, sys.argv[1:])
+
+    if not main_process:
+        train.run(recipe, force=a.force, resume=a.resume)
+        return 0
+    with exclusive(out):  # held from training through the end-of-training eval
+        result = train.run(recipe, force=a.force, resume=a.resume)
+        if result.recipe.eval is not None:
+            evaluation.end_of_training(result.recipe, out)
+        from tunekit.reporting import report
+
+        logging.getLogger("tunekit").info("report: %s", report.write([out]))
+    return 0
+
+
+def cmd_merge(a) -> int:
+    from pathlib import Path
+
+    from tunekit.export import merge
+
+    merge.merge(Path(a.run_dir), Path(a.out) if a.out else None, a.dtype, a.force, a.tolerance)
+    return 0
+
+
+def cmd_export(a) -> int:
+    from pathlib import Path
+
+    from tunekit.export import run as export
+
+    export.export(a.target, a.quant, Path(a.out) if a.out else None, a.force, a.format, a.dtype)
+    return 0
+
+
+def cmd_eval(a) -> int:
+    from pathlib import Path
+
+    from tunekit.evaluation import runner as evaluation
+    from tunekit.config.recipe import EvalConfig
+    from tunekit.evaluation.table import format_table
+
+    for flag, value in (("--data", a.data), ("--recipe", a.recipe)):
+        if value is not None and not Path(value).is_file():
+            raise TunekitError(f"{flag} {value}: " + ("is a directory; give a file" if Path(value).is_dir() else
+                                                      "file not found"))
+    targets = [evaluation.resolve_target(t, a.recipe, a.data) for t in [a.target] + ([a.compare] if a.compare else [])]
+    columns = []
+    for i, target in enumerate(targets):
+        base = target.recipe.eval or EvalConfig()
+        updates = {k: v for k, v in (("limit", a.limit), ("batch_size", a.batch_size),
+                                    ("max_new_tokens", a.max_new_tokens)) if v is not None}
+        cfg = EvalConfig.model_validate({**base.model_dump(), **updates})
+        out = Path(a.out) / ("target" if i == 0 else "compare") if a.out and a.compare else (Path(a.out) if a.out else None)
+        result = evaluation.evaluate(target, cfg, a.data, out, a.dtype, a.force)
+        columns.append((target.label, result["scores"]))
+    print(format_table(columns))
+    return 0
+
+
+def cmd_plan(a) -> int:
+    from tunekit.plan import estimate as plan
+    from tunekit.config import recipe as recipe_mod
+    from tunekit.core.hardware import resolve_precision
+
+    from tunekit.models.info import config_file, fit_max_length
+
+    given = config_file(a.model_config) if a.model_config else None
+    recipe = fit_max_length(recipe_mod.load(a.recipe, a.overrides), shipped=True, given=given)
+    precision = recipe.training.precision  # planned as written: a GPU's precision need not exist here
+    if precision == "auto":
+        precision = resolve_precision("auto").name
+    settings = plan.settings_from(recipe, a.world_size, precision, peak_tflops=a.peak_tflops,
+                                  utilization=a.utilization)
+    cfg, model = plan.meta_model(recipe, given)
+    result = plan.make(recipe, settings, cfg, model)
+    budget = a.gpu_memory
+    fixes = plan.suggestions(recipe, result, budget, cfg, model) if budget and result.peak > budget else []
+    print(plan.to_json(result) if a.json else plan.report(recipe, result, budget, fixes))
+    return 0
+
+
+def cmd_runs(a) -> int:
+    from pathlib import Path
+
+    from tunekit.reporting import listing as runlist
+
+    rows = runlist.collect(Path(a.dir))
+    if not rows:
+        print(f"no runs under {a.dir} (a run is a directory holding run.json)")
+        return 0
+    print(runlist.table(runlist.sort(rows, a.sort) if a.sort else rows))
+    return 0
+
+
+def cmd_report(a) -> int:
+    from pathlib import Path
+
+    from tunekit.reporting import report
+
+    out = report.write([Path(d) for d in a.runs], Path(a.out) if a.out else None,
+                       Path(a.baseline) if a.baseline else None, a.force)
+    print(f"report written to {out}")
+    return 0
+
+
+def _validate_args(p: argparse.ArgumentParser) -> None:
+    _recipe_args(p)
+    p.add_argument("--world-size", type=positive_int, metavar="N",
+                   help="also print the DeepSpeed config resolved for N processes")
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _recipe_args(p)
+    p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in output_dir from its newest complete checkpoint")
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    _recipe_args(p)
+    p.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="number of devices (default 1)")
+    p.add_argument("--gpu-memory", type=size, metavar="SIZE",
+                   help="memory per device, e.g. 24GiB: prints a verdict and fixes")
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
+                   help="peak TFLOP/s per device (default: H100 bf16)")
+    p.add_argument("--utilization", type=fraction, default=0.4, help="fraction of peak reached (default 0.4)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--model-config", metavar="FILE",
+                   help="the model's config.json, for a model not downloaded here (without it: the model's own "
+                        "config, else tunekit's copy for well-known models: Llama 3.x, Qwen2.5, Qwen3, Mistral 7B, "
+                        "Gemma 2/3)")
+
+
+def _merge_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run directory written by `tunekit train`")
+    p.add_argument("--out", help="output directory (default: RUN_DIR/merged)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="saved dtype (default: the base model's)")
+    p.add_argument("--tolerance", type=positive_float, default=1e-3,
+                   help="largest max |logit difference| between adapter and merged model accepted (default 1e-3)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    """--format and each format's own options, from the registry (export_formats.FORMATS)."""
+    from tunekit.export.formats import FORMATS, all_options
+
+    p.add_argument("target", help="run directory (merged on the fly), merged directory, or base model")
+    p.add_argument("--format", choices=list(FORMATS), default="gguf",
+                   help="; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()) + " (default gguf)")
+    for option in all_options().values():
+        formats = [f.name for f in FORMATS.values() if option in f.options]
+        p.add_argument(option.flag, choices=list(option.choices), help=f"{'/'.join(formats)}: {option.help}")
+    p.add_argument("--out", help="file (gguf) or directory (safetensors) to write (default: NAME-QUANT.gguf or "
+                                 "NAME-safetensors in the run or merged directory, or the current directory for a "
+                                 "base model)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output")
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", help="run directory, merged directory, or base model (hub id, directory, GGUF)")
+    p.add_argument("--recipe", help="recipe whose data and prompt settings a base-model target uses")
+    p.add_argument("--data", help="eval file (default: the recipe's eval data)")
+    p.add_argument("--limit", type=positive_int, help="score only the first N examples")
+    p.add_argument("--batch-size", type=positive_int, help="prompts per generate() call")
+    p.add_argument("--max-new-tokens", type=positive_int, help="generation length cap")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="model dtype for eval (auto: bf16/fp16 on GPU, fp32 on CPU)")
+    p.add_argument("--compare", metavar="OTHER_TARGET", help="evaluate a second target and print both side by side")
+    p.add_argument("--out", help="output directory for metrics.json and predictions.jsonl")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
+
+
+def _runs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default runs/)")
+    p.add_argument("--sort", metavar="METRIC",
+                   help="best first by a metric: bleu, chrf, rougeL, exact_match, eval_loss, steps, wall_s, ...")
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument("--out", help="HTML file to write (default RUN/report.html; required for several runs)")
+    p.add_argument("--baseline", metavar="EVAL_DIR",
+                   help="a `tunekit eval` of the base model (its --out directory): adds a before/after table")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+
+
+# verb -> (help, its arguments, its function), in the order `tunekit --help` lists them
+VERBS = {
+    "validate": ("check a recipe and print it with every default filled", _validate_args, cmd_validate),
+    "train": ("train a recipe into its run directory", _train_args, cmd_train),
+    "plan": ("memory per device and time per step, before loading any weights", _plan_args, cmd_plan),
+    "merge": ("merge a run's adapter into its base and save deployable weights", _merge_args, cmd_merge),
+    "export": ("write a GGUF file (llama.cpp, Ollama, LM Studio) checked against its source, and an Ollama "
+               "Modelfile beside it; or a safetensors directory (--format safetensors)", _export_args, cmd_export),
+    "eval": ("generate on held-out data and score BLEU, chrF, ROUGE, exact match, loss", _eval_args, cmd_eval),
+    "runs": ("list the runs under a directory: status, steps, scores, wall time, output", _runs_args, cmd_runs),
+    "report": ("one self-contained HTML page: curves, scores, best step, predictions; several runs overlaid",
+               _report_args, cmd_report),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="tunekit", description="Fine-tune causal language models from one YAML recipe.")
+    parser.add_argument("--version", action="version", version=f"tunekit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for verb, (help_text, add_arguments, func) in VERBS.items():
+        p = sub.add_parser(verb, help=help_text)
+        add_arguments(p)
+        p.set_defaults(func=func)
+        p.add_argument("--verbose", action="store_true",
+                       help="show every library's messages (a listed few that need no action are hidden otherwise: "
+                            "tunekit/quiet.py)")
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    from tunekit.core import quiet
+
+    quiet.install(verbose)
+    log = logging.getLogger("tunekit")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tunekit: %(message)s"))
+        log.addHandler(handler)
+        # one voice in multi-process runs: other ranks report only problems
+        log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+        log.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except TunekitError as e:
+        print(f"tunekit: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("tunekit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

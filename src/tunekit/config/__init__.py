@@ -1,0 +1,1 @@
+"""The recipe: typed schema, loading and overrides; DeepSpeed config resolution."""

@@ -1,0 +1,240 @@
+"""Training data prepared as Arrow tables and cached.
+
+Records are streamed into an Arrow file (raw JSON text and where each came from), rendered and
+tokenized by `datasets.map` in batches (in `num_proc` processes for large sets), and saved under
+TUNEKIT_CACHE/data/<fingerprint>, the fingerprint covering the data files' bytes, the tokenizer, the
+data settings, the seed and this code. A second run with the same inputs reads the memory-mapped
+tables. The first process to take the cache entry's lock prepares it; the other ranks of a
+multi-process run wait for it and read it. Memory stays flat as the data set grows: rows pass
+through in batches and the tables are memory-mapped.
+
+Why not `datasets.load_dataset("json")` + `map` alone: Arrow's JSON reader names neither the line nor
+the field of a bad row and infers one schema for all rows (mixed chat layouts fail), and `datasets`'
+own cache is keyed on the file path and function hash, not the tokenizer's or the file's content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tunekit.data import records as data_mod
+from tunekit.data.records import DataBundle, DataStats, Renderer, split_indices
+from tunekit.core.errors import TunekitError
+from tunekit.data.formats import Record
+from tunekit.core.outputs import cache_root
+from tunekit.config.recipe import DataConfig
+
+log = logging.getLogger("tunekit")
+
+DONE = "prepared.json"
+TRAIN_SET, EVAL_SET, EVAL_RECORDS = "train-set", "eval-set", "eval-records.jsonl"
+BATCH = 1000  # rows per map batch and per Arrow record batch
+PARALLEL_FROM = 20_000  # rows; below this, worker start-up costs more than it saves
+_CODE = [Path(__file__), Path(data_mod.__file__), Path(data_mod.__file__).with_name("formats.py")]
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(cfg: DataConfig, tokenizer, seed: int) -> str | None:
+    """Cache key, or None when a source is not a local file (a hub data set can change under its name)."""
+    from datasets.fingerprint import Hasher
+
+    h = hashlib.sha256(f"{cfg.model_dump_json()}|{seed}".encode())
+    for spec in (cfg.train, cfg.eval):
+        if spec is not None:
+            if not Path(spec).is_file():
+                return None
+            h.update(_file_digest(Path(spec)).encode())
+    h.update(Hasher.hash(tokenizer).encode())
+    for path in _CODE:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:20]
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Blocking exclusive lock: the first process prepares, the others wait for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_raw(records, path: Path) -> int:
+    """Stream records into an Arrow file of (raw JSON, where) rows; returns the row count."""
+    import pyarrow as pa
+
+    schema = pa.schema([("raw", pa.string()), ("where", pa.string())])
+    n, raw, where = 0, [], []
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for record in records:
+            raw.append(json.dumps(record.values, ensure_ascii=False, default=str))
+            where.append(record.where)
+            if len(raw) == BATCH:
+                writer.write_batch(pa.record_batch([raw, where], schema=schema))
+                n, raw, where = n + len(raw), [], []
+        if raw:
+            writer.write_batch(pa.record_batch([raw, where], schema=schema))
+            n += len(raw)
+    return n
+
+
+def _encode(batch, renderer: Renderer, cfg: DataConfig):
+    renders = [renderer.render(Record(json.loads(raw), where)) for raw, where in zip(batch["raw"], batch["where"])]
+    examples = data_mod.tokenize_batch(renders, renderer.tok, cfg.max_length, cfg.mask_prompt)
+    return {
+        "input_ids": [ex.input_ids for ex, _ in examples],
+        "labels": [ex.labels for ex, _ in examples],
+        "truncated": [t for _, t in examples],
+        "trained": [data_mod.trained_count(ex.labels) for ex, _ in examples],
+    }
+
+
+def _save(ds, path: Path) -> None:
+    """save_to_disk without its progress bar: writing a prepared set takes a fraction of the
+    tokenizing time, whose bar is shown."""
+    import datasets
+
+    was_on = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(path))
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
+def _tokenized(raw, renderer: Renderer, cfg: DataConfig, work: Path, name: str, num_proc: int | None):
+    """(dataset of input_ids/labels, stats) for the raw rows; rows without a trained token dropped."""
+    import datasets
+    import pyarrow.compute as pc
+
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "labels": datasets.Sequence(datasets.Value("int32")),
+                                  "truncated": datasets.Value("bool"), "trained": datasets.Value("int32")})
+    procs = num_proc if num_proc is not None else (min(os.cpu_count() or 1, 8) if len(raw) >= PARALLEL_FROM else None)
+    ds = raw.map(_encode, batched=True, batch_size=BATCH, num_proc=procs, remove_columns=raw.column_names,
+                 features=features, fn_kwargs={"renderer": renderer, "cfg": cfg},
+                 cache_file_name=str(work / f"{name}-tokenized.arrow"), new_fingerprint=f"{name}-tokenized",
+                 desc=f"tokenizing {name}")
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    trained = table.column("trained")
+    keep = pc.greater(trained, 0)
+    lengths = pc.list_value_length(table.column("input_ids"))
+    stats = DataStats(examples=int(pc.sum(keep).as_py() or 0), truncated=int(pc.sum(table.column("truncated")).as_py() or 0),
+                      tokens=int(pc.sum(pc.filter(lengths, keep)).as_py() or 0),
+                      trained_tokens=int(pc.sum(trained).as_py() or 0))
+    stats.dropped_no_target = len(ds) - stats.examples
+    if stats.dropped_no_target:
+        ds = ds.filter(lambda t: [x > 0 for x in t], input_columns=["trained"], batched=True, batch_size=BATCH,
+                       cache_file_name=str(work / f"{name}-kept.arrow"), new_fingerprint=f"{name}-kept")
+    return ds.remove_columns(["truncated", "trained"]), stats
+
+
+def _prepare(cfg: DataConfig, renderer: Renderer, seed: int, out: Path, num_proc: int | None) -> None:
+    """Build the prepared data set into `out`: the train and eval sets (Arrow), the eval records, prepared.json."""
+    import datasets
+
+    work = out / "work"
+    work.mkdir(parents=True)
+    n = _write_raw(data_mod.iter_records(cfg.train, cfg.train_split, "data.train"), work / "raw.arrow")
+    if n == 0:
+        raise TunekitError(f"data.train: {cfg.train} holds no examples")
+    raw = datasets.Dataset.from_file(str(work / "raw.arrow"))
+    if cfg.max_examples:
+        raw = raw.select(range(min(cfg.max_examples, len(raw))))
+    eval_rows: list[dict] = []
+    if cfg.eval:
+        eval_recs = data_mod.read_records(cfg.eval, cfg.eval_split, "data.eval")
+        if not eval_recs:
+            raise TunekitError(f"data.eval: {cfg.eval} holds no examples")
+        eval_rows = [{"raw": json.dumps(r.values, ensure_ascii=False, default=str), "where": r.where} for r in eval_recs]
+    elif cfg.eval_fraction > 0:
+        train_idx, eval_idx = split_indices(len(raw), cfg.eval_fraction, seed)
+        eval_rows = raw.select(eval_idx).to_list()
+        raw = raw.select(train_idx)
+
+    train, train_stats = _tokenized(raw, renderer, cfg, work, "train", num_proc)
+    if not train_stats.examples:
+        raise TunekitError(
+            f"data.train: no example has a trained token left after truncation to {cfg.max_length} tokens; "
+            "raise data.max_length"
+        )
+    _save(train, out / TRAIN_SET)
+    summary = {"train": vars(train_stats), "eval": None}
+    if eval_rows:
+        evaluation, eval_stats = _tokenized(datasets.Dataset.from_list(eval_rows), renderer, cfg, work, "eval", None)
+        if eval_stats.examples:
+            _save(evaluation, out / EVAL_SET)
+        summary["eval"] = vars(eval_stats)
+        with (out / EVAL_RECORDS).open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in eval_rows)
+    del raw, train
+    shutil.rmtree(work)
+    (out / DONE).write_text(json.dumps(summary), encoding="utf-8")
+
+
+def _load(directory: Path, cfg: DataConfig, renderer: Renderer) -> DataBundle:
+    import datasets
+
+    summary = json.loads((directory / DONE).read_text(encoding="utf-8"))
+    train = datasets.load_from_disk(str(directory / TRAIN_SET))
+    evaluation = datasets.load_from_disk(str(directory / EVAL_SET)) if (directory / EVAL_SET).is_dir() else None
+    eval_rendered = []
+    if (directory / EVAL_RECORDS).is_file():
+        rows = [json.loads(line) for line in (directory / EVAL_RECORDS).read_text(encoding="utf-8").splitlines()]
+        eval_rendered = [renderer.render(Record(json.loads(r["raw"]), r["where"])) for r in rows]
+    eval_stats = DataStats(**summary["eval"]) if summary["eval"] else None
+    train_stats = DataStats(**summary["train"])
+    log.info(train_stats.line("train", cfg.max_length))
+    if eval_stats:
+        log.info(eval_stats.line("eval", cfg.max_length))
+    return DataBundle(train, evaluation, train_stats, eval_stats, eval_rendered, renderer.template)
+
+
+_TEMPORARY: list[tempfile.TemporaryDirectory] = []  # uncached builds live as long as the process
+
+
+def build(cfg: DataConfig, tokenizer, seed: int, num_proc: int | None = None) -> DataBundle:
+    """The prepared train/eval data sets for `cfg`, from the cache when it holds them."""
+    renderer = Renderer(cfg, tokenizer)  # template errors first, before any data is read
+    key = fingerprint(cfg, tokenizer, seed)
+    if key is None:
+        holder = tempfile.TemporaryDirectory(prefix="tunekit-data-")
+        _TEMPORARY.append(holder)
+        _prepare(cfg, renderer, seed, Path(holder.name) / "set", num_proc)
+        return _load(Path(holder.name) / "set", cfg, renderer)
+    root = cache_root() / "data"
+    directory = root / key
+    with _locked(root / f".{key}.lock"):
+        if (directory / DONE).is_file():
+            log.info("data: prepared set read from the cache (%s)", directory)
+        else:
+            partial = root / f".{key}.partial"
+            shutil.rmtree(partial, ignore_errors=True)  # left by a killed run
+            try:
+                _prepare(cfg, renderer, seed, partial, num_proc)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+            shutil.rmtree(directory, ignore_errors=True)
+            partial.rename(directory)
+            log.info("data: prepared and cached in %s", directory)
+    return _load(directory, cfg, renderer)

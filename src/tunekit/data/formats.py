@@ -1,0 +1,158 @@
+"""Data formats, as a registry: each reads one record into a format-neutral `Parsed` (a conversation,
+or raw text). Adding a format is one registered function here; the recipe's `data.format` choices
+follow from FORMATS, and data.Renderer turns any Parsed into text and trained spans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tunekit.core.errors import TunekitError
+
+ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+
+
+@dataclass(frozen=True)
+class Record:
+    values: dict
+    where: str  # "file line N" for error messages
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One record: either a conversation (`messages`, ending in what is trained) or raw `text`
+    trained on whole. `alpaca_prompt` is the prompt under the Alpaca template, for formats that have one.
+    A preference pair is the conversation ending in the chosen answer, plus the `rejected` answer."""
+
+    messages: list[dict] | None = None
+    text: str | None = None
+    alpaca_prompt: str | None = None
+    rejected: str | None = None  # preference pairs: the dispreferred answer (messages end with the chosen one)
+    desirable: bool | None = None  # unpaired preference (KTO): whether the answer the messages end in is wanted
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    parse: Callable[[Record, Any], Parsed]  # (record, data.fields) -> Parsed
+    needs_chat: bool  # whole conversations: only a chat template renders them
+    alpaca: bool  # the Alpaca prompt template applies
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def register(name: str, needs_chat: bool = False, alpaca: bool = False):
+    def add(fn):
+        FORMATS[name] = Format(name, fn, needs_chat, alpaca)
+        return fn
+    return add
+
+
+def field(record: Record, name: str, key: str, required: bool = True) -> Any:
+    if name not in record.values or record.values[name] is None:
+        if not required:
+            return ""
+        present = ", ".join(record.values) or "none"
+        raise TunekitError(
+            f"{record.where}: missing field {name!r} (fields present: {present}); "
+            f"map it with data.fields.{key} or fix the data"
+        )
+    return record.values[name]
+
+
+def text(record: Record, name: str, key: str, required: bool = True) -> str:
+    value = field(record, name, key, required)
+    if not isinstance(value, str):
+        raise TunekitError(f"{record.where}: field {name!r} must be text, got {type(value).__name__}")
+    return value
+
+
+def _turn(user: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+@register("alpaca", alpaca=True)
+def alpaca(record: Record, f) -> Parsed:
+    instruction = text(record, f.instruction, "instruction")
+    extra = text(record, f.input, "input", required=False)
+    answer = text(record, f.output, "output")
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    prompt = (ALPACA_PROMPT_INPUT if extra.strip() else ALPACA_PROMPT).format(instruction=instruction, input=extra)
+    return Parsed(messages=_turn(user, answer), alpaca_prompt=prompt)
+
+
+@register("prompt_completion")
+def prompt_completion(record: Record, f) -> Parsed:
+    return Parsed(messages=_turn(text(record, f.prompt, "prompt"), text(record, f.completion, "completion")))
+
+
+@register("chat", needs_chat=True)
+def chat(record: Record, f) -> Parsed:
+    messages = _messages(record, f)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
+    return Parsed(messages=messages)
+
+
+def _messages(record: Record, f) -> list[dict]:
+    raw = field(record, f.messages, "messages")
+    if not isinstance(raw, list) or not raw:
+        raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get(f.role), str) or not isinstance(m.get(f.content), str):
+            raise TunekitError(f"{record.where}: message {i} must be an object with text fields {f.role!r} and {f.content!r}")
+        if m[f.role] not in ROLES:
+            raise TunekitError(f"{record.where}: message {i} has role {m[f.role]!r}; use one of "
+                               f"{', '.join(ROLES)} (or map the column names with data.fields.role)")
+        messages.append({"role": m[f.role], "content": m[f.content]})
+    return messages
+
+
+@register("text")
+def raw_text(record: Record, f) -> Parsed:
+    return Parsed(text=text(record, f.text, "text"))
+
+
+@register("preference")
+def preference(record: Record, f) -> Parsed:
+    """A prompt (text, or chat messages ending before the answer), a chosen and a rejected answer. Read
+    as a conversation ending in the chosen answer, so SFT on it trains on the chosen answers and
+    evaluation scores against them."""
+    prompt = _prompt(record, f, "chosen and rejected")
+    chosen, rejected = text(record, f.chosen, "chosen"), text(record, f.rejected, "rejected")
+    return Parsed(messages=prompt + [{"role": "assistant", "content": chosen}], rejected=rejected)
+
+
+@register("unpaired_preference")
+def unpaired_preference(record: Record, f) -> Parsed:
+    """A prompt (text, or chat messages ending before the answer), one completion and a label saying whether
+    it is desirable (true/false or 1/0), as KTO trains on. Evaluation scores against the desirable ones."""
+    prompt = _prompt(record, f, "completion")
+    label = field(record, f.label, "label")
+    if label not in (True, False) or isinstance(label, float):
+        raise TunekitError(f"{record.where}: field {f.label!r} must be true or false (or 1 or 0), got {label!r}")
+    completion = text(record, f.completion, "completion")
+    return Parsed(messages=prompt + [{"role": "assistant", "content": completion}], desirable=bool(label))
+
+
+def _prompt(record: Record, f, answers: str) -> list[dict]:
+    """The prompt of a preference record: chat messages ending before the answer, else a prompt text."""
+    if f.messages in record.values and record.values[f.messages] is not None:
+        prompt = _messages(record, f)
+        if prompt[-1]["role"] == "assistant":
+            raise TunekitError(f"{record.where}: field {f.messages!r} must end before the answer (the last message "
+                               f"is the assistant's); the answers go in {answers}")
+        return prompt
+    return [{"role": "user", "content": text(record, f.prompt, "prompt")}]

@@ -1,0 +1,339 @@
+"""Data side: read records, render prompts, tokenize with exact label masking, split, collate."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from tunekit.models import hub
+from tunekit.core.errors import TunekitError, first_line
+from tunekit.data.formats import FORMATS, Record
+from tunekit.config.recipe import DataConfig
+
+log = logging.getLogger("tunekit")
+
+IGNORE = -100
+@dataclass
+class Rendered:
+    text: str
+    spans: list[tuple[int, int]]  # character spans whose tokens are trained
+    add_special_tokens: bool  # False when a chat template already wrote BOS etc.
+    prompt: str | None = None  # what generation starts from (everything before the last answer)
+    reference: str | None = None  # the last answer
+    desirable: bool | None = None  # unpaired preference data: whether that answer is wanted
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass
+class DataStats:
+    examples: int = 0
+    truncated: int = 0
+    dropped_no_target: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+
+    def line(self, name: str, max_length: int) -> str:
+        return (
+            f"{name}: {self.examples} examples, {self.tokens} tokens ({self.trained_tokens} trained); "
+            f"{self.truncated} truncated to {max_length} tokens; {self.dropped_no_target} dropped with no trained token"
+        )
+
+
+@dataclass
+class DataBundle:
+    train: Any  # datasets.Dataset
+    eval: Any | None
+    train_stats: DataStats
+    eval_stats: DataStats | None
+    eval_rendered: list[Rendered] = field(default_factory=list)
+    template: str = "raw"
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _bad_utf8(path: Path, key: str, offset: int, byte: int) -> TunekitError:
+    line = path.read_bytes()[:offset].count(b"\n") + 1
+    return TunekitError(f"{key}: {path} line {line}: not UTF-8 text (byte 0x{byte:02x}); re-save the file as UTF-8")
+
+
+def _record(value: Any, key: str, where: str) -> Record:
+    if not isinstance(value, dict):
+        raise TunekitError(f"{key}: {where}: expected a JSON object, got {type(value).__name__}")
+    return Record(value, where)
+
+
+def trained_count(labels: list[int]) -> int:
+    """Trained positions of an example; labels are shifted inside the model, so position 0 is never a target."""
+    return sum(1 for label in labels[1:] if label != IGNORE)
+
+
+def _iter_json_file(path: Path, key: str) -> Iterator[Record]:
+    # Parsed here rather than by `datasets`: its Arrow errors name neither the line nor the field.
+    # JSON lines are streamed (memory does not grow with the file); a JSON list is read whole.
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip()
+    if path.suffix == ".jsonl" or (path.suffix == ".json" and not head.startswith(b"[")):
+        offset = 0
+        with path.open("rb") as f:
+            for n, line in enumerate(f, start=1):
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _bad_utf8(path, key, offset + e.start, e.object[e.start]) from None
+                offset += len(line)
+                if not text.strip():
+                    continue
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise TunekitError(f"{key}: {path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
+                yield _record(value, key, f"{path} line {n}")
+        return
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad_utf8(path, key, e.start, e.object[e.start]) from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TunekitError(f"{key}: {path} line {e.lineno}: malformed JSON ({e.msg})") from None
+    if not isinstance(value, list):
+        raise TunekitError(f"{key}: {path}: expected a JSON list of objects or JSON lines")
+    for i, item in enumerate(value):
+        yield _record(item, key, f"{path} item {i}")
+
+
+def _csv_as_text(path: Path) -> dict:
+    import csv
+
+    import datasets
+
+    with path.open(newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return {"features": datasets.Features({c: datasets.Value("string") for c in header}), "keep_default_na": False}
+
+
+def read_records(spec: str, split: str, key: str) -> list[Record]:
+    return list(iter_records(spec, split, key))
+
+
+def iter_records(spec: str, split: str, key: str) -> Iterator[Record]:
+    """The records of a data file or hub data set, in order, each with where it came from."""
+    path = Path(spec)
+    if path.is_file() and path.suffix in (".jsonl", ".json"):
+        yield from _iter_json_file(path, key)
+        return
+    import datasets
+
+    try:
+        if path.is_file() and path.suffix in (".csv", ".parquet"):
+            # CSV cells are text: keep "4" as "4" instead of letting pandas infer numbers
+            extra = _csv_as_text(path) if path.suffix == ".csv" else {}
+            ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", **extra)
+            label = f"{path} row"
+        elif path.exists():
+            raise TunekitError(f"{key}: {spec!r} is not a .jsonl, .json, .csv or .parquet file")
+        else:
+            hub.probe_dataset(spec)
+            ds = datasets.load_dataset(spec, split=split)
+            label = f"{spec}[{split}] row"
+    except TunekitError:
+        raise
+    except Exception as e:  # datasets raises many types for unreachable hub names and bad files
+        first = first_line(e)
+        if hub.offline() and not path.exists():
+            raise TunekitError(f"{key}: data set {spec!r} is not in the local datasets cache and the Hub cannot be "
+                               f"used here ({first[:120]}); load it once where the Hub is reachable and copy the "
+                               f"cache (HF_HOME), or set {key} to a local .jsonl/.json/.csv/.parquet file") from None
+        raise TunekitError(f"{key}: cannot load {spec!r} ({first[:200]})") from None
+    for i, row in enumerate(ds):
+        yield Record(row, f"{label} {i + 1}")
+
+
+# ---------------------------------------------------------------- rendering
+
+
+class Renderer:
+    """Turns one record into text plus the character spans that are trained."""
+
+    def __init__(self, cfg: DataConfig, tokenizer):
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.format = FORMATS[cfg.format]
+        has_chat = bool(getattr(tokenizer, "chat_template", None))
+        template = cfg.template
+        if template == "auto":
+            template = "chat" if has_chat or self.format.needs_chat else ("alpaca" if self.format.alpaca else "raw")
+        if template == "chat" and not has_chat:
+            raise TunekitError("data.template: the tokenizer has no chat template; use template: alpaca or raw")
+        if template == "alpaca" and not self.format.alpaca:
+            raise TunekitError(f"data.template=alpaca only renders format alpaca, not {cfg.format}; use chat or raw")
+        self.template = template
+
+    def _chat(self, messages: list[dict], where: str) -> Rendered:
+        if self.cfg.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
+        apply = self.tok.apply_chat_template
+        full = apply(messages, tokenize=False)
+        spans, before = [], ""
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = apply(messages[:i], tokenize=False, add_generation_prompt=True)
+            through = apply(messages[: i + 1], tokenize=False)
+            if not (full.startswith(through) and through.startswith(before)):
+                raise TunekitError(
+                    f"{where}: the tokenizer's chat template rewrites earlier turns, so assistant tokens cannot be "
+                    "located; set data.template: raw or use a tokenizer with a prefix-stable template"
+                )
+            spans.append((len(before), len(through)))
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        return Rendered(full, spans, False, prompt=before, reference=messages[last]["content"])
+
+    def render(self, record: Record) -> Rendered:
+        parsed = self.format.parse(record, self.cfg.fields)
+        rendered = self._render(parsed, record.where)
+        rendered.desirable = parsed.desirable
+        return rendered
+
+    def _render(self, parsed, where: str) -> Rendered:
+        eos = self.tok.eos_token or ""
+        if parsed.text is not None:
+            return Rendered(parsed.text + eos, [(0, len(parsed.text) + len(eos))], True)
+        if self.template == "chat":
+            return self._chat(parsed.messages, where)
+        # one turn without a chat template: the Alpaca prompt or the bare prompt, then the answer
+        user, answer = parsed.messages[0]["content"], parsed.messages[-1]["content"]
+        plain = parsed.alpaca_prompt if self.template == "alpaca" else user
+        completion = answer + eos
+        return Rendered(plain + completion, [(len(plain), len(plain) + len(completion))], True, prompt=plain,
+                        reference=answer)
+
+
+# ---------------------------------------------------------------- tokenizing
+
+
+def tokenize(rendered: Rendered, tokenizer, max_length: int, mask_prompt: bool) -> tuple[Example, bool]:
+    """Token ids and labels; a token is trained when its first character lies in a trained span.
+    Returns the example and whether it was truncated."""
+    enc = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens, return_offsets_mapping=True)
+    return _labelled(enc["input_ids"], enc["offset_mapping"], rendered.spans, max_length, mask_prompt)
+
+
+def _labelled(ids: list[int], offsets, spans, max_length: int, mask_prompt: bool) -> tuple[Example, bool]:
+    if mask_prompt:
+        labels = [IGNORE] * len(ids)
+        for j, (start, end) in enumerate(offsets):
+            if end > start and any(s <= start < e for s, e in spans):
+                labels[j] = ids[j]
+    else:
+        labels = list(ids)
+    truncated = len(ids) > max_length
+    return Example(ids[:max_length], labels[:max_length]), truncated
+
+
+def tokenize_batch(renders: list[Rendered], tokenizer, max_length: int, mask_prompt: bool) -> list[tuple[Example, bool]]:
+    """`tokenize` for many: one tokenizer call per special-token setting (fast tokenizers batch in Rust)."""
+    out: list[tuple[Example, bool] | None] = [None] * len(renders)
+    for flag in {r.add_special_tokens for r in renders}:
+        idx = [i for i, r in enumerate(renders) if r.add_special_tokens == flag]
+        enc = tokenizer([renders[i].text for i in idx], add_special_tokens=flag, return_offsets_mapping=True)
+        for k, i in enumerate(idx):
+            out[i] = _labelled(enc["input_ids"][k], enc["offset_mapping"][k], renders[i].spans, max_length, mask_prompt)
+    return out  # type: ignore[return-value]
+
+
+def build_examples(renders: list[Rendered], tokenizer, cfg: DataConfig) -> tuple[list[Example], DataStats]:
+    stats = DataStats()
+    out = []
+    for ex, truncated in tokenize_batch(renders, tokenizer, cfg.max_length, cfg.mask_prompt):
+        stats.truncated += truncated
+        trained = trained_count(ex.labels)
+        if trained == 0:
+            stats.dropped_no_target += 1
+            continue
+        stats.examples += 1
+        stats.tokens += len(ex.input_ids)
+        stats.trained_tokens += trained
+        out.append(ex)
+    return out, stats
+
+
+def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) positions, each in file order: a seeded `fraction` of n held out."""
+    n_eval = round(n * fraction)
+    if n_eval < 1 or n_eval >= n:
+        raise TunekitError(
+            f"data.eval_fraction={fraction} of {n} examples leaves {n_eval} for eval and "
+            f"{n - n_eval} for training; each needs at least one"
+        )
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_eval])
+    return [i for i in range(n) if i not in held], sorted(held)
+
+
+def split_records(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
+    train, held = split_indices(len(records), fraction, seed)
+    return [records[i] for i in train], [records[i] for i in held]
+
+
+def eval_records(cfg: DataConfig, seed: int) -> list[Record]:
+    """The held-out records exactly as training splits them."""
+    if cfg.eval:
+        return read_records(cfg.eval, cfg.eval_split, "data.eval")
+    if cfg.eval_fraction > 0:
+        records = read_records(cfg.train, cfg.train_split, "data.train")
+        return split_records(records, cfg.eval_fraction, seed)[1]
+    return []
+
+
+class CountingCollator:
+    """Wraps a collator and counts real (non-padding) and computed tokens, for throughput and padding
+    numbers. Counts every batch it builds, eval batches during training included."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.real = 0
+        self.computed = 0
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        real, computed = self.count(batch, features)
+        self.real += real
+        self.computed += computed
+        return batch
+
+    @staticmethod
+    def count(batch, features) -> tuple[int, int]:
+        """(real, computed) tokens of one batch."""
+        mask = batch.get("attention_mask")  # absent in packed batches, which hold no padding
+        real = int(mask.sum()) if mask is not None else sum(len(f["input_ids"]) for f in features)
+        return real, batch["input_ids"].numel()
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1 - self.real / self.computed if self.computed else 0.0
+
+
+def collator(tokenizer, packing: bool = False, boundaries: bool = False):
+    """Padded batches: input_ids padded with the pad token, labels with -100 (DataCollatorForSeq2Seq).
+    Packed: DataCollatorWithFlattening concatenates the micro-batch into one row, restarts position
+    ids per example and sets each example's first label to -100; attention builds a block-diagonal
+    causal mask from the position ids or, with `boundaries`, reads the sequence boundaries
+    (flash-attention), so no example sees another."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    if packing:
+        return DataCollatorWithFlattening(separator_id=IGNORE, return_flash_attn_kwargs=boundaries)
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)

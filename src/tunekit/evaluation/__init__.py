@@ -1,0 +1,1 @@
+"""Generation on held-out data and the metrics registry."""

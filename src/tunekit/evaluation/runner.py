@@ -1,0 +1,220 @@
+"""Evaluate a target (run directory, merged directory or base model): batched greedy generation
+on held-out prompts built exactly as in training, then BLEU/chrF/ROUGE/exact match and loss."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tunekit.data import records as data_mod
+from tunekit.core import distributed
+from tunekit.training import methods
+from tunekit.evaluation import metrics
+from tunekit.models import loading as models
+from tunekit.core import outputs
+from tunekit.core.errors import TunekitError
+from tunekit.core.hardware import DTYPES
+from tunekit.config.recipe import EvalConfig, Recipe
+from tunekit.runs.layout import EVAL_DIR, RunRecord, Target, resolve_target
+from tunekit.evaluation.table import format_table, table_rows  # noqa: F401  (evaluation.table_rows: tests, demo)
+from tunekit.runs.trained import load_trained
+
+log = logging.getLogger("tunekit")
+
+def eval_dtype(requested: str) -> torch.dtype:
+    if requested != "auto":
+        return DTYPES[requested]
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32  # on CPU, bf16 generation changes greedy outputs with batch composition
+
+
+def records_for(target: Target, data: str | None) -> list[data_mod.Record]:
+    records = held_out_records(target.recipe, data)
+    if not records:
+        raise TunekitError(f"{target.spec}: no eval data; pass --data FILE or set data.eval / data.eval_fraction")
+    return records
+
+
+def held_out_records(recipe: Recipe, data: str | None = None) -> list[data_mod.Record]:
+    """--data, else the recipe's eval.data, else its eval split exactly as training makes it."""
+    source = data or (recipe.eval.data if recipe.eval else None)
+    if source:
+        return data_mod.read_records(source, recipe.data.eval_split, "--data" if data else "eval.data")
+    return data_mod.eval_records(recipe.data, recipe.training.seed)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, batch_size: int,
+             max_new_tokens: int) -> list[str]:
+    """Greedy generation in batches of similar length, left-padded; outputs in input order. In a
+    process group each process generates every world_size-th batch and all receive every output; the
+    batches are those of one process, so the text is the same for any number of processes. A process
+    out of batches repeats one (its output unused) while others still generate: under ZeRO-3 every
+    forward needs all processes."""
+    rank, world = distributed.rank_and_world()
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    lengths = [len(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: lengths[i])
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    mine = batches[rank::world]
+    found: dict[int, str] = {}
+    device = next(model.parameters()).device
+    model.eval()
+    try:
+        for k in range(-(-len(batches) // world)):
+            idx = mine[k] if k < len(mine) else batches[0]
+            batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
+                              add_special_tokens=add_special_tokens).to(device)
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            if k < len(mine):
+                new = out[:, batch["input_ids"].shape[1]:]
+                found.update({i: tokenizer.decode(ids, skip_special_tokens=True).strip() for i, ids in zip(idx, new)})
+            log.info("eval: generated %d/%d", min((k + 1) * batch_size * world, len(order)), len(order))
+    finally:
+        tokenizer.padding_side = side
+    for part in distributed.gather_objects(found) if world > 1 else []:
+        found.update(part)
+    return [found[i] for i in range(len(prompts))]
+
+
+@torch.no_grad()
+def token_loss(model, tokenizer, examples: list[data_mod.Example], batch_size: int) -> float:
+    """Mean cross-entropy per trained token (the training objective on held-out data)."""
+    tokenizer.padding_side = "right"
+    collate = data_mod.collator(tokenizer)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        batch = collate([{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels}
+                         for e in chunk]).to(device)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        labels = batch["labels"][:, 1:]
+        losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels,
+                                                   ignore_index=data_mod.IGNORE, reduction="sum")
+        total += losses.item()
+        count += int((labels != data_mod.IGNORE).sum())
+    return total / max(count, 1)
+
+
+def rendered_examples(recipe: Recipe, tokenizer, records: list[data_mod.Record], cfg: EvalConfig) -> list:
+    renderer = data_mod.Renderer(recipe.data, tokenizer)
+    # unpaired preference data: only the completions labelled desirable are references
+    rendered = [x for x in map(renderer.render, records) if x.desirable is not False]
+    if cfg.limit:
+        rendered = rendered[: cfg.limit]
+    if any(r.prompt is None for r in rendered):
+        raise TunekitError("eval: format 'text' has no prompt/answer split to generate from; only loss applies")
+    return rendered
+
+
+def generation_scores(model, tokenizer, rendered: list, cfg: EvalConfig) -> tuple[dict, list[str]]:
+    """Greedy generations on the rendered examples and their scores (every process gets all of them)."""
+    predictions = generate(model, tokenizer, [r.prompt for r in rendered], rendered[0].add_special_tokens,
+                           cfg.batch_size, cfg.max_new_tokens)
+    references = [r.reference for r in rendered]
+    scores = metrics.score(predictions, references, cfg.metrics)
+    scores.update(metrics.extra(predictions, references, cfg.extra_metrics))
+    return scores, predictions
+
+
+def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Record], cfg: EvalConfig) -> tuple[dict, list[dict]]:
+    rendered = rendered_examples(recipe, tokenizer, records, cfg)
+    started = time.perf_counter()
+    scores, predictions = generation_scores(model, tokenizer, rendered, cfg)
+    gen_seconds = time.perf_counter() - started
+    if "loss" in cfg.metrics:
+        examples, _ = data_mod.build_examples(rendered, tokenizer, recipe.data)
+        if examples:
+            loss = token_loss(model, tokenizer, examples, cfg.batch_size)
+            scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
+    # the training method's measures (preference accuracy and rewards on pairs, ...)
+    scores.update(methods.of(recipe).measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
+    scores["examples"] = len(rendered)
+    scores["generation_seconds"] = round(gen_seconds, 2)
+    rows = [{"prompt": r.prompt, "reference": r.reference, "prediction": p} for r, p in zip(rendered, predictions)]
+    return scores, rows
+
+
+class DuringTraining:
+    """Generation metrics at every Trainer evaluation (`training.eval_steps`, epochs, the last step), on
+    the first `eval.limit` held-out examples, batched and split over the processes as `generate` does;
+    the Trainer logs them beside eval_loss (SafeStateTrainer.evaluation_loop)."""
+
+    def __init__(self, recipe: Recipe, tokenizer, records: list[data_mod.Record]):
+        self.tokenizer = tokenizer
+        self.cfg = recipe.eval
+        self.rendered = rendered_examples(recipe, tokenizer, records, recipe.eval)
+
+    def __call__(self, model) -> dict:
+        training = model.training
+        scores, _ = generation_scores(model, self.tokenizer, self.rendered, self.cfg)
+        model.train(training)
+        return {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+
+
+def default_out(target: Target) -> Path:
+    if target.location is not None:
+        return target.location / EVAL_DIR
+    return Path("runs") / f"eval-{Path(target.spec).stem.replace('/', '_')}"
+
+
+def evaluate(target: Target, cfg: EvalConfig, data: str | None = None, out: Path | None = None,
+             dtype: str = "auto", force: bool = False) -> dict:
+    out = out or default_out(target)
+    with outputs.exclusive(out, "eval output"):
+        outputs.check_free(out, force, "eval output")
+        return _evaluate(target, cfg, data, out, dtype)
+
+
+def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtype: str) -> dict:
+    records = records_for(target, data)
+    torch_dtype = eval_dtype(dtype)
+    tokenizer = models.load_tokenizer(target.recipe.model, target.tokenizer_dir)
+    model = load_trained(target, torch_dtype)
+    log.info("eval %s: %d examples, batch %d, greedy, max %d new tokens, %s", target.label,
+             min(len(records), cfg.limit or len(records)), cfg.batch_size, cfg.max_new_tokens, torch_dtype)
+    scores, rows = evaluate_model(model, tokenizer, target.recipe, records, cfg)
+    result = {
+        "target": target.spec,
+        "kind": target.kind,
+        "scores": scores,
+        "settings": {
+            "data": data or "recipe eval split",
+            "greedy": True,
+            "batch_size": cfg.batch_size,
+            "max_new_tokens": cfg.max_new_tokens,
+            "dtype": str(torch_dtype).removeprefix("torch."),
+            "bleu_signature": scores.get("bleu_signature"),
+            "chrf_signature": scores.get("chrf_signature"),
+            "metrics": {name: metrics.METRICS[name].settings for name in cfg.metrics},
+        },
+    }
+    with outputs.atomic_dir(out) as tmp:
+        outputs.write_json(tmp / "metrics.json", result)
+        (tmp / "predictions.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    log.info("eval written to %s", out)
+    return result
+
+
+def end_of_training(recipe: Recipe, run_dir: Path) -> dict:
+    """Score a finished run as `tunekit eval RUN_DIR` would, with the recipe's eval settings. eval/
+    appears only once complete, and run.json says it is pending until then, so that `--resume` can
+    finish it."""
+    record = RunRecord.load(run_dir)
+    record.update(run_dir, eval="pending")
+    target = resolve_target(str(run_dir))
+    result = evaluate(target, recipe.eval, out=run_dir / EVAL_DIR, force=True)
+    record.update(run_dir, eval="completed")
+    print(format_table([(target.label, result["scores"])]))
+    return result
+

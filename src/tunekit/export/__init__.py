@@ -1,0 +1,1 @@
+"""Merged weights and export formats."""

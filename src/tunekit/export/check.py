@@ -1,0 +1,63 @@
+"""The read-back check of a written GGUF file: transformers loads it (`gguf_file=`), its logits are compared
+with the source model's on a few real prompts (the run's own data where there is a run) and its
+tokenizer's ids with the source tokenizer's on text with accents, CJK and emoji; the file passes only
+within the tolerance of its quantization type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunekit.export.gguf import CHECK_TEXT, Quant
+
+# Text the read-back tokenizer must split exactly as the source one does: accents, CJK, emoji.
+TOKENIZER_PROBES = ["Crème brûlée, naïve façade, Ångström, São Paulo.", "東京で寿司を食べました。北京欢迎你。",
+                    "Emoji: 🚀🦙😶\u200d🌫️ ✅ and 👩🏽\u200d💻.", CHECK_TEXT,
+                    "The lazy dog reverses words; instructions, responses and requests were translated."]
+
+
+@dataclass
+class Check:
+    parity: object  # merge.Parity: the file's logits against the source model's
+    token_mismatches: list[str]
+
+    def line(self) -> str:
+        return ("GGUF check: " + self.parity.line().removeprefix("parity: ") + "; tokenizer ids "
+                + ("identical" if not self.token_mismatches else f"differ on {len(self.token_mismatches)} texts"))
+
+    def passes(self, quant: Quant) -> bool:
+        p = self.parity
+        return (p.top1_agreement >= quant.min_top1 and not self.token_mismatches
+                and (quant.max_diff is None or p.max_abs_diff <= quant.max_diff))
+
+
+def prompts(recipe, tokenizer) -> dict:
+    """The batch both models are compared on: a few examples of the run's own data, else the probes."""
+    from tunekit.export import merge
+
+    if recipe is not None:
+        return merge.parity_batch(recipe, tokenizer)
+    tokenizer.padding_side = "right"
+    pad = tokenizer.pad_token
+    if pad is None:  # Llama 2 has none; any id serves behind the attention mask
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        return tokenizer(TOKENIZER_PROBES[:3], return_tensors="pt", padding=True)
+    finally:
+        tokenizer.pad_token = pad
+
+
+def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunekit.export import merge
+
+    back = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
+    parity = merge.compare(merge.logits(source_model, batch), merge.logits(back, batch), batch["attention_mask"])
+    back_tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    texts = [source_tokenizer.decode(row[mask.bool()]) for row, mask in
+             zip(batch["input_ids"], batch["attention_mask"])] + TOKENIZER_PROBES
+    mismatches = [t for t in texts if back_tok(t, add_special_tokens=False)["input_ids"] !=
+                  source_tokenizer(t, add_special_tokens=False)["input_ids"]]
+    return Check(parity, mismatches)

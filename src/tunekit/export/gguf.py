@@ -1,0 +1,236 @@
+"""The GGUF file llama.cpp, Ollama and LM Studio read, written from a loaded Llama-architecture model and its
+tokenizer. The `gguf` package writes it (GGUFWriter, the tensor-name map, numpy quantizers); what llama.cpp's
+converter (convert_hf_to_gguf.py) adds for Llama models is done here too: the q/k projection rows
+reordered for llama.cpp's rotary layout (transformers' GGUF reader undoes it), the vocabulary with token
+types, and the BPE pre-tokenizer named by the hash of a reference tokenization. Each quantization type
+carries the tolerance its read-back check (export_check) holds it to."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from hashlib import sha256
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tunekit.core.errors import TunekitError
+
+if TYPE_CHECKING:
+    from tunekit.export.source import Facts
+
+# torch, numpy and gguf are imported where they are used: the CLI reads QUANTS for its --quant choices
+
+log = logging.getLogger("tunekit")
+
+# model types llama.cpp reads as "llama" (transformers' GGUF reader maps them back to LlamaForCausalLM)
+SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+@dataclass(frozen=True)
+class Quant:
+    ggml: str  # gguf.GGMLQuantizationType member
+    file_type: str  # gguf.LlamaFileType member
+    min_top1: float  # top-1 agreement with the source model's logits at least this
+    max_diff: float | None  # and max |logit diff| at most this (None: not bounded; 4/5-bit shift logits freely)
+
+
+# The tolerances: f16/bf16 round each weight once (logits bounded too); 8-bit blocks keep the argmax almost
+# everywhere; 4/5-bit blocks move logits by whole units on a small model. Below 16 bits only the argmax is
+# bounded (max |diff| is printed): SmolLM2-135M's q8_0 keeps 95.5% of argmaxes on the accent/CJK/emoji probes.
+QUANTS = {
+    "f32": Quant("F32", "ALL_F32", 1.0, 1e-3),
+    "f16": Quant("F16", "MOSTLY_F16", 0.98, 0.25),
+    "bf16": Quant("BF16", "MOSTLY_BF16", 0.95, 1.0),
+    "q8_0": Quant("Q8_0", "MOSTLY_Q8_0", 0.9, None),
+    "q5_0": Quant("Q5_0", "MOSTLY_Q5_0", 0.75, None),
+    "q5_1": Quant("Q5_1", "MOSTLY_Q5_1", 0.75, None),
+    "q4_0": Quant("Q4_0", "MOSTLY_Q4_0", 0.6, None),
+    "q4_1": Quant("Q4_1", "MOSTLY_Q4_1", 0.6, None),
+}
+
+# llama.cpp names a BPE pre-tokenizer by sha256(str(tokenizer.encode(CHECK_TEXT))) (convert_hf_to_gguf.py,
+# get_vocab_base_pre); the hashes below are the ones it lists for these tokenizers.
+CHECK_TEXT = ('\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ '
+              '🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ '
+              '------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, '
+              '\'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL')
+PRE_TOKENIZERS = {
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Llama 3, 3.1, 3.2
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # SmolLM, SmolLM2
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
+    "63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e": "tekken",  # Mistral Nemo
+}
+
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
+
+
+def permute_for_llama_cpp(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a q or k projection reordered from transformers' rotary layout (halves) to llama.cpp's
+    (interleaved pairs); transformers' GGUF reader applies the inverse."""
+    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def check_architecture(config, where: str) -> None:
+    if config.model_type not in SUPPORTED:
+        found = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise TunekitError(f"{where}: export --format gguf supports Llama-architecture models "
+                           f"({', '.join(SUPPORTED.values())}: Llama 2/3, SmolLM2, Mistral); this one is {found}")
+
+
+def _tensors(model, quant: Quant):
+    """(GGUF name, numpy data, raw ggml type or None) for every weight, q/k rows permuted, quantized."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    qtype = getattr(gguf.GGMLQuantizationType, quant.ggml)
+    for hf_name, param in model.named_parameters():  # tied output weights appear once, as the embedding
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise TunekitError(f"export: no GGUF name for tensor {hf_name}; the model is not a plain Llama")
+        # below 8 bits the embedding and output head stay at q8_0, as llama.cpp's quantizer keeps them higher
+        # (the SmolLM2 Q4_1 file it made holds token_embd in Q8_0): 4-bit rows there cost most of the accuracy
+        ttype = gguf.GGMLQuantizationType.Q8_0 if quant.ggml[1] in "45" and name.split(".")[0] in (
+            "token_embd", "output") else qtype
+        block = gguf.GGML_QUANT_SIZES[ttype][0]
+        w = param.detach().float()
+        if hf_name.endswith("q_proj.weight"):
+            w = permute_for_llama_cpp(w, cfg.num_attention_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            w = permute_for_llama_cpp(w, cfg.num_key_value_heads)
+        data = w.numpy()
+        if data.ndim == 1 or quant.ggml == "F32" or data.shape[-1] % block:
+            yield name, data.astype(np.float32), None  # norms (and rows that do not fill a block) stay fp32
+        elif quant.ggml == "F16":
+            yield name, data.astype(np.float16), None
+        else:
+            yield name, gguf.quants.quantize(data, ttype), ttype
+
+
+def _vocab(writer, tokenizer, vocab_size: int) -> None:
+    """The tokenizer as llama.cpp reads it: a byte-level BPE ("gpt2": tokens, types, merges, pre-tokenizer)
+    or a SentencePiece-style BPE with byte fallback ("llama": tokens, types, scores), then the special ids,
+    BOS/EOS flags and the chat template."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec.get("model", {})
+    if model.get("type") == "BPE" and "ByteLevel" in json.dumps(spec.get("pre_tokenizer")):
+        _byte_level_vocab(writer, tokenizer, vocab_size, model)
+    elif model.get("type") == "BPE" and model.get("byte_fallback") and "\u2581" in json.dumps(spec, ensure_ascii=False):
+        _sentencepiece_vocab(writer, tokenizer, vocab_size, spec)
+    else:
+        raise TunekitError(f"export: GGUF export supports byte-level BPE tokenizers (Llama 3.x, SmolLM2, Mistral Nemo) "
+                           f"and SentencePiece BPE ones with byte fallback (Llama 2, Mistral 7B); this one is a "
+                           f"{model.get('type', 'unknown')} tokenizer of another kind")
+    for key, token_id in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
+                          ("unk", tokenizer.unk_token_id), ("pad", tokenizer.pad_token_id)):
+        if token_id is not None:
+            getattr(writer, f"add_{key}_token_id")(token_id)
+    ids = tokenizer("a")["input_ids"]  # what encoding adds, whichever attribute or post-processor says so
+    writer.add_add_bos_token(tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id)
+    writer.add_add_eos_token(tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def _tokens_and_types(tokenizer, vocab_size: int, byte_tokens: bool) -> tuple[list[str], list]:
+    import gguf
+
+    added = {t.content: t.special for t in tokenizer.added_tokens_decoder.values()}
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        token = by_id.get(i)
+        if token is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(token)
+        if i == tokenizer.unk_token_id and byte_tokens:
+            types.append(gguf.TokenType.UNKNOWN)
+        elif added.get(token):
+            types.append(gguf.TokenType.CONTROL)
+        elif token in added:
+            types.append(gguf.TokenType.USER_DEFINED)
+        elif byte_tokens and BYTE_TOKEN.fullmatch(token):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    return tokens, types
+
+
+def _byte_level_vocab(writer, tokenizer, vocab_size: int, model: dict) -> None:
+    tokens, types = _tokens_and_types(tokenizer, vocab_size, byte_tokens=False)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    found = sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
+    pre = PRE_TOKENIZERS.get(found)
+    if pre is None:
+        log.warning("export: this tokenizer's pre-tokenizer is not one llama.cpp lists (hash %s); the file says "
+                    "'default', and llama.cpp may split some text differently from transformers", found[:12])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre or "default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+
+
+def _sentencepiece_vocab(writer, tokenizer, vocab_size: int, spec: dict) -> None:
+    """llama.cpp's SentencePiece tokenizer merges the adjacent pair whose joined token scores highest, and
+    ignores merges. tokenizer.json keeps no scores, only the merge list that transformers derived from them
+    (highest score first), so each token scores minus the rank of the first merge that makes it; tokens no
+    merge makes (characters, bytes, specials) score below every merge. The read-back check then rebuilds
+    the merges from these scores, as transformers does for such files, and compares token ids."""
+    tokens, types = _tokens_and_types(tokenizer, vocab_size, byte_tokens=True)
+    merges = spec["model"].get("merges", [])
+    rank: dict[str, int] = {}
+    for r, m in enumerate(merges):
+        left, right = m.split(" ", 1) if isinstance(m, str) else m
+        rank.setdefault(left + right, r)
+    floor = len(merges) + 1
+    scores = [-float(rank[t]) if t in rank else -float(floor + i) for i, t in enumerate(tokens)]
+    prepend = json.dumps(spec.get("pre_tokenizer")) + json.dumps(spec.get("normalizer"))
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix('"prepend_scheme": "never"' not in prepend)
+
+
+def write_gguf(model, tokenizer, path: Path, quant: Quant, facts: Facts) -> None:
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(facts.name)
+    writer.add_base_model_count(1)
+    writer.add_base_model_name(0, facts.base_model)
+    if facts.license:
+        writer.add_license(facts.license)
+    if facts.finetune:
+        writer.add_string("tunekit.finetune", json.dumps(facts.finetune, sort_keys=True))
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or getattr(cfg, "rope_theta", None)
+    if theta:
+        writer.add_rope_freq_base(float(theta))
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(getattr(gguf.LlamaFileType, quant.file_type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _vocab(writer, tokenizer, cfg.vocab_size)
+    for name, data, raw in _tensors(model, quant):
+        writer.add_tensor(name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()

@@ -1,0 +1,161 @@
+"""Adapter + base -> merged weights that load with plain AutoModelForCausalLM.from_pretrained.
+
+LoRA is merged in fp32 and cast afterwards. A QLoRA adapter was trained against the dequantized
+4-bit base, not the original weights, so the base is re-quantized exactly as in training,
+dequantized, and the adapter merged into that: the merged model is the model that was trained.
+(peft's merge into the 4-bit model re-quantizes the sum and loses most of the update.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+
+from tunekit.data import records as data_mod
+from tunekit.models import loading as models
+from tunekit.core import outputs
+from tunekit.core.errors import TunekitError
+from tunekit.core.hardware import DTYPES
+from tunekit.models.info import model_config
+from tunekit.config.recipe import load as load_recipe
+from tunekit.config.recipe import to_yaml
+from tunekit.runs.layout import ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, MODEL_DIR, RECIPE_FILE, RUN_FILE, RunRecord, is_run
+from tunekit.runs.trained import quantization_as_trained
+
+log = logging.getLogger("tunekit")
+
+
+@dataclass
+class Parity:
+    max_abs_diff: float
+    top1_agreement: float
+    positions: int
+
+    def line(self) -> str:
+        return (f"parity: max |logit diff| {self.max_abs_diff:.2e}, top-1 agreement {100 * self.top1_agreement:.2f}% "
+                f"over {self.positions} positions")
+
+
+def parity_batch(recipe, tokenizer, n: int = 4):
+    """A few real examples from the run's own data, tokenized as in training."""
+    records = data_mod.eval_records(recipe.data, recipe.training.seed) or \
+        data_mod.read_records(recipe.data.train, recipe.data.train_split, "data.train")
+    renderer = data_mod.Renderer(recipe.data, tokenizer)
+    examples, _ = data_mod.build_examples([renderer.render(r) for r in records[:n]], tokenizer, recipe.data)
+    if not examples:
+        raise TunekitError("merge: no usable example in the run's data for the parity check")
+    tokenizer.padding_side = "right"
+    return data_mod.collator(tokenizer)(
+        [{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels} for e in examples])
+
+
+@torch.no_grad()
+def logits(model, batch) -> torch.Tensor:
+    model.eval()
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+
+
+def compare(reference: torch.Tensor, merged: torch.Tensor, mask: torch.Tensor) -> Parity:
+    keep = mask.bool()
+    ref, got = reference[keep], merged[keep]
+    return Parity(max_abs_diff=(ref - got).abs().max().item(),
+                  top1_agreement=(ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
+                  positions=int(keep.sum()))
+
+
+def _merged_model(recipe, record: RunRecord, adapter_dir: Path, batch) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Return the merged fp32 model and the adapter model's logits on `batch` (the reference)."""
+    if recipe.quantization is None:
+        model = models.load_adapter_model(recipe.model, adapter_dir, torch.float32)
+        reference = logits(model, batch)
+        return model.merge_and_unload(), reference
+    # Same load dtype as training so that the 4-bit codes and scales are the ones trained against.
+    load_dtype, quant = quantization_as_trained(recipe, record, torch.float32)
+    adapter_model = models.load_adapter_model(recipe.model, adapter_dir, load_dtype, quant)
+    reference = logits(adapter_model, batch)
+    del adapter_model
+    base = models.load_base(recipe.model, load_dtype, quant)
+    for module in base.modules():  # dequantize straight to fp32, without rounding to the load dtype
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            state.dtype = torch.float32
+    base = base.dequantize(dtype=torch.float32).to(torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    return merged, reference
+
+
+def _default_dtype(recipe) -> str:
+    cfg = model_config(recipe.model)
+    dtype = getattr(cfg, "dtype", None)  # transformers 5 reads a config.json's torch_dtype into dtype
+    names = {v: k for k, v in DTYPES.items()}
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return names.get(dtype, "fp32")
+
+
+def model_card(recipe, run_dir: Path, parity: Parity, dtype: str) -> str:
+    scores = ""
+    metrics_file = run_dir / EVAL_DIR / "metrics.json"
+    if metrics_file.is_file():
+        result = json.loads(metrics_file.read_text())
+        rows = [f"| {k} | {v:.2f} |" for k, v in result["scores"].items() if isinstance(v, float)]
+        scores = "\n## Evaluation (adapter run, held-out data)\n\n| metric | value |\n|---|---|\n" + "\n".join(rows) + "\n"
+    return (
+        f"# Merged model\n\nBase model: `{recipe.model.name_or_path}`  \nAdapter: {recipe.adapter_kind}, "
+        f"rank {recipe.lora.r}, alpha {recipe.lora.alpha}  \nWeights: {dtype}, safetensors  \n"
+        f"Merged from run `{run_dir}`; {parity.line()}.\n\n"
+        "Load with `AutoModelForCausalLM.from_pretrained(this_dir)` and `AutoTokenizer.from_pretrained(this_dir)`.\n"
+        f"{scores}\n## Recipe\n\n```yaml\n{to_yaml(recipe)}```\n"
+    )
+
+
+def merge(run_dir: Path, out: Path | None = None, dtype: str | None = None, force: bool = False,
+          tolerance: float = 1e-3) -> Path:
+    run_dir = outputs.require_dir(Path(run_dir), "run directory")
+    if not is_run(run_dir):
+        raise TunekitError(f"{run_dir}: not a tunekit run directory (no {RUN_FILE})")
+    record = RunRecord.load(run_dir)
+    if (run_dir / MODEL_DIR).is_dir():
+        raise TunekitError(f"{run_dir}: a full fine-tuning run; its weights in {MODEL_DIR}/ are already merged")
+    adapter_dir = run_dir / ADAPTER_DIR
+    if record.status != "completed" or not adapter_dir.is_dir():
+        raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
+    out = Path(out) if out else run_dir / "merged"
+    with outputs.exclusive(out, "merge output"):
+        outputs.check_free(out, force, "merge output")
+        return _merge(run_dir, record, adapter_dir, out, dtype, tolerance)
+
+
+def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype: str | None,
+           tolerance: float) -> Path:
+    recipe = load_recipe(run_dir / RECIPE_FILE)
+    dtype = dtype or _default_dtype(recipe)
+
+    tokenizer = models.load_tokenizer(recipe.model, adapter_dir)
+    batch = parity_batch(recipe, tokenizer)
+    log.info("merging %s adapter into %s in fp32", recipe.adapter_kind, recipe.model.name_or_path)
+    merged, reference = _merged_model(recipe, record, adapter_dir, batch)
+    parity = compare(reference, logits(merged, batch), batch["attention_mask"])
+    log.info(parity.line())
+    if not parity.max_abs_diff <= tolerance:
+        raise TunekitError(f"merge refused: {parity.line()} exceeds tolerance {tolerance:g}; nothing written to {out}")
+
+    merged = merged.to(DTYPES[dtype])
+    merged.config.use_cache = True
+    with outputs.atomic_dir(out) as tmp:
+        merged.save_pretrained(tmp, max_shard_size="2GB")
+        tokenizer.padding_side = "left"
+        tokenizer.save_pretrained(tmp)
+        shutil.copy(run_dir / RECIPE_FILE, tmp / RECIPE_FILE)
+        outputs.write_json(tmp / MERGED_MARKER, {
+            "source_run": str(run_dir.resolve()), "base_model": recipe.model.name_or_path, "adapter": recipe.adapter_kind,
+            "dtype": dtype, "parity": vars(parity), "tolerance": tolerance, "versions": outputs.versions(),
+        })
+        (tmp / "README.md").write_text(model_card(recipe, run_dir, parity, dtype), encoding="utf-8")
+    log.info("merged model written to %s (%s)", out, dtype)
+    return out

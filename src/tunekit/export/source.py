@@ -1,0 +1,87 @@
+"""What an export's TARGET is: a run directory (merged on the fly, exactly as `tunekit merge` merges, parity
+check included), a merged directory, or a base model; the config read before any weight loads; and
+the facts the exported file records about where it came from."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunekit.runs import layout as rundir
+
+# models, merge and transformers are imported where they are used: they load torch
+
+
+@dataclass
+class Facts:
+    """What the exported file says about where it came from (GGUF: general.* and tunekit.* keys)."""
+    name: str
+    base_model: str
+    license: str | None = None
+    finetune: dict | None = None  # training method, adapter, steps, data, from the run
+
+
+@dataclass
+class Source:
+    kind: str  # run | merged | base
+    path: Path  # the run directory, the merged directory, or the base model's directory
+    recipe: object | None  # the recipe of a run or merged model
+    facts: Facts
+
+    @property
+    def home(self) -> Path:
+        """Where exported files go by default: beside the run or merged model, else the current directory."""
+        return self.path if self.kind != "base" else Path.cwd()
+
+
+def _finetune(run: Path, recipe) -> dict:
+    record = rundir.RunRecord.load(run)
+    return {"run": run.resolve().name, "training_method": record.training_method, "adapter": record.adapter,
+            "steps": record.global_step, "data": recipe.data.train}
+
+
+def resolve(target: str) -> Source:
+    """What TARGET is (rundir.resolve_target tells runs and merged directories apart), and what the file
+    will say about it. A base model given as a GGUF file or hub id is materialized as a model directory."""
+    path = Path(target)
+    if not (rundir.is_run(path) or (path / rundir.MERGED_MARKER).is_file()):
+        from tunekit.models import loading as models
+
+        return Source("base", Path(models.materialize(target, key="export target")), None, Facts(path.stem, target))
+    t = rundir.resolve_target(target)
+    if t.kind == "run":
+        return Source("run", path, t.recipe, Facts(path.resolve().name, t.recipe.model.name_or_path, None,
+                                                   _finetune(path, t.recipe)))
+    run = Path(json.loads((path / rundir.MERGED_MARKER).read_text())["source_run"])
+    facts = _finetune(run, t.recipe) if rundir.is_run(run) else {"merged_from": str(run)}
+    name = path.resolve().parent.name if path.name == "merged" else path.resolve().name
+    return Source("merged", path, t.recipe, Facts(name, t.recipe.model.name_or_path, None, facts))
+
+
+def config(source: Source):
+    """The model's config, read before anything is merged or loaded."""
+    if source.recipe is None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(source.path))
+    from tunekit.models.info import model_config
+
+    return model_config(source.recipe.model)
+
+
+@contextlib.contextmanager
+def model_dir(source: Source):
+    """The directory holding the weights to export: a LoRA run is merged into a temporary directory
+    (with `tunekit merge`'s parity check), a full fine-tuning run's model/ is used as it is."""
+    if source.kind != "run":
+        yield source.path
+    elif (source.path / rundir.MODEL_DIR).is_dir():
+        yield source.path / rundir.MODEL_DIR
+    else:
+        from tunekit.export import merge
+
+        with tempfile.TemporaryDirectory(prefix=".export-merge-", dir=source.path) as tmp:
+            yield merge.merge(source.path, Path(tmp) / "merged", dtype="fp32")

@@ -1,0 +1,1 @@
+"""Models: where they come from, the Hub, loading for training/merging/inference, model facts."""

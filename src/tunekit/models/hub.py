@@ -1,0 +1,165 @@
+"""The Hugging Face Hub, asked once per model before anything is loaded, so that each way it can
+fail is one line naming the model and the fix, and fails at once.
+
+Why a probe of our own: transformers and huggingface_hub retry an unreachable Hub five times
+(about 35 seconds per file) and then raise a generic OSError whose first line does not say which
+of "offline", "gated", "no such repository" or "no such revision" happened. One HEAD request for
+config.json, without retries, tells them apart. When it shows that the Hub cannot be reached but
+the model is in the local cache, the process switches to offline mode, so every later load reads
+the cache at once instead of retrying."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from tunekit.core.errors import TunekitError, first_line
+
+log = logging.getLogger("tunekit")
+
+PROBE_TIMEOUT_S = 10.0
+
+
+class Unavailable(TunekitError):
+    """The model exists as far as can be told, but cannot be had from here now: offline, Hub
+    unreachable, or gated. Commands that need only its config may fall back (see modelinfo)."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why  # a few words: "not in the local cache and HF_HUB_OFFLINE=1"
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def go_offline() -> None:
+    """Offline mode for this process and the processes it starts (huggingface_hub and datasets read
+    the environment once, at import, so their flags are set too)."""
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+
+
+def _cached(repo: str, revision: str | None) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
+
+
+def _get(key: str, repo: str) -> str:
+    return (f"download it where the Hub is reachable (`hf download {repo}`) and copy the Hugging Face cache "
+            f"(HF_HOME) here, or set {key} to a local model directory")
+
+
+def _login(repo: str) -> str:
+    return (f"accept its terms on https://huggingface.co/{repo} with your account, then log in here "
+            f"(`hf auth login`, or set HF_TOKEN)")
+
+
+_checked: dict[tuple, TunekitError | None] = {}
+
+
+def require(repo: str, revision: str | None = None, key: str = "model.name_or_path") -> None:
+    """Check that hub model `repo` can be loaded; raise a one-line TunekitError saying why not
+    (Unavailable where the model is not known to be wrong). Asked once per process."""
+    if (repo, revision, key) not in _checked:
+        try:
+            _probe(repo, revision, key)
+            _checked[repo, revision, key] = None
+        except TunekitError as e:
+            _checked[repo, revision, key] = e
+    if (failure := _checked[repo, revision, key]) is not None:
+        raise failure
+
+
+def _probe(repo: str, revision: str | None, key: str) -> None:
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    at = f" at revision {revision!r}" if revision else ""
+    if offline():
+        if _cached(repo, revision):
+            return
+        raise Unavailable(f"{key}: {repo!r}{at} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 "
+                           f"forbids downloading it; {_get(key, repo)}", "not in the local cache and HF_HUB_OFFLINE=1")
+    try:
+        get_hf_file_metadata(hf_hub_url(repo, "config.json", revision=revision), timeout=PROBE_TIMEOUT_S)
+        return
+    except HFValidationError:
+        raise TunekitError(f"{key}: {repo!r} is neither a local path nor a valid hub id (owner/name); "
+                           f"check the spelling") from None
+    except GatedRepoError:  # before RepositoryNotFoundError, its parent class
+        raise Unavailable(f"{key}: {repo!r} is a gated model and this machine is not allowed to download it; "
+                           f"{_login(repo)}", "gated, and this machine is not logged in with access") from None
+    except RepositoryNotFoundError:
+        raise TunekitError(f"{key}: no model {repo!r} on the Hub ({constants.ENDPOINT}), or it is private; check "
+                           f"the name, or log in with an account that can see it (`hf auth login`, or set HF_TOKEN)"
+                           ) from None
+    except RevisionNotFoundError:
+        raise TunekitError(f"model.revision: {repo!r} has no revision {revision!r} (a branch, tag or commit); "
+                           f"check it, or remove model.revision for the default branch") from None
+    except RemoteEntryNotFoundError:
+        raise TunekitError(f"{key}: {repo!r}{at} has no config.json, so it is not a transformers model; "
+                           f"point {key} at a model repository or directory") from None
+    except HfHubHTTPError as e:  # a rejected token, a Hub server error (5xx), a proxy refusing
+        if getattr(e.response, "status_code", None) == 401:
+            raise TunekitError(f"{key}: the Hub rejected this machine's token while fetching {repo!r}; log in again "
+                               f"(`hf auth login`, or set HF_TOKEN to a valid token)") from None
+        reason = _reason(e)
+    except Exception as e:  # no network, DNS failure, timeout: raised by whichever HTTP client
+        reason = _reason(e)  # huggingface_hub uses (httpx, httpx2 or requests, by version)
+    if _cached(repo, revision):
+        log.info("the Hugging Face Hub is not reachable (%s); using the cached copy of %s, offline", reason, repo)
+        go_offline()
+        return
+    raise Unavailable(f"{key}: cannot reach the Hugging Face Hub ({constants.ENDPOINT}: {reason}) to download "
+                       f"{repo!r}{at}; {_get(key, repo)}", f"the Hub is not reachable: {reason}")
+
+
+def probe_dataset(repo: str) -> None:
+    """Before `datasets` reads hub data set `repo`: one request without retries; when it shows the Hub
+    cannot be reached, go offline, so that `datasets` reads its cache or fails at once."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    if offline():
+        return
+    try:
+        get_hf_file_metadata(hf_hub_url(repo, "README.md", repo_type="dataset"), timeout=PROBE_TIMEOUT_S)
+    except (HfHubHTTPError, HFValidationError):
+        return  # the Hub answered: `datasets` reports what it said
+    except Exception as e:  # no network (see _probe)
+        log.info("the Hugging Face Hub is not reachable (%s); reading data set %s from the local cache", _reason(e), repo)
+        go_offline()
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception and those it was raised from, outermost first."""
+    found = [exc]
+    while (exc := exc.__cause__ or exc.__context__) is not None and exc not in found:
+        found.append(exc)
+    return found
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost message of a network error: 'Name or service not known', 'Connection refused'."""
+    return first_line(_chain(exc)[-1]).removeprefix("[Errno -2] ").removeprefix("[Errno 111] ")[:120]
+
+
+def load_error(key: str, spec: str, exc: Exception) -> TunekitError:
+    """A one-line error for a failed from_pretrained of `spec` after `require` passed (a file the
+    cache lacks while offline, a broken download, an incompatible checkpoint)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if any(isinstance(e, LocalEntryNotFoundError) for e in _chain(exc)):
+        return TunekitError(f"{key}: {spec!r} is only partly in the local Hugging Face cache and the Hub cannot be "
+                            f"used; {_get(key, spec)}")
+    return TunekitError(f"{key}: cannot load {spec!r} ({first_line(exc)[:200]})")

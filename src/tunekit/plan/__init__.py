@@ -1,0 +1,1 @@
+"""Memory and time per device, before a launch."""

@@ -1,0 +1,386 @@
+"""`tunekit plan`: memory per device and time per step, from the recipe and the model's config only.
+
+Parameters are counted exactly on a model built on the meta device (no weights are read); bytes
+follow what tunekit actually loads: fp32 master weights for full fine-tuning, the frozen base in
+the training precision for LoRA, 4-bit codes plus quantization constants for QLoRA (with the layers
+left unquantized upcast to fp32, as prepare_model_for_kbit_training does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tunekit.config import deepspeed as dsconfig
+from tunekit.training import methods
+from tunekit.config.recipe import Recipe
+
+GiB = 1024**3
+QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
+DOUBLE_QUANT_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bit in blocks of 256
+OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2,
+                   "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
+
+
+@dataclass
+class Counts:
+    total: int
+    trainable: int
+    quantized: int  # weights stored in 4/8 bit
+    frozen_plain: int  # frozen weights kept in a float dtype
+    tied_trainable_head: int = 0  # output head shared with the input embeddings, and trained
+
+
+@dataclass
+class Settings:
+    world_size: int = 1
+    micro_batch: int = 1
+    seq_len: int = 1024
+    precision: str = "bf16"
+    gradient_checkpointing: bool = False
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    optimizer: str = "adamw_torch"
+    accumulation: int = 1  # gradient accumulation steps
+    sequences: int = 1  # sequences per example: 2 for DPO (chosen and rejected in one batch)
+    extra_forwards: int = 0  # no-grad forwards over the batch: DPO's reference; KTO's KL, reference and reference KL
+    peak_tflops: float = 989.0  # H100 SXM dense bf16
+    utilization: float = 0.4
+
+
+@dataclass
+class Plan:
+    settings: Settings
+    counts: Counts
+    parts: dict = field(default_factory=dict)  # bytes per device by part
+    cpu_bytes: int = 0  # moved to CPU RAM by offload
+    flops_per_step: float = 0.0
+    step_seconds: float = 0.0
+    # Parts that are not live all step long, grouped by the moment they are live together; the peak
+    # is everything else plus the largest group. The loss path is freed at the start of the backward
+    # pass, before any checkpointed layer is recomputed. With one process, no DeepSpeed and no
+    # accumulation, gradients exist only from the backward pass to the optimizer step (the Trainer
+    # frees them after it), when activations are gone.
+    phases: tuple = ()
+
+    @property
+    def peak(self) -> int:
+        phased = {k for phase in self.phases for k in phase}
+        held = sum(v for k, v in self.parts.items() if k not in phased)
+        return held + max((sum(self.parts[k] for k in phase) for phase in self.phases), default=0)
+
+
+def meta_model(recipe: Recipe, cfg=None):
+    """The model's config (`cfg` when given, else its own, else tunekit's shipped copy) and the model
+    (with its adapter) built on the meta device: no weights."""
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.models.info import model_config
+    from tunekit.models.loading import lora_config
+
+    if cfg is None:
+        cfg = model_config(recipe.model, shipped=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.model.trust_remote_code)
+    peft_cfg = lora_config(recipe)
+    if peft_cfg is not None:
+        peft_cfg.init_lora_weights = True  # shapes are the same; PiSSA/OLoRA cannot decompose meta tensors
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_cfg)
+    return cfg, model
+
+
+def count(recipe: Recipe, model) -> Counts:
+    total = trainable = quantized = 0
+    output = model.get_output_embeddings()
+    head = {id(p) for p in output.parameters()} if output is not None else set()
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:  # tied weights (embeddings = output head) count once
+                continue
+            seen.add(id(p))
+            n = p.numel()
+            total += n
+            if "lora_" in name or "modules_to_save" in name:
+                trainable += n
+            elif recipe.full_finetuning:
+                trainable += n
+            elif (recipe.quantization is not None and isinstance(module, torch.nn.Linear) and pname == "weight"
+                  and id(p) not in head):
+                quantized += n
+    tied = 0
+    inputs = model.get_input_embeddings()
+    if recipe.full_finetuning and output is not None and inputs is not None and output.weight is inputs.weight:
+        tied = output.weight.numel()
+    return Counts(total, trainable, quantized, total - trainable - quantized, tied)
+
+
+def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
+    if bits == 8:
+        return n * 1.0 + n / 4096 * 4  # int8 weights + one fp32 scale per row (approx.)
+    constants = (n / QLORA_BLOCK) * (1 + 4 / DOUBLE_QUANT_BLOCK) if double_quant else (n / QLORA_BLOCK) * 4
+    return n / 2 + constants
+
+
+def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
+    """(decoder-layer activations, one layer recomputed) in bytes per device.
+
+    Per token and Llama-style layer autograd keeps: each RMSNorm its input, the inverse RMS and the
+    normalised output (2 x 3h, in fp32 whatever the precision: the norm upcasts); attention q, k, v,
+    the rotary-embedded q and k with their rotate_half copies, its output and the o_proj input
+    (5h + 4kv); the SwiGLU MLP gate, up, SiLU(gate) and the product (4I). LoRA with dropout keeps one
+    dropped copy of each adapted input (6h + I). Attention probabilities (2 x heads x seq) only where
+    no fused kernel is used (eager attention). With gradient checkpointing only each layer's input is
+    kept, and the backward pass recomputes one layer at a time, with that layer's gradient temporaries.
+    Checked against allocation traces (bench/RESULTS.md)."""
+    h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or h // heads)
+    tokens = s.micro_batch * s.sequences * s.seq_len
+    elem = 4 if s.precision == "fp32" else 2
+    per_token = 6 * h * 4 + (5 * h + 4 * kv + 4 * inter) * elem
+    if recipe.lora is not None and recipe.lora.dropout > 0:
+        # QLoRA's norms run in fp32 (prepare_model_for_kbit_training), so the inputs it drops are fp32
+        per_token += (6 * h + inter) * (4 if recipe.quantization is not None else elem)
+    if recipe.model.attn_implementation == "eager":
+        per_token += 2 * heads * s.seq_len * elem
+    if s.gradient_checkpointing:
+        # the recomputed layer's backward also holds the gradients of its hidden state and of its MLP's
+        # gate and up outputs: (h + 2I) per token, counted at 4 bytes (measured at fp32, bench/RESULTS.md)
+        kept, recomputed = layers * tokens * h * elem, tokens * (per_token + (h + 2 * inter) * 4)
+    else:
+        kept, recomputed = layers * tokens * per_token, 0
+    return kept, recomputed
+
+
+def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
+    """Bytes of the head + cross-entropy, every position trained (the worst case).
+
+    Stock path: logits in the compute dtype, their fp32 upcast for the loss (none when already fp32),
+    and 6 bytes per logit for the log-softmax output and the gradient temporaries of its backward
+    (measured: 9.75 bytes per logit in total at fp32, where logits are 4 of them).
+    Chunked path (losspath): the trained positions' hidden states gathered, their gradient held from
+    forward to backward, one chunk of logits (fp32, log-sum-exp, softmax and gradient in place; below
+    fp32 also the compute-dtype logits or the gradient cast back, one at a time: measured with
+    bench/plan_check.py), and an fp32 gradient for a trained head."""
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    tokens = s.micro_batch * s.sequences * s.seq_len
+    elem = 4 if s.precision == "fp32" else 2
+    # below fp32, a head stored in fp32 (QLoRA's unquantized layers, full fine-tuning) is cast for the matmul
+    head_cast = vocab * h * elem if elem != 4 and (recipe.quantization is not None or recipe.full_finetuning) else 0
+    if not chunked:
+        return tokens * vocab * (elem + (4 if elem != 4 else 0) + 6) + head_cast
+    from tunekit.models.losspath import chunk_rows
+
+    hidden_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
+    rows = min(tokens, chunk_rows(vocab))
+    head_grad = vocab * h * 4 if recipe.full_finetuning else 0
+    per_logit = 4 if elem == 4 else 4 + elem
+    return 2 * tokens * h * hidden_elem + rows * vocab * per_logit + head_grad + head_cast
+
+
+def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
+    if model is None:
+        cfg, model = meta_model(recipe)
+    c = count(recipe, model)
+    w_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
+    parts: dict[str, float] = {}
+    q = recipe.quantization
+    if q is not None:
+        parts["weights (quantized, incl. constants)"] = quantized_bytes(c.quantized, q.bits, q.double_quant)
+        parts["weights (unquantized layers, fp32)"] = c.frozen_plain * 4
+    elif not recipe.full_finetuning:
+        parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
+    if s.extra_forwards and recipe.full_finetuning:
+        # DPO with full fine-tuning: a frozen copy of the model as the reference, in the training precision
+        parts[f"weights (frozen reference copy, {s.precision})"] = c.total * (4 if s.precision == "fp32" else 2)
+    opt_key = f"optimizer ({s.optimizer})"
+    if s.zero_stage > 0 and s.precision != "fp32":
+        # DeepSpeed mixed precision: the model trains in bf16/fp16 and the optimizer keeps fp32 masters
+        parts[f"weights (trainable, {s.precision})"] = c.trainable * 2
+        parts["gradients (fp32)"] = c.trainable * 4
+        parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
+        parts["master weights (fp32, in the optimizer)"] = c.trainable * 4
+    else:  # tunekit without DeepSpeed trains fp32 weights and autocasts: they are the master copy
+        parts["weights (trainable, fp32)"] = c.trainable * 4
+        parts["gradients (fp32)"] = c.trainable * 4
+        parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
+    kept, recomputed = activation_bytes(cfg, s, recipe)
+    from tunekit.models.losspath import unsupported_reason
+
+    # the method's trainer may take log-probabilities from the full logits (TRL's): the stock path
+    chunked = (recipe.training.chunked_loss and methods.of(recipe).chunked_loss
+               and unsupported_reason(model) is None)
+    logits = loss_path_bytes(cfg, s, recipe, chunked)
+    act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
+    parts[act_key] = kept
+    parts["logits and loss"] = logits
+    if s.gradient_checkpointing:
+        parts["activations (one layer recomputed)"] = recomputed
+    autocast = s.precision != "fp32" and s.zero_stage == 0
+    if autocast:  # mixed precision keeps a 16-bit copy of each fp32 trained weight for its backward
+        parts[f"autocast copies of trained weights ({s.precision})"] = c.trainable * 2
+    if c.tied_trainable_head:
+        # The shared embedding/head matrix gets two fp32 gradient contributions (head, embedding
+        # lookup) that exist side by side with its .grad before they are summed (measured).
+        parts["gradient of the tied head, accumulating"] = 2 * c.tied_trainable_head * 4
+
+    n = s.world_size
+    cpu = 0.0
+    master = "master weights (fp32, in the optimizer)"
+    optimizer_side = [k for k in (opt_key, master) if k in parts]
+    if s.zero_stage >= 1:
+        for key in optimizer_side:
+            parts[key] /= n
+    if s.zero_stage >= 2:
+        parts["gradients (fp32)"] /= n
+    if s.zero_stage >= 3:
+        for key in [k for k in parts if k.startswith("weights")]:
+            parts[key] /= n
+    if s.offload_optimizer and s.zero_stage >= 1:
+        for key in optimizer_side:
+            cpu += parts.pop(key)
+    if s.offload_params and s.zero_stage >= 3:
+        for key in [k for k in parts if k.startswith("weights")]:
+            cpu += parts.pop(key)
+
+    tokens = s.micro_batch * s.sequences * s.seq_len
+    # forward 2*P*T; backward 2*P*T for activation gradients, plus 2*P*T for weight gradients of what trains
+    trained_fraction = 1.0 if recipe.full_finetuning else c.trainable / max(c.total, 1)
+    flops = (4 + 2 * trained_fraction) * c.total * tokens
+    if s.gradient_checkpointing:
+        flops += 2 * c.total * tokens  # the forward is run twice
+    flops += s.extra_forwards * 2 * c.total * tokens
+    step = flops * 1.0 / (s.peak_tflops * 1e12 * s.utilization)
+    phases = [(act_key, "logits and loss") + ((f"autocast copies of trained weights ({s.precision})",) if autocast else ())]
+    if s.gradient_checkpointing:
+        phases.append((act_key, "activations (one layer recomputed)"))
+    if s.world_size == 1 and s.zero_stage == 0 and s.accumulation == 1:
+        phases.append(tuple(k for k in ("gradients (fp32)", "gradient of the tied head, accumulating") if k in parts))
+    return Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step, tuple(phases))
+
+
+def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:
+    t = recipe.training
+    method = methods.of(recipe)
+    ds = dsconfig.read(t.deepspeed) if t.deepspeed else {}
+    zero = ds.get("zero_optimization") or {}
+    base = Settings(world_size=world_size, micro_batch=t.micro_batch_size, seq_len=recipe.data.max_length,
+                    precision=precision, gradient_checkpointing=t.gradient_checkpointing,
+                    zero_stage=dsconfig.zero_stage(ds),
+                    offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
+                    offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
+                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps,
+                    sequences=method.sequences, extra_forwards=method.no_grad_forwards)
+    return dataclasses.replace(base, **overrides)
+
+
+def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tuple[str, Plan]]:
+    """Cheapest changes first; each is re-planned and kept only if it lowers the peak."""
+    s = plan.settings
+    options: list[tuple[str, Recipe, Settings]] = []
+    if not s.gradient_checkpointing:
+        options.append(("training.gradient_checkpointing=true", recipe,
+                        dataclasses.replace(s, gradient_checkpointing=True)))
+    if s.micro_batch > 1:
+        half = max(1, s.micro_batch // 2)
+        options.append((f"training.micro_batch_size={half} with gradient_accumulation_steps x{s.micro_batch // half}",
+                        recipe, dataclasses.replace(s, micro_batch=half,
+                                                    accumulation=s.accumulation * (s.micro_batch // half))))
+    if recipe.adapter_kind == "lora":
+        from tunekit.config.recipe import QuantizationConfig
+
+        qrecipe = recipe.model_copy(update={"quantization": QuantizationConfig()})
+        options.append(("QLoRA: a quantization section (4-bit nf4 base)", qrecipe, s))
+    if recipe.full_finetuning:
+        from tunekit.config.recipe import LoraConfig
+
+        options.append(("adapter=lora", recipe.model_copy(update={"adapter": "lora", "lora": LoraConfig()}), s))
+    if s.world_size > 1:
+        for stage in (1, 2, 3):
+            if s.zero_stage < stage and not (stage == 3 and recipe.quantization is not None):
+                options.append((f"deepspeed: ds_configs/zero{stage}.json", recipe,
+                                dataclasses.replace(s, zero_stage=stage)))
+    if not s.offload_optimizer:
+        stage = max(s.zero_stage, 2)
+        options.append((f"deepspeed: ds_configs/zero{stage if stage == 2 else 3}_offload.json", recipe,
+                        dataclasses.replace(s, zero_stage=stage, offload_optimizer=True,
+                                            offload_params=stage == 3)))
+    out = []
+    for label, r, st in options:
+        m = model if r.adapter_kind == recipe.adapter_kind else None
+        p = make(r, st, cfg, m) if m is not None else make(r, st)
+        if p.peak < plan.peak:
+            out.append((label, p))
+    return sorted(out, key=lambda lp: lp[1].peak)
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24G', '512MB', '1e9' -> bytes (binary units); ValueError for anything else."""
+    units = {"k": 1024, "m": 1024**2, "g": GiB, "t": 1024**4}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = 1
+    if t and t[-1] in units:
+        t, scale = t[:-1], units[t[-1]]
+    try:
+        value = float(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size; write e.g. 24GiB, 80G or 512MiB") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r} is not a positive size; write e.g. 24GiB")
+    return int(value * scale)
+
+
+def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str, Plan]]) -> str:
+    s, c = plan.settings, plan.counts
+    lines = [
+        f"model: {recipe.model.name_or_path}  adapter: {recipe.adapter_kind}  precision: {s.precision}",
+        f"parameters: {c.total:,} total, {c.trainable:,} trainable ({100 * c.trainable / max(c.total, 1):.2f}%)",
+        f"per device: world size {s.world_size}, micro-batch {s.micro_batch}"
+        + (f" pairs ({s.micro_batch * s.sequences} sequences)" if s.sequences > 1 else "")
+        + (f", {s.extra_forwards} no-grad forward(s) (reference, KL)" if s.extra_forwards else "")
+        + f" x {s.seq_len} tokens, "
+        f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO stage {s.zero_stage}"
+        + (", optimizer offload" if s.offload_optimizer else "") + (", parameter offload" if s.offload_params else ""),
+        "",
+    ]
+    width = max(len(k) for k in plan.parts) + 6
+    for key, value in plan.parts.items():
+        marks = "".join(f"[{i + 1}]" for i, phase in enumerate(plan.phases) if key in phase)
+        lines.append(f"  {key + (' ' + marks if marks else ''):<{width}}  {value / GiB:9.3f} GiB")
+    lines.append(f"  {'peak per device':<{width}}  {plan.peak / GiB:9.3f} GiB")
+    moments = ["the end of the forward pass", "a recomputed layer's backward", "the end of the backward pass"]
+    if not plan.settings.gradient_checkpointing:
+        moments.pop(1)
+    if len(plan.phases) > 1:
+        lines.append("  (peak = the unmarked parts + the largest of the groups live together: "
+                     + ", ".join(f"[{i + 1}] at {m}" for i, m in enumerate(moments[:len(plan.phases)])) + ")")
+    if plan.cpu_bytes:
+        lines.append(f"  {'offloaded to CPU RAM':<{width}}  {plan.cpu_bytes / GiB:9.3f} GiB")
+    lines += ["", f"training FLOPs per step per device: {plan.flops_per_step:.3e} "
+              f"({'6' if recipe.full_finetuning else '~4'} x parameters x tokens"
+              + (", +2 x for recomputation" if s.gradient_checkpointing else "") + ")",
+              f"estimated step time: {plan.step_seconds:.3f} s at {s.peak_tflops:g} TFLOP/s peak and "
+              f"{100 * s.utilization:.0f}% utilization"]
+    lines.append("peak = live tensors (what torch.cuda.max_memory_allocated reports); the CUDA context and "
+                 "the allocator's cached blocks come on top")
+    if budget is not None:
+        verdict = "fits" if plan.peak <= budget else "does NOT fit"
+        lines += ["", f"verdict: {verdict} in {budget / GiB:.1f} GiB ({plan.peak / GiB:.2f} GiB planned)"]
+        if plan.peak > budget:
+            for label, p in fixes:
+                mark = "fits" if p.peak <= budget else "still over"
+                lines.append(f"  - {label}: {p.peak / GiB:.2f} GiB ({mark})")
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps({"settings": dataclasses.asdict(plan.settings), "counts": dataclasses.asdict(plan.counts),
+                       "parts": plan.parts, "phases": plan.phases, "peak": plan.peak, "cpu_bytes": plan.cpu_bytes,
+                       "flops_per_step": plan.flops_per_step, "step_seconds": plan.step_seconds}, indent=2)

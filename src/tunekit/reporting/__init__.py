@@ -1,0 +1,1 @@
+"""What runs wrote, read back: the runs listing and the HTML report page."""

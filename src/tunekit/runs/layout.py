@@ -1,0 +1,195 @@
+"""The run directory that `tunekit train` writes, in one place: its layout, the typed record kept in
+run.json (written only by `RunRecord.save`), when a run may be resumed, and what a path given to eval or
+merge is (a run, a merged model, a base model). Files only: no torch, transformers or peft here, so that
+`tunekit runs` and `tunekit report` stay light; loading the model a run trained is trained.py's job."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tunekit.runs import checkpoints as checkpointdir
+from tunekit.core import outputs
+from tunekit.core.errors import TunekitError
+from tunekit.config.recipe import Recipe, to_yaml
+from tunekit.config.recipe import load as load_recipe
+from tunekit.models.sources import resolve_model
+
+RUN_FILE = "run.json"
+RECIPE_FILE = "recipe.yaml"
+ADAPTER_DIR = "adapter"  # LoRA / QLoRA runs
+INITIAL_ADAPTER_DIR = "adapter_initial"  # lora.init pissa/olora: the adapter as initialised, for conversion
+MODEL_DIR = "model"  # full fine-tuning runs
+EVAL_DIR = "eval"  # end-of-training eval: metrics.json, predictions.jsonl
+CHECKPOINTS_DIR = "checkpoints"
+HISTORY_FILE = "loss_history.jsonl"
+DEEPSPEED_FILE = "deepspeed.json"
+MERGED_MARKER = "tunekit.json"  # in a directory written by `tunekit merge`
+
+
+@dataclass
+class RunRecord:
+    """What run.json says about a run. Unknown keys in an older or newer file are ignored."""
+
+    status: str  # running | completed | failed
+    started: str
+    command: list[str]
+    versions: dict[str, str]
+    precision: dict[str, str]  # name, reason
+    adapter: str
+    base_model: str
+    parameters: dict[str, int]  # total, trainable
+    world_size: int
+    effective_batch: int
+    data: dict
+    resumed_from: str | None = None
+    finished: str | None = None
+    global_step: int | None = None
+    train_loss: float | None = None
+    first_logged_loss: float | None = None
+    last_logged_loss: float | None = None
+    eval_loss: float | None = None
+    eval_scores: dict = field(default_factory=dict)  # the last evaluation during training: loss, BLEU, ...
+    best: dict | None = None  # with training.metric_for_best: the metric, its best value and step
+    output: str | None = None  # ADAPTER_DIR or MODEL_DIR once complete
+    throughput: dict = field(default_factory=dict)
+    peak_memory_gb: dict = field(default_factory=dict)
+    error: str | None = None
+    failed_at_step: int | None = None
+    eval: str | None = None  # pending | completed, for runs whose recipe has an eval section
+    training_method: str = "sft"  # sft | dpo | kto | orpo
+    adapter_from: dict | None = None  # model.adapter_from: the run whose adapter training started from
+
+    def save(self, run_dir: Path) -> None:
+        outputs.write_json(run_dir / RUN_FILE, dataclasses.asdict(self))
+
+    def update(self, run_dir: Path, **changes) -> None:
+        for key, value in changes.items():
+            if not hasattr(self, key):
+                raise AttributeError(f"RunRecord has no field {key!r}")
+            setattr(self, key, value)
+        self.save(run_dir)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunRecord":
+        raw = json.loads((run_dir / RUN_FILE).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def is_run(path: Path) -> bool:
+    return path.is_dir() and (path / RUN_FILE).is_file()
+
+
+def weights_dir(run_dir: Path) -> Path:
+    """adapter/ of a LoRA or QLoRA run, model/ of a full fine-tuning run."""
+    return run_dir / (MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else ADAPTER_DIR)
+
+
+@dataclass
+class StartingAdapter:
+    path: Path  # the source run's adapter/
+    source: dict  # what run.json records of the source run
+
+
+def starting_adapter(recipe: Recipe) -> StartingAdapter | None:
+    """model.adapter_from checked: a completed LoRA/QLoRA run on the recipe's base model with the recipe's rank
+    and alpha."""
+    spec = recipe.model.adapter_from
+    if spec is None:
+        return None
+    where = f"model.adapter_from {spec}"
+    run_dir = outputs.require_dir(Path(spec), "model.adapter_from")
+    if not is_run(run_dir):
+        raise TunekitError(f"{where}: not a tunekit run directory (no {RUN_FILE})")
+    record = RunRecord.load(run_dir)
+    adapter = run_dir / ADAPTER_DIR
+    if record.status != "completed" or not (adapter / "adapter_config.json").is_file():
+        raise TunekitError(f"{where}: not a completed LoRA/QLoRA run (status {record.status}); finish it first")
+    ours, theirs = recipe.model.name_or_path, record.base_model
+    same = Path(ours).resolve() == Path(theirs).resolve() if Path(ours).exists() else ours == theirs
+    if not same:
+        raise TunekitError(f"{where}: trained on {theirs}, but model.name_or_path is {ours}; use the same base")
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    for key, theirs_key in (("r", "r"), ("alpha", "lora_alpha")):
+        if getattr(recipe.lora, key) != saved[theirs_key]:
+            raise TunekitError(f"lora.{key}={getattr(recipe.lora, key)} but the adapter in {run_dir} has "
+                               f"{key} {saved[theirs_key]}; set lora.{key}: {saved[theirs_key]}")
+    return StartingAdapter(adapter, {"run": str(run_dir.resolve()), "training_method": record.training_method,
+                                     "global_step": record.global_step, "base_model": record.base_model,
+                                     "adapter": record.adapter})
+
+
+# ---------------------------------------------------------------- resume
+
+
+def check_resume(recipe: Recipe, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None when training finished and only the end-of-training
+    eval is left (a run stopped during it). The recipe must be the one the run started with."""
+    outputs.require_dir(run_dir, "--resume: output_dir")
+    saved = run_dir / RECIPE_FILE
+    if not saved.is_file() or not (run_dir / RUN_FILE).is_file():
+        raise TunekitError(f"--resume: {run_dir} is not a tunekit run directory; train without --resume")
+    if saved.read_text(encoding="utf-8") != to_yaml(recipe):
+        raise TunekitError(f"--resume: the recipe differs from {saved}, the one this run started with; "
+                           "resume with the same recipe and overrides")
+    if RunRecord.load(run_dir).status == "completed":
+        if eval_pending(recipe, run_dir):
+            return None
+        raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
+    return checkpointdir.resume_point(run_dir / CHECKPOINTS_DIR)
+
+
+def eval_pending(recipe: Recipe, run_dir: Path) -> bool:
+    return recipe.eval is not None and not (run_dir / EVAL_DIR / "metrics.json").is_file()
+
+
+# ---------------------------------------------------------------- targets for eval and merge
+
+
+@dataclass
+class Target:
+    kind: str  # run | merged | base
+    spec: str
+    recipe: Recipe
+    location: Path | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{Path(self.spec).name if self.kind != 'base' else self.spec}"
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        if self.location is None:
+            return None
+        return self.location if self.kind == "merged" else weights_dir(self.location)
+
+
+def resolve_target(spec: str, recipe_path: str | None = None, data: str | None = None) -> Target:
+    path = Path(spec)
+    if is_run(path):
+        record = RunRecord.load(path)
+        if record.status != "completed":
+            raise TunekitError(f"{spec}: the run did not complete (status {record.status!r}); nothing to evaluate")
+        return Target("run", spec, load_recipe(path / RECIPE_FILE), path)
+    if path.is_dir() and (path / MERGED_MARKER).is_file():
+        return Target("merged", spec, load_recipe(path / RECIPE_FILE), path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise TunekitError(f"{spec}: neither a run directory ({RUN_FILE}) nor a merged one ({MERGED_MARKER}) "
+                           "nor a model directory (config.json)")
+    source = resolve_model(spec, "eval target")  # a missing local file or folder is named as such
+    if recipe_path:
+        recipe = load_recipe(recipe_path, [f"model.name_or_path={spec}"])
+    elif data:
+        from tunekit.config.recipe import from_dict
+
+        recipe = from_dict({"model": {"name_or_path": spec}, "data": {"train": data}}, source="eval")
+    elif source.kind == "hub":
+        raise TunekitError(f"{spec}: no such directory here; as a hub model id, a base model needs --recipe RECIPE "
+                           "(for its data and prompt settings) or --data FILE")
+    else:
+        raise TunekitError(f"{spec}: a base model needs --recipe RECIPE (for its data and prompt settings) or --data FILE")
+    return Target("base", spec, recipe)
+

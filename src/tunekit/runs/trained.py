@@ -1,0 +1,41 @@
+"""The model a run trained, loaded as it was trained: base + adapter (the base re-quantized exactly as in
+training for QLoRA), full fine-tuned weights, a merged directory, or a base model alone. Sits above
+rundir (which only knows the run directory's files) and models (which loads weights)."""
+
+from __future__ import annotations
+
+import torch
+
+from tunekit.models import loading as models
+from tunekit.core.hardware import DTYPES, Precision
+from tunekit.config.recipe import Recipe
+from tunekit.runs.layout import MODEL_DIR, RunRecord, Target, weights_dir
+
+
+def trained_precision(record: RunRecord) -> Precision:
+    return Precision(record.precision["name"], record.precision["reason"])
+
+
+def quantization_as_trained(recipe: Recipe, record: RunRecord, compute: torch.dtype):
+    """(load dtype, bitsandbytes config) that re-quantize the base exactly as in training (the same
+    load dtype gives the same 4-bit codes and scales), computing in `compute`."""
+    quant = models.quantization_config(recipe, trained_precision(record))
+    quant.bnb_4bit_compute_dtype = compute
+    return DTYPES[record.precision["name"]], quant
+
+
+def load_trained(target: Target, dtype: torch.dtype):
+    """The model as the target defines it: base + adapter (quantized base for QLoRA), full weights,
+    a merged directory, or the base model alone."""
+    recipe = target.recipe
+    if target.kind == "merged":
+        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location)}), dtype)
+    if target.kind == "base":
+        return models.load_base(recipe.model, dtype)
+    weights = weights_dir(target.location)
+    if weights.name == MODEL_DIR:
+        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(weights)}), dtype)
+    if recipe.quantization is None:
+        return models.load_adapter_model(recipe.model, weights, dtype)
+    load_dtype, quant = quantization_as_trained(recipe, RunRecord.load(target.location), dtype)
+    return models.load_adapter_model(recipe.model, weights, load_dtype, quant)

@@ -1,0 +1,1 @@
+"""The training runner, the Trainer subclass, the loss path, checkpoints, trackers, methods/."""

@@ -1,0 +1,236 @@
+"""What the preference methods (dpo, kto, orpo) share: their data tokenized by tunekit's SFT code, the
+reference model, the TRL trainer path, and the measures on held-out pairs.
+
+Pairs are rendered and tokenized by tunekit's own SFT code (data.Renderer, data.tokenize), so a DPO run
+sees exactly the prompts an SFT run on the same model sees, and the tokens that carry the loss are
+exactly the ones SFT would train: the chosen or rejected answer with its end-of-turn marker. TRL's own
+tokenization (which re-renders with its chat-template call) is bypassed by handing it the token ids.
+The trainers keep tunekit's pickle-free checkpoints (trainer.SafeState). The reference model: with a fresh
+LoRA adapter, the base with the adapter switched off (no second copy); with an adapter carried over from
+an earlier run (model.adapter_from), a frozen copy of that adapter; with full fine-tuning, a frozen copy
+of the base. Cheap to import: torch, TRL and tunekit's data and model modules load inside the functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+
+from tunekit.core.errors import TunekitError
+from tunekit.training.methods.base import Method, TrainerInputs
+
+log = logging.getLogger("tunekit")
+
+PAIRS = "(prompt, chosen, rejected) pairs"
+PAIR_FORMATS = ("preference",)  # the data formats holding such pairs
+DEFAULT_BETA = 0.1  # TRL's default beta: the implicit reward's scale when the recipe sets none
+
+
+def _split(example) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids): the answer starts at the first trained token."""
+    from tunekit.data.records import IGNORE
+
+    start = next((i for i, label in enumerate(example.labels) if label != IGNORE), len(example.labels))
+    return example.input_ids[:start], example.input_ids[start:]
+
+
+def tokenize_pair(record, renderer, tokenizer) -> dict:
+    """prompt_ids, chosen_ids and rejected_ids of one pair, untruncated."""
+    from tunekit.data import records as data_mod
+
+    parsed = renderer.format.parse(record, renderer.cfg.fields)
+    rejected_record = data_mod.Record({**record.values, renderer.cfg.fields.chosen: parsed.rejected}, record.where)
+    sides = []
+    for r in (record, rejected_record):
+        example, _ = data_mod.tokenize(renderer.render(r), tokenizer, 10**9, mask_prompt=True)
+        sides.append(_split(example))
+    (prompt, chosen), (prompt_r, rejected) = sides
+    if prompt != prompt_r:
+        raise TunekitError(f"{record.where}: the prompt tokenizes differently before the chosen and the rejected "
+                           "answer; use a chat template (data.template: chat) or end the prompt on a word boundary")
+    if not chosen or not rejected:
+        raise TunekitError(f"{record.where}: an empty chosen or rejected answer; every pair needs both")
+    return {"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}
+
+
+def tokenize_unpaired(record, renderer, tokenizer) -> dict:
+    """prompt_ids, completion_ids and label of one KTO example, untruncated."""
+    from tunekit.data import records as data_mod
+
+    rendered = renderer.render(record)
+    example, _ = data_mod.tokenize(rendered, tokenizer, 10**9, mask_prompt=True)
+    prompt, completion = _split(example)
+    if not completion:
+        raise TunekitError(f"{record.where}: an empty completion; every example needs one")
+    return {"prompt_ids": prompt, "completion_ids": completion, "label": rendered.desirable}
+
+
+def build_pairs(records: list, renderer, tokenizer, max_length: int, tokenize=tokenize_pair):
+    """Tokenized examples ((list of dicts, DataStats)); one whose prompt alone fills max_length is dropped (no
+    answer token would be left), longer answers are cut at max_length by the collator. Counted like SFT data."""
+    from tunekit.data.records import DataStats
+
+    pairs, stats = [], DataStats()
+    for record in records:
+        pair = tokenize(record, renderer, tokenizer)
+        answers = [key for key in pair if key.endswith("_ids") and key != "prompt_ids"]
+        if len(pair["prompt_ids"]) >= max_length:
+            stats.dropped_no_target += 1
+            continue
+        longest = len(pair["prompt_ids"]) + max(len(pair[a]) for a in answers)
+        stats.truncated += longest > max_length
+        stats.examples += 1
+        stats.tokens += len(pair["prompt_ids"]) + sum(len(pair[a]) for a in answers)
+        stats.trained_tokens += min(longest, max_length) - len(pair["prompt_ids"])
+        pairs.append(pair)
+    if not pairs:
+        raise TunekitError(f"no usable preference examples: every prompt fills data.max_length={max_length}")
+    return pairs, stats
+
+
+@dataclasses.dataclass
+class PairBundle:
+    train: object  # datasets.Dataset
+    eval: object | None
+    train_stats: object  # data.DataStats
+    eval_stats: object | None
+    template: str
+
+
+def build(recipe, tokenizer, tokenize=tokenize_pair, shuffle: bool = False, what: str = "train pairs") -> PairBundle:
+    """The recipe's train (and held-out) examples, tokenized by `tokenize`; `shuffle`: the order drawn once
+    here with the recipe's seed (for a trainer that samples in order)."""
+    import datasets
+
+    from tunekit.data import records as data_mod
+
+    cfg = recipe.data
+    renderer = data_mod.Renderer(cfg, tokenizer)
+    records = data_mod.read_records(cfg.train, cfg.train_split, "data.train")
+    held: list = []
+    if cfg.eval:
+        held = data_mod.read_records(cfg.eval, cfg.eval_split, "data.eval")
+    elif cfg.eval_fraction > 0:
+        records, held = data_mod.split_records(records, cfg.eval_fraction, recipe.training.seed)
+    if cfg.max_examples:
+        records = records[:cfg.max_examples]
+    train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length, tokenize)
+    if shuffle:
+        random.Random(recipe.training.seed).shuffle(train)
+    log.info(train_stats.line(what, cfg.max_length))
+    bundle = PairBundle(datasets.Dataset.from_list(train), None, train_stats, None, renderer.template)
+    if held:
+        pairs, bundle.eval_stats = build_pairs(held, renderer, tokenizer, cfg.max_length, tokenize)
+        bundle.eval = datasets.Dataset.from_list(pairs)
+    return bundle
+
+
+class BaseReference:
+    """Mixin for TRL's DPO and KTO trainers: removes TRL's "ref" adapter copy when the reference is the base
+    itself.
+
+    Given a PEFT model, TRL copies its adapter into a second adapter "ref" and uses that as the
+    reference. With a freshly initialised LoRA adapter (B = 0) that copy computes exactly the base
+    model, so it is removed again: TRL then takes the reference log-probabilities with the adapter
+    switched off, and no copy of anything is held or saved. An adapter that starts from an earlier run
+    (model.adapter_from) keeps TRL's copy: the reference is then the model that run produced."""
+
+    def __init__(self, *args, reference_is_base: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        if reference_is_base and "ref" in getattr(self.model, "peft_config", {}):
+            self.model.delete_adapter("ref")
+
+
+class PreferenceMethod(Method):
+    """A method trained by one of TRL's preference trainers on examples built by `build`."""
+
+    def trainer_class(self):
+        """The tunekit subclass of TRL's trainer (built on first use: it imports TRL)."""
+        raise NotImplementedError
+
+    def build_data(self, recipe, tokenizer) -> PairBundle:
+        return build(recipe, tokenizer)
+
+    def trl_kwargs(self, args, recipe) -> dict:
+        """The Trainer's arguments as keyword arguments of a TRL config, with tunekit's data settings."""
+        kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+        kwargs.update(max_length=recipe.data.max_length, dataset_num_proc=None)
+        if self.has_reference:
+            kwargs["precompute_ref_log_probs"] = False
+        return kwargs
+
+    def reference(self, recipe, precision, start_adapter) -> tuple[dict, str]:
+        if not self.has_reference:
+            return super().reference(recipe, precision, start_adapter)
+        if recipe.full_finetuning:
+            from tunekit.models import loading as models
+
+            ref = models.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
+            return {"ref_model": ref}, f"a frozen copy of the base model ({precision.name})"
+        if start_adapter is not None:
+            return ({"ref_model": None, "reference_is_base": False},
+                    f"the base with the starting adapter (a frozen copy of {start_adapter})")
+        return {"ref_model": None, "reference_is_base": True}, "the base with the adapter switched off (no second copy)"
+
+    def make_trainer(self, inputs: TrainerInputs):
+        from tunekit.data.records import CountingCollator
+
+        recipe = inputs.recipe
+        ref_args, reference = self.reference(recipe, inputs.precision, inputs.start_adapter)
+        log.info("%s: %s; reference: %s", self.name,
+                 ", ".join(f"{k} {v}" for k, v in self.settings_of(recipe).model_dump().items()), reference)
+        trainer = self.trainer_class()(
+            model=inputs.model, **ref_args, args=inputs.args, train_dataset=inputs.data.train,
+            eval_dataset=inputs.data.eval, processing_class=inputs.tokenizer, callbacks=inputs.callbacks,
+            generation_eval=inputs.generation_eval)
+        collate = getattr(trainer, "token_counter", CountingCollator)(trainer.data_collator)
+        trainer.data_collator = collate
+        return trainer, collate
+
+
+def answer_logps(model, pairs: list[dict], side: str, max_length: int, batch_size: int, pad_id: int):
+    """Summed log-probability of each pair's `side` answer given its prompt, cut at max_length as in training."""
+    import torch
+
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            seqs = [(p["prompt_ids"] + p[f"{side}_ids"])[:max_length] for p in pairs[start:start + batch_size]]
+            starts = [len(p["prompt_ids"]) for p in pairs[start:start + batch_size]]
+            width = max(map(len, seqs))
+            ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            token_logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            positions = torch.arange(1, width, device=device)[None]
+            answer = (positions >= torch.tensor(starts, device=device)[:, None]) & mask[:, 1:].bool()
+            out.append((token_logps * answer).sum(-1).cpu())
+    return torch.cat(out)
+
+
+def measures(model, tokenizer, recipe, records: list, limit: int | None, batch_size: int,
+             reward_beta: float | None) -> dict:
+    """Measures on held-out pairs. preference_accuracy: the share of pairs whose chosen answer the model
+    itself finds more likely than the rejected one (summed log-probabilities). With `reward_beta` and an
+    adapter, the implicit rewards beta * (log p_adapter - log p_base) as TRL computes them, the base (adapter
+    off) being the reference: reward_accuracy (chosen rewarded above rejected) and reward_margin (mean
+    difference)."""
+    from tunekit.data.records import Renderer
+
+    renderer = Renderer(recipe.data, tokenizer)
+    pairs = [tokenize_pair(r, renderer, tokenizer) for r in records[:limit or None]]
+    pairs = [p for p in pairs if len(p["prompt_ids"]) < recipe.data.max_length]
+    args = (recipe.data.max_length, batch_size, tokenizer.pad_token_id)
+    model.eval()
+    policy = {side: answer_logps(model, pairs, side, *args) for side in ("chosen", "rejected")}
+    scores = {"preference_accuracy": float((policy["chosen"] > policy["rejected"]).float().mean()),
+              "preference_pairs": len(pairs)}
+    if hasattr(model, "disable_adapter") and reward_beta is not None:
+        with model.disable_adapter():
+            ref = {side: answer_logps(model, pairs, side, *args) for side in ("chosen", "rejected")}
+        chosen, rejected = (reward_beta * (policy[s] - ref[s]) for s in ("chosen", "rejected"))
+        scores.update(reward_accuracy=float((chosen > rejected).float().mean()),
+                      reward_margin=float((chosen - rejected).mean()))
+    return scores

@@ -1,0 +1,50 @@
+"""training.method: sft -- supervised fine-tuning on the answers (tunekit's own Trainer and loss path).
+
+It trains on every data format no other method owns (a preference pair's chosen answer included), packs
+examples where the model allows it and takes the chunked loss path. On preference pairs, `tunekit eval`
+adds the pair measures (pairs.measures)."""
+
+from __future__ import annotations
+
+from tunekit.training.methods import pairs
+from tunekit.training.methods.base import Method, TrainerInputs, register
+
+
+class Sft(Method):
+    name = "sft"
+    summary = "supervised fine-tuning on answers"
+    chunked_loss = True
+    packs = True
+
+    def build_data(self, recipe, tokenizer):
+        from tunekit.data import arrow as arrowdata
+
+        return arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
+
+    def make_trainer(self, inputs: TrainerInputs):
+        from tunekit.data import records as data_mod
+        from tunekit.training.trainer import SafeStateTrainer
+
+        recipe = inputs.recipe
+        collate = data_mod.CountingCollator(
+            data_mod.collator(inputs.tokenizer, inputs.packed, inputs.attention == "flash_attention_2"))
+        trainer = SafeStateTrainer(
+            model=inputs.model,
+            args=inputs.args,
+            train_dataset=inputs.data.train,
+            eval_dataset=inputs.data.eval,
+            data_collator=collate,
+            processing_class=inputs.tokenizer,
+            callbacks=inputs.callbacks,
+            loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
+            chunked_loss=recipe.training.chunked_loss,
+            generation_eval=inputs.generation_eval,
+        )
+        return trainer, collate
+
+    def measures(self, model, tokenizer, recipe, records, limit, batch_size) -> dict:
+        if recipe.data.format not in pairs.PAIR_FORMATS:
+            return {}
+        return pairs.measures(model, tokenizer, recipe, records, limit, batch_size, reward_beta=pairs.DEFAULT_BETA)
+
+register(Sft())

@@ -1,0 +1,389 @@
+"""Recipe -> TrainingArguments -> transformers.Trainer (saving safetensors only) -> run directory."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
+
+from tunekit.data import records as data_mod
+from tunekit.runs import checkpoints as checkpoint_dir
+from tunekit.training import checkpoints
+from tunekit.core import distributed
+from tunekit.config import deepspeed as dsconfig
+from tunekit.training import methods
+from tunekit.models import info as modelinfo
+from tunekit.models import loading as models
+from tunekit.core import outputs
+from tunekit.data import packing
+from tunekit.training import preflight
+from tunekit.runs import layout as rundir
+from tunekit.training import trackers
+from tunekit.core.errors import TunekitError
+from tunekit.core.hardware import Precision, resolve_precision
+from tunekit.config.recipe import Recipe, to_yaml
+from tunekit.runs.layout import ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, INITIAL_ADAPTER_DIR, MODEL_DIR, RECIPE_FILE, RunRecord
+
+log = logging.getLogger("tunekit")
+
+
+
+class LossHistory(TrainerCallback):
+    """Appends every Trainer log line to loss_history.jsonl as it happens (main process only), with the
+    wall-clock time it was logged (throughput between lines in `tunekit report`)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, "time": round(time.time(), 3),
+                                    **logs}) + "\n")
+
+
+def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int, shipped: bool = False) -> dict | None:
+    """The recipe's DeepSpeed JSON with every "auto" that the recipe decides filled in (`shipped`: the
+    hidden size may come from tunekit's copy of a well-known model's config)."""
+    if recipe.training.deepspeed is None:
+        return None
+    hidden = getattr(modelinfo.model_config(recipe.model, shipped), "hidden_size", None)
+    return dsconfig.resolve(dsconfig.read(recipe.training.deepspeed), recipe, world_size, precision.name,
+                            f"training.deepspeed {recipe.training.deepspeed}", hidden)
+
+
+def _every(kind: str, steps: int | None) -> dict:
+    """Every `steps` optimizer steps, else at each epoch end (TrainingArguments' <kind>_strategy/<kind>_steps)."""
+    return {f"{kind}_strategy": "steps", f"{kind}_steps": steps} if steps else {f"{kind}_strategy": "epoch"}
+
+
+def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_eval: bool,
+                       ds: dict | None = None, process_group: dict | None = None) -> TrainingArguments:
+    """The Trainer's arguments for the recipe; `process_group` holds what `distributed.prepare` set up."""
+    t = recipe.training
+    save = _every("save", t.save_steps or t.max_steps)
+    evaluation = _every("eval", t.eval_steps or t.max_steps) if has_eval else {"eval_strategy": "no"}
+    best: dict = {}
+    if t.metric_for_best and has_eval:
+        # the best checkpoint is kept and loaded at the end, so one is saved at every evaluation
+        save = {"save_strategy": evaluation["eval_strategy"], **({"save_steps": evaluation["eval_steps"]}
+                                                                 if "eval_steps" in evaluation else {})}
+        best = {"load_best_model_at_end": True, "metric_for_best_model": t.metric_for_best,
+                "greater_is_better": t.best_is_greater, "restore_callback_states_from_checkpoint": True}
+    return TrainingArguments(
+        output_dir=str(run_dir / CHECKPOINTS_DIR),
+        per_device_train_batch_size=t.micro_batch_size,
+        per_device_eval_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps or -1,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_steps or t.warmup_ratio,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        optim=t.optimizer,
+        bf16=precision.name == "bf16",
+        fp16=precision.name == "fp16",
+        activation_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        save_total_limit=t.save_total_limit,
+        seed=t.seed,
+        data_seed=t.seed,
+        deepspeed=ds,
+        report_to="none",  # tracker callbacks come from trackers.callbacks, TensorBoard's aimed at the run dir
+        run_name=run_dir.name,
+        project="tunekit",
+        remove_unused_columns=False,
+        logging_nan_inf_filter=False,  # a NaN loss must be seen, not averaged away
+        train_sampling_strategy="group_by_length" if t.group_by_length else "random",
+        **save,
+        **evaluation,
+        **best,
+        **(process_group or {}),
+    )
+
+
+def peak_memory_gb() -> dict:
+    """Peak resident memory of this process and, on GPU, peak allocated CUDA memory."""
+    import resource
+
+    import torch
+
+    out = {"cpu_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2}
+    if torch.cuda.is_available():
+        out["cuda_allocated"] = torch.cuda.max_memory_allocated() / 1024**3
+    return out
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    recipe: Recipe  # as trained (data.max_length fitted to the model)
+    trainer: Trainer | None  # None when --resume found only the end-of-training eval left
+
+
+@dataclass
+class Prepared:
+    """Everything `fit` needs, built by `prepare` before any weights are trained."""
+
+    recipe: Recipe
+    run_dir: Path
+    launch: distributed.Launch
+    resume_from: Path | None
+    trainer: Trainer
+    collate: data_mod.CountingCollator
+    record: RunRecord
+
+
+def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResult:
+    """Train the recipe into its run directory, or continue it from its newest complete checkpoint.
+    The main process holds the run directory throughout. The end-of-training eval is the command's
+    next step (`evaluation.end_of_training`), not part of training."""
+    run_dir = Path(recipe.output_dir)
+    launch = distributed.current()
+    if resume:
+        outputs.require_dir(run_dir, "--resume: output_dir")  # before the lock, which would create its parent
+    recipe = modelinfo.fit_max_length(recipe)
+    with outputs.exclusive(run_dir) if launch.is_main else contextlib.nullcontext():
+        resume_from = rundir.check_resume(recipe, run_dir) if resume else None
+        if resume and resume_from is None:
+            log.info("training in %s completed before; only its end-of-training eval is left", run_dir)
+            return TrainResult(run_dir, recipe, None)
+        prepared = prepare(recipe, run_dir, launch, force, resume_from)
+        result = fit(prepared)
+        finalize(prepared, result)
+    return TrainResult(run_dir, recipe, prepared.trainer)
+
+
+def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bool,
+            resume_from: Path | None) -> Prepared:
+    """Data, output directory, process group, model and Trainer; writes recipe.yaml and run.json. The training
+    method (tunekit.training.methods) builds the data, its TRL config, its reference and its trainer."""
+    method = methods.of(recipe)
+    if resume_from is None:
+        outputs.check_free(run_dir, force, "output_dir")
+    trackers.check(recipe.training.report_to)
+    start = rundir.starting_adapter(recipe)
+    precision = resolve_precision(recipe.training.precision)
+    log.info("precision: %s (%s)", precision.name, precision.reason)
+    ds = deepspeed_config(recipe, precision, launch.world_size)
+    if ds is not None:
+        log.info("deepspeed: %s; %s", recipe.training.deepspeed, dsconfig.describe(ds))
+
+    # Tokenizer and data first: bad data fails here, before anything is written or loaded.
+    tokenizer = models.load_tokenizer(recipe.model)
+    tokenizer.padding_side = "right"
+    bundle = load_data(recipe, method, tokenizer)
+    if launch.is_main:
+        claim_run_dir(recipe, run_dir, force, resume_from)
+
+    process_group = distributed.prepare(deepspeed=ds is not None)  # may create the process group
+    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
+    args = method.trainer_config(args, recipe)
+    inputs = methods.TrainerInputs(recipe, None, args, bundle, tokenizer, precision, False, "",
+                                   start_adapter=start.path if start else None)
+    load_model(inputs, method, run_dir, launch.is_main and resume_from is None)
+    record = run_record(inputs, resume_from, start)
+    if launch.is_main:
+        write_run_files(recipe, run_dir, ds, record)
+    inputs.callbacks = run_callbacks(recipe, run_dir)
+    inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None)
+    trainer, collate = method.make_trainer(inputs)
+    return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+def load_data(recipe: Recipe, method: methods.Method, tokenizer):
+    """The method's tokenized train/eval data sets."""
+    bundle = method.build_data(recipe, tokenizer)
+    if recipe.training.metric_for_best and bundle.eval is None:
+        raise TunekitError(f"training.metric_for_best: {recipe.training.metric_for_best} needs held-out data; "
+                           "set data.eval or data.eval_fraction")
+    log.info("prompt template: %s; prompt tokens %s", bundle.template,
+             "masked" if recipe.data.mask_prompt else "trained")
+    return bundle
+
+
+def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path | None) -> None:
+    """The main process takes the run directory, or cuts its history back to the checkpoint it resumes."""
+    if resume_from is None:
+        outputs.claim(run_dir, force, "output_dir")
+        preflight.warn_if_disk_short(recipe, run_dir)
+    else:
+        log.info("resuming from %s", resume_from.name)
+        checkpoint_dir.truncate_history(run_dir / HISTORY_FILE, checkpoint_dir.step_of(resume_from))
+
+
+def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: Path, fresh_main: bool) -> None:
+    """The model to train, with its adapter, into `inputs` (and whether batches are packed, the attention);
+    `fresh_main`: the main process of a new run saves a rewritten adapter initialisation."""
+    recipe = inputs.recipe
+    set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
+    model = models.load_for_training(recipe, inputs.precision, inputs.start_adapter)
+    if inputs.start_adapter is not None:
+        log.info("adapter: starting from %s", inputs.start_adapter)
+    packed = method.packs and packing.use(model, recipe.data.packing)  # TRL's collators pad the pairs
+    attention = model.config._attn_implementation
+    log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
+             "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention)
+    if recipe.lora is not None and recipe.lora.init != "default" and fresh_main:
+        models.save_initial_adapter(model, run_dir / INITIAL_ADAPTER_DIR)
+    inputs.model, inputs.packed, inputs.attention = model, packed, attention
+
+
+def run_record(inputs: methods.TrainerInputs, resume_from: Path | None, start) -> RunRecord:
+    """run.json as training starts (logged: parameters and the batch per optimizer step)."""
+    recipe, args, bundle, precision = inputs.recipe, inputs.args, inputs.data, inputs.precision
+    total, trainable = models.count_parameters(inputs.model)
+    log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
+             100 * trainable / max(total, 1), recipe.adapter_kind)
+    effective = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    log.info("batch: world size %d x micro-batch %d x accumulation %d = %d examples per optimizer step",
+             args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps, effective)
+    return RunRecord(
+        status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=outputs.command_line(),
+        versions=outputs.versions(), precision={"name": precision.name, "reason": precision.reason},
+        adapter=recipe.adapter_kind, training_method=recipe.training.method, base_model=recipe.model.name_or_path,
+        parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
+        resumed_from=resume_from.name if resume_from else None, adapter_from=start.source if start else None,
+        data={"template": bundle.template, "packed": inputs.packed, "attention": inputs.attention,
+              "train": vars(bundle.train_stats), "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
+    )
+
+
+def write_run_files(recipe: Recipe, run_dir: Path, ds: dict | None, record: RunRecord) -> None:
+    """recipe.yaml (as trained), the resolved DeepSpeed config and run.json, by the main process."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RECIPE_FILE).write_text(to_yaml(recipe), encoding="utf-8")
+    if ds is not None:
+        outputs.write_json(run_dir / DEEPSPEED_FILE, ds)
+    record.save(run_dir)
+
+
+def run_callbacks(recipe: Recipe, run_dir: Path) -> list:
+    """Loss history, checkpoint marks, the non-finite stop, early stopping and the trackers."""
+    return ([LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
+            + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
+               if recipe.training.early_stopping_patience else [])
+            + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
+
+
+def generation_eval(recipe: Recipe, tokenizer, evaluates: bool):
+    """BLEU/ROUGE/... at each evaluation during training, when the recipe has an eval section."""
+    if not (evaluates and recipe.eval is not None and recipe.eval.during_training):
+        return None
+    from tunekit.evaluation.runner import DuringTraining, held_out_records
+
+    return DuringTraining(recipe, tokenizer, held_out_records(recipe))
+
+
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _out_of_space(e: BaseException) -> str | None:
+    """The reason, when `e` says the disk (or the file-size limit) is full. safetensors reports I/O
+    errors as SafetensorError("... (os error 28)"), not as OSError, so its text is read too."""
+    if isinstance(e, OSError) and e.errno in FULL:
+        return e.strerror
+    found = re.search(r"os error (\d+)", str(e))
+    if found and int(found.group(1)) in FULL:
+        return os.strerror(int(found.group(1)))
+    return None
+
+
+def fit(p: Prepared):
+    """The Trainer's loop; a failure is recorded in run.json, and a full disk becomes one line."""
+    trainer = p.trainer
+    try:
+        return trainer.train(resume_from_checkpoint=str(p.resume_from) if p.resume_from else None)
+    except BaseException as e:
+        for callback in trainer.callback_handler.callbacks:  # close the progress bar before the error line
+            bar = getattr(callback, "training_bar", None)
+            if bar is not None:
+                bar.close()
+        if p.launch.is_main:
+            p.record.status = "failed"
+            p.record.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            p.record.failed_at_step = trainer.state.global_step
+            with contextlib.suppress(OSError):  # the disk may be full
+                p.record.save(p.run_dir)
+        reason = _out_of_space(e)
+        if reason:
+            last = checkpoint_dir.newest_complete(p.run_dir / CHECKPOINTS_DIR)
+            raise TunekitError(
+                f"out of disk space in {p.run_dir} at step {trainer.state.global_step} ({reason}); free space, then "
+                f"add --resume to continue from {last.name if last else 'the start (no checkpoint was complete)'}"
+            ) from None
+        raise
+
+
+def best_checkpoint(trainer: Trainer, recipe: Recipe) -> dict | None:
+    """Which evaluation the final weights come from, with metric_for_best; whether training stopped early."""
+    t, state = recipe.training, trainer.state
+    if not t.metric_for_best or state.best_global_step is None:
+        return None
+    planned = state.max_steps
+    return {"metric": t.metric_for_best, "greater_is_better": t.best_is_greater, "value": state.best_metric,
+            "step": state.best_global_step, "stopped_early": state.global_step < planned,
+            "last_step": state.global_step}
+
+
+def finalize(p: Prepared, result) -> None:
+    """The final adapter or model, renamed into place once complete, and the completed run.json."""
+    trainer, run_dir = p.trainer, p.run_dir
+    final = run_dir / (MODEL_DIR if p.recipe.full_finetuning else ADAPTER_DIR)
+    # save_model gathers ZeRO-3 shards and must run on every rank; only rank 0 writes files.
+    tmp = run_dir / f".{final.name}.partial"
+    if p.launch.is_main and tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed while saving
+    trainer.save_model(str(tmp))
+    if p.launch.is_main:
+        if p.recipe.lora is not None and p.recipe.lora.init != "default":
+            models.convert_to_plain_lora(tmp, run_dir / INITIAL_ADAPTER_DIR)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        history = trainer.state.log_history
+        losses = [h["loss"] for h in history if "loss" in h]
+        last_eval = next((h for h in reversed(history) if "eval_loss" in h), {})
+        runtime = result.metrics.get("train_runtime")
+        p.record.update(
+            run_dir,
+            status="completed",
+            finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            global_step=trainer.state.global_step,
+            train_loss=result.training_loss,
+            first_logged_loss=losses[0] if losses else None,
+            last_logged_loss=losses[-1] if losses else None,
+            eval_loss=last_eval.get("eval_loss"),
+            best=best_checkpoint(trainer, p.recipe),
+            eval_scores={k.removeprefix("eval_"): v for k, v in last_eval.items()
+                         if k.startswith("eval_") and not k.endswith(("_runtime", "_per_second"))},
+            output=final.name,
+            throughput={
+                "train_runtime_s": runtime,
+                "tokens_real": p.collate.real,
+                "tokens_computed": p.collate.computed,
+                "padding_fraction": p.collate.padding_fraction,
+                "real_tokens_per_s": p.collate.real / runtime if runtime else None,
+                "note": "this process's batches, eval passes during training included",
+            },
+            peak_memory_gb=peak_memory_gb(),
+        )
+        if p.record.best:
+            b = p.record.best
+            log.info("%s/ holds the best checkpoint: step %d, %s %.4f%s", final.name, b["step"], b["metric"],
+                     b["value"], f"; stopped early at step {b['last_step']}" if b["stopped_early"] else "")
+        log.info("run directory: %s (%s/)", run_dir, final.name)
+    distributed.finish()

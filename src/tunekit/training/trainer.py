@@ -1,0 +1,195 @@
+"""transformers.Trainer whose checkpoints hold no pickles.
+
+The stock Trainer writes optimizer.pt, scheduler.pt, scaler.pt and rng_state.pth with torch.save and a
+pickled training_args.bin; DeepSpeed writes its shards with torch.save too. Here the same state goes
+through statefile (safetensors), DeepSpeed engines get a safetensors checkpoint engine, and the
+TrainingArguments pickle is not written (the run's recipe.yaml holds the same settings).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+from transformers import Trainer
+
+from tunekit.models import losspath
+from tunekit.core import statefile
+from tunekit.runs.checkpoints import OPTIMIZER
+
+log = logging.getLogger("tunekit")
+
+SCHEDULER = "scheduler.safetensors"
+SCALER = "scaler.safetensors"
+
+
+def _rng_file(args) -> str:
+    return "rng_state.safetensors" if args.world_size <= 1 else f"rng_state_{args.process_index}.safetensors"
+
+
+class SafeState:
+    """Mixin for transformers.Trainer and its subclasses (TRL's trainers): checkpoints without pickles."""
+
+    # --- DeepSpeed: the Trainer assigns its engine to self.deepspeed right after building it and before
+    # loading a checkpoint into it; that is where the engine is switched to safetensors.
+    @property
+    def deepspeed(self):
+        return self.__dict__.get("_deepspeed_engine")
+
+    @deepspeed.setter
+    def deepspeed(self, engine):
+        if engine is not None:
+            from tunekit.training.dscheckpoint import use_safetensors
+
+            use_safetensors(engine)
+        self.__dict__["_deepspeed_engine"] = engine
+
+    def _uses_deepspeed_scheduler(self) -> bool:
+        if not self.is_deepspeed_enabled:
+            return False
+        from accelerate.utils import DeepSpeedSchedulerWrapper
+
+        return isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper)
+
+    # --- weights: Trainer._save minus torch.save(self.args)
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save and not self.is_distributed_loading_by_transformers:
+            return
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        # only the trained adapter: a frozen reference copy (TRL's "ref" adapter) is rebuilt at each start
+        only = {"selected_adapters": ["default"]} if len(getattr(model, "peft_config", {})) > 1 else {}
+        model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=self.args.should_save, **only)
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+    # --- optimizer, scheduler, gradient scaler
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.is_deepspeed_enabled:
+            # DeepSpeed saves optimizer shards (and its own scheduler) through the engine installed above.
+            self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=self._is_peft())
+        elif self.args.should_save:
+            statefile.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER))
+        if self.args.should_save and not self._uses_deepspeed_scheduler():
+            statefile.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        if not self.is_deepspeed_enabled:
+            device = self.args.device if self.args.world_size > 1 and self.args.device.type != "cpu" else "cpu"
+            self.optimizer.load_state_dict(statefile.load(os.path.join(checkpoint, OPTIMIZER), device))
+        if not self._uses_deepspeed_scheduler():
+            self.lr_scheduler.load_state_dict(statefile.load(os.path.join(checkpoint, SCHEDULER)))
+
+    def _save_scaler(self, output_dir: str) -> None:
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and self.args.should_save:
+            statefile.save(scaler.state_dict(), os.path.join(output_dir, SCALER))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        scaler = getattr(self.accelerator, "scaler", None)
+        if checkpoint is not None and scaler is not None and os.path.isfile(os.path.join(checkpoint, SCALER)):
+            scaler.load_state_dict(statefile.load(os.path.join(checkpoint, SCALER)))
+
+    # --- random number generators (each process its own file)
+    def _save_rng_state(self, output_dir: str) -> None:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.random.get_rng_state_all()
+        os.makedirs(output_dir, exist_ok=True)
+        statefile.save(state, os.path.join(output_dir, _rng_file(self.args)))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, _rng_file(self.args))
+        if not os.path.isfile(path):  # saved under another world size
+            log.warning("%s has no RNG state for this process; random draws will differ from the first run", checkpoint)
+            return
+        state = statefile.load(path)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.random.set_rng_state(state["cpu"])
+        if torch.cuda.is_available() and "cuda" in state:
+            torch.cuda.random.set_rng_state_all(state["cuda"])
+
+    def _is_peft(self) -> bool:
+        from peft import PeftModel
+
+        return isinstance(self.accelerator.unwrap_model(self.model), PeftModel)
+
+
+class GenerationEval:
+    """Mixin for transformers.Trainer and its subclasses: generation metrics at every evaluation."""
+
+    def __init__(self, *args, generation_eval=None, **kwargs):
+        self.generation_eval = generation_eval  # model -> {metric: value}, see evaluation.DuringTraining
+        super().__init__(*args, **kwargs)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """The stock loss pass, then the generation metrics, so that both are logged together and reach
+        the callbacks and best-checkpoint tracking as eval_<metric>."""
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        if self.generation_eval is not None:
+            # TRL's unwrapping gathers ZeRO-3's partitioned weights once for the whole generation instead of at
+            # every forward (measured on 2 CPU processes: 37 s -> a few seconds for 4 answers of 32 tokens); the
+            # full model must then fit on each device, as it must for the end-of-training eval.
+            from trl.models import unwrap_model_for_generation
+
+            with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model:
+                scores = self.generation_eval(model)
+            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in scores.items()})
+        return output
+
+
+class SafeStateTrainer(SafeState, GenerationEval, Trainer):
+    """The Trainer tunekit runs for SFT: pickle-free checkpoints, the chunked loss, LoRA+, generation metrics."""
+
+    def __init__(self, *args, loraplus_lr_ratio: float | None = None, chunked_loss: bool = False, **kwargs):
+        self.loraplus_lr_ratio = loraplus_lr_ratio
+        super().__init__(*args, **kwargs)
+        stock_only = self.label_smoother is not None or self.compute_loss_func is not None
+        self.loss_head = losspath.install(self.model) if chunked_loss and not stock_only else None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The stock loss, computed by `losspath` on trained positions only; normalized as the stock path
+        does (by the Trainer's token count across accumulation steps and processes, else the batch mean)."""
+        if self.loss_head is None or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        targets = losspath.shift_targets(inputs.pop("labels"))
+        with self.loss_head.active(targets):
+            outputs = model(**inputs)
+        total = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
+                            else num_items_in_batch)
+            if self.args.average_tokens_across_devices:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
+                               else self.args.n_gpu)
+        else:
+            loss = total / self.loss_head.trained
+        return (loss, outputs) if return_outputs else loss
+
+    def create_optimizer(self, model=None):
+        """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio. The Trainer
+        calls this under DeepSpeed too, unless the DeepSpeed config brings its own optimizer (refused
+        with LoRA+ when the recipe is loaded)."""
+        if self.loraplus_lr_ratio is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from peft.optimizers import create_loraplus_optimizer
+
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+        kwargs = dict(kwargs)
+        self.optimizer = create_loraplus_optimizer(self.model, optimizer_cls, lr=kwargs.pop("lr"),
+                                                   loraplus_lr_ratio=self.loraplus_lr_ratio,
+                                                   loraplus_weight_decay=self.args.weight_decay, **kwargs)
+        return self.optimizer
