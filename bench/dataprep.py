@@ -25,7 +25,7 @@ CHILD = """
 import json, resource, sys, time
 from pathlib import Path
 from tunekit.models import loading as models
-from tunekit.config.recipe import DataConfig, ModelConfig
+from tunekit.config.schema import DataConfig, ModelConfig
 tok = models.load_tokenizer(ModelConfig(name_or_path=sys.argv[2]))
 cfg = DataConfig(train=sys.argv[1], max_length=512)
 status = lambda key: int(Path("/proc/self/status").read_text().split(key + ":")[1].split()[0]) * 1024

@@ -36,7 +36,7 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
 
     from tunekit.plan import estimate as plan
     from tunekit.core.hardware import Precision
-    from tunekit.config.recipe import from_dict
+    from tunekit.config.loading import from_dict
 
     raw = {"model": {"name_or_path": model}, "adapter": adapter, "data": {"train": data, "max_length": seq},
            "training": {"precision": precision, "micro_batch_size": micro, "gradient_checkpointing": ckpt,

@@ -41,7 +41,7 @@ def main() -> int:
     from tunekit.models import loading as models
     from tunekit.data import records as data_mod
     from tunekit.core.hardware import Precision
-    from tunekit.config.recipe import from_dict
+    from tunekit.config.loading import from_dict
 
     model_dir = models.materialize(BASE)
     files = realdata.write(Path(tempfile.mkdtemp(prefix="tunekit-profile-")), 8 * a.batches, 8)

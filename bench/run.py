@@ -93,7 +93,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     from tunekit.models import loading as models
     from tunekit.data import packing
     from tunekit.core.hardware import Precision
-    from tunekit.config.recipe import from_dict
+    from tunekit.config.loading import from_dict
 
     raw = {"model": {"name_or_path": model_dir}, "data": {"train": str(train), "max_length": 256},
            "lora": {"r": 16, "alpha": 32, "dropout": 0.0}, "training": {"precision": "bf16"}}
@@ -129,7 +129,7 @@ def eval_loss(adapter: str, model_dir: str, eval_file: Path) -> float:
     from tunekit.data import records as data_mod
     from tunekit.evaluation import runner as evaluation
     from tunekit.models import loading as models
-    from tunekit.config.recipe import DataConfig, ModelConfig
+    from tunekit.config.schema import DataConfig, ModelConfig
 
     cfg = ModelConfig(name_or_path=model_dir)
     tok = models.load_tokenizer(cfg)
@@ -145,7 +145,7 @@ def generation(model_dir: str, eval_file: Path, n: int, batch_size: int, max_new
     from tunekit.data import records as data_mod
     from tunekit.evaluation import runner as evaluation
     from tunekit.models import loading as models
-    from tunekit.config.recipe import DataConfig, ModelConfig
+    from tunekit.config.schema import DataConfig, ModelConfig
 
     cfg = ModelConfig(name_or_path=model_dir)
     tok = models.load_tokenizer(cfg)

@@ -12,7 +12,7 @@ from conftest import reverse_rows, write_jsonl
 
 from tunekit.data import arrow as arrowdata
 from tunekit.core.errors import TunekitError
-from tunekit.config.recipe import DataConfig
+from tunekit.config.schema import DataConfig
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,7 @@ import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from transformers import AutoTokenizer
 from tunekit.data import arrow as arrowdata
-from tunekit.config.recipe import DataConfig
+from tunekit.config.schema import DataConfig
 bundle = arrowdata.build(DataConfig(train=sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2]), 0)
 print(len(bundle.train))
 """

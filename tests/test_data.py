@@ -9,7 +9,7 @@ from tunekit.data import arrow as arrowdata
 from tunekit.data import records as data_mod
 from tunekit.data.records import IGNORE, Record, Renderer, tokenize
 from tunekit.core.errors import TunekitError
-from tunekit.config.recipe import DataConfig
+from tunekit.config.schema import DataConfig
 
 
 def cfg(**kw) -> DataConfig:

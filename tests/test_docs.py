@@ -27,7 +27,8 @@ import yaml
 from pydantic import BaseModel
 
 from tunekit.cli import main as cli  # the parser (cli.build_parser)
-from tunekit.config import recipe  # recipes (recipe.load, .from_dict, .Recipe)
+from tunekit.config import loading as recipe  # recipes (recipe.load, .from_dict, .Recipe)
+from tunekit.config import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -128,7 +129,7 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def _schema_has(dotted: str) -> bool:
-    model = recipe.Recipe
+    model = schema.Recipe
     for part in dotted.split("."):
         if model is None or part not in model.model_fields:
             return False
@@ -262,7 +263,7 @@ def check_yaml_block(body: str, where_line: int, path: Path) -> list[str]:
         raw = yaml.safe_load(body)
     except yaml.YAMLError as e:
         return [f"{_rel(path)}:{where_line}: invalid YAML: {e}"]
-    if not isinstance(raw, dict) or not set(raw) <= set(recipe.Recipe.model_fields):
+    if not isinstance(raw, dict) or not set(raw) <= set(schema.Recipe.model_fields):
         return []
     full = {"model": {"name_or_path": "org/model"}, "data": {"train": "recipes/data/extract_train.jsonl"}, **raw}
     try:
@@ -355,7 +356,7 @@ def test_the_recipe_reference_names_every_key_of_the_schema():
             if sub is not None:
                 yield from keys(sub, f"{prefix}{name}.")
 
-    missing = [k for k in keys(recipe.Recipe) if f"| `{k}` |" not in text]
+    missing = [k for k in keys(schema.Recipe) if f"| `{k}` |" not in text]
     assert not missing, missing
 
 

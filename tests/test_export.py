@@ -205,7 +205,7 @@ def test_a_run_exports_as_a_safetensors_directory_equal_to_its_merged_model(tmp_
     from transformers import AutoTokenizer
 
     from tunekit.export import merge as merge_mod
-    from tunekit.config import recipe as recipe_mod
+    from tunekit.config import loading as recipe_mod
     from tunekit.training import runner as train
 
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))

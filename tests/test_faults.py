@@ -23,7 +23,8 @@ from conftest import ROOT, assert_no_pickles, cut_after_checkpoint, reverse_rows
 from tunekit.runs import checkpoints
 from tunekit.models import loading as models
 from tunekit.training import preflight
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
+from tunekit.config import schema
 from tunekit.core import statefile
 from tunekit.training import runner as train
 from tunekit.core.errors import TunekitError
@@ -319,7 +320,7 @@ def test_preflight_warns_when_disk_looks_too_small(tmp_path, tiny_model, monkeyp
 
 
 def test_trust_remote_code_is_off_by_default_and_logged_when_on(tiny_model, caplog, tmp_path):
-    cfg = recipe_mod.ModelConfig(name_or_path=str(tiny_model))
+    cfg = schema.ModelConfig(name_or_path=str(tiny_model))
     assert cfg.trust_remote_code is False
     with caplog.at_level(logging.WARNING, logger="tunekit"):
         models.load_base(cfg.model_copy(update={"trust_remote_code": True}), torch.float32)

@@ -15,7 +15,7 @@ from tunekit.data import records as data_mod
 from tunekit.models import losspath
 from tunekit.models import loading as models
 from tunekit.core.hardware import Precision
-from tunekit.config.recipe import from_dict
+from tunekit.config.loading import from_dict
 from tunekit.training.runner import training_arguments
 from tunekit.training.trainer import SafeStateTrainer
 

@@ -12,7 +12,7 @@ from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_reci
 from tunekit.data import records as data_mod
 from tunekit.export import merge as merge_mod
 from tunekit.models import loading as models
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
 from tunekit.runs import layout as rundir
 from tunekit.runs import trained
 from tunekit.core.errors import TunekitError

@@ -16,19 +16,20 @@ import pytest
 import tunekit
 from conftest import tiny_recipe, write_jsonl, write_recipe
 from tunekit.training import methods
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
+from tunekit.config import schema
 from tunekit.core.errors import TunekitError
 
 PACKAGE = Path(tunekit.__file__).parent
 
 
 def test_the_allowed_methods_and_sections_are_the_registry():
-    allowed = typing.get_args(recipe_mod.TrainingConfig.model_fields["method"].annotation)
+    allowed = typing.get_args(schema.TrainingConfig.model_fields["method"].annotation)
     assert allowed == tuple(methods.METHODS) == ("sft", "dpo", "kto", "orpo")
     sections = {m.section for m in methods.METHODS.values() if m.section}
-    assert sections == {"dpo", "kto", "orpo"} and sections <= set(recipe_mod.Recipe.model_fields)
+    assert sections == {"dpo", "kto", "orpo"} and sections <= set(schema.Recipe.model_fields)
     for m in methods.METHODS.values():
-        assert m.name in recipe_mod.TrainingConfig.model_fields["method"].description
+        assert m.name in schema.TrainingConfig.model_fields["method"].description
 
 
 def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_model):
@@ -58,7 +59,7 @@ class Toy(Method):
     sequences = 3
 
 register(Toy())
-from tunekit.config import recipe
+from tunekit.config import loading as recipe
 from tunekit.plan import estimate as plan  # the schema is built after the registration
 raw = yaml.safe_load(open(sys.argv[1]))
 raw["training"]["method"] = "toy"
@@ -89,7 +90,7 @@ def test_a_registered_method_is_a_training_method_with_its_section(tmp_path, tin
 
 
 def test_the_recipe_imports_no_torch():
-    code = "import sys, tunekit.config.recipe; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
+    code = "import sys, tunekit.config.loading; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
@@ -104,7 +105,7 @@ def test_the_old_preference_section_reads_as_dpo_with_a_note(tmp_path, tiny_mode
     path = write_recipe(tmp_path / "r.yaml", dpo_raw(tmp_path, tiny_model, preference={"beta": 0.3}))
     with caplog.at_level(logging.INFO, logger="tunekit"):
         r = recipe_mod.load(path)
-    assert r.dpo.beta == 0.3 and "preference" not in recipe_mod.Recipe.model_fields
+    assert r.dpo.beta == 0.3 and "preference" not in schema.Recipe.model_fields
     notes = [rec.getMessage() for rec in caplog.records if "preference" in rec.getMessage()]
     assert notes == [f"{path}: the preference section is now named dpo; read as dpo (rename it)"]
     assert "preference" not in yaml_of(r) and recipe_mod.from_dict(yaml_of(r)).dpo.beta == 0.3

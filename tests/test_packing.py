@@ -14,7 +14,8 @@ from tunekit.data import arrow as arrowdata
 from tunekit.data import records as data_mod
 from tunekit.models import loading as models
 from tunekit.data import packing
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
+from tunekit.config import schema
 from tunekit.training import runner as train
 from tunekit.core.hardware import Precision
 
@@ -39,7 +40,7 @@ def per_token_loss(logits, labels):
 def test_each_example_has_the_same_per_token_loss_packed_and_alone(tiny_model, tiny_tokenizer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     model.config.use_cache = False  # as in training
-    bundle = arrowdata.build(recipe_mod.DataConfig(train=str(write_jsonl(tmp_path / "d.jsonl", mixed_rows(6)))),
+    bundle = arrowdata.build(schema.DataConfig(train=str(write_jsonl(tmp_path / "d.jsonl", mixed_rows(6)))),
                             tiny_tokenizer, seed=0)
     features = [bundle.train[i] for i in range(len(bundle.train))]
     batch = data_mod.collator(tiny_tokenizer, packing=True)(features)

@@ -11,7 +11,7 @@ import torch
 from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.models import loading as models
 from tunekit.plan import estimate as plan
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
 from tunekit.core.hardware import Precision
 
 

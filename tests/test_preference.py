@@ -14,7 +14,7 @@ from tunekit.data import records as data_mod
 from tunekit.evaluation import runner as evaluation
 from tunekit.training import methods
 from tunekit.models import loading as models
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
 from tunekit.training import runner as train
 from tunekit.training.methods import pairs as pairs_mod
 from tunekit.core.errors import TunekitError

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli, write_jsonl, write_recipe
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
+from tunekit.config import schema
 from tunekit.core.errors import TunekitError
 
 
@@ -34,7 +35,7 @@ def test_method_and_quantization_are_separate_and_the_old_qlora_spelling_still_r
     assert recipe_mod.load(path, ["adapter=none"]).adapter_kind == "full"
     with caplog.at_level("INFO", logger="tunekit"):
         old = recipe_mod.load(path, ["adapter=qlora"])
-    assert old.adapter == "lora" and old.quantization == recipe_mod.QuantizationConfig()
+    assert old.adapter == "lora" and old.quantization == schema.QuantizationConfig()
     assert "adapter: qlora is now written adapter: lora with a quantization section" in caplog.text
     assert "adapter: lora" in recipe_mod.to_yaml(old)  # saved in the new spelling
 

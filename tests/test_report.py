@@ -13,7 +13,7 @@ import pytest
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.evaluation import runner as evaluation
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
 from tunekit.reporting import report
 from tunekit.training import runner as train
 

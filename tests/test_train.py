@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.models import loading as models
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
 from tunekit.training import runner as train
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision

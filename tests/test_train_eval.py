@@ -9,7 +9,7 @@ import pytest
 
 from conftest import launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.evaluation import runner as evaluation
-from tunekit.config import recipe as recipe_mod
+from tunekit.config import loading as recipe_mod
 from tunekit.training import runner as train
 
 SCORES = ("bleu", "chrf", "rouge1", "rougeL", "exact_match")

@@ -67,7 +67,7 @@ def size(text: str) -> int:
 
 
 def override(text: str) -> str:
-    from tunekit.config.recipe import parse_override
+    from tunekit.config.loading import parse_override
 
     try:
         parse_override(text)
@@ -83,7 +83,7 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_validate(a) -> int:
-    from tunekit.config import recipe as recipe_mod
+    from tunekit.config import loading as recipe_mod
     from tunekit.models.hub import Unavailable
     from tunekit.models.info import fit_max_length
 
@@ -109,7 +109,7 @@ def cmd_validate(a) -> int:
 def cmd_train(a) -> int:
     from pathlib import Path
 
-    from tunekit.config import recipe as recipe_mod
+    from tunekit.config import loading as recipe_mod
     from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
 
     recipe = recipe_mod.load(a.recipe, a.overrides)
@@ -167,7 +167,7 @@ def cmd_eval(a) -> int:
     from pathlib import Path
 
     from tunekit.evaluation import runner as evaluation
-    from tunekit.config.recipe import EvalConfig
+    from tunekit.config.schema import EvalConfig
     from tunekit.evaluation.table import format_table
 
     for flag, value in (("--data", a.data), ("--recipe", a.recipe)):
@@ -190,7 +190,7 @@ def cmd_eval(a) -> int:
 
 def cmd_plan(a) -> int:
     from tunekit.plan import estimate as plan
-    from tunekit.config import recipe as recipe_mod
+    from tunekit.config import loading as recipe_mod
     from tunekit.core.hardware import resolve_precision
 
     from tunekit.models.info import config_file, fit_max_length

@@ -30,7 +30,7 @@ from tunekit.data.records import DataBundle, DataStats, Renderer, split_indices
 from tunekit.core.errors import TunekitError
 from tunekit.data.formats import Record
 from tunekit.core.outputs import cache_root
-from tunekit.config.recipe import DataConfig
+from tunekit.config.schema import DataConfig
 
 log = logging.getLogger("tunekit")
 

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 from tunekit.models import hub
 from tunekit.core.errors import TunekitError, first_line
 from tunekit.data.formats import FORMATS, Record
-from tunekit.config.recipe import DataConfig
+from tunekit.config.schema import DataConfig
 
 log = logging.getLogger("tunekit")
 

@@ -19,7 +19,7 @@ from tunekit.models import loading as models
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
-from tunekit.config.recipe import EvalConfig, Recipe
+from tunekit.config.schema import EvalConfig, Recipe
 from tunekit.runs.layout import EVAL_DIR, RunRecord, Target, resolve_target
 from tunekit.evaluation.table import format_table, table_rows  # noqa: F401  (evaluation.table_rows: tests, demo)
 from tunekit.runs.trained import load_trained

@@ -22,8 +22,8 @@ from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
 from tunekit.models.info import model_config
-from tunekit.config.recipe import load as load_recipe
-from tunekit.config.recipe import to_yaml
+from tunekit.config.loading import load as load_recipe
+from tunekit.config.loading import to_yaml
 from tunekit.runs.layout import ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, MODEL_DIR, RECIPE_FILE, RUN_FILE, RunRecord, is_run
 from tunekit.runs.trained import quantization_as_trained
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tunekit.models import hub
 from tunekit.core.errors import TunekitError
-from tunekit.config.recipe import ModelConfig, Recipe
+from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.models.sources import resolve_model
 
 log = logging.getLogger("tunekit")

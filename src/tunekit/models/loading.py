@@ -21,7 +21,7 @@ from tunekit.models import hub
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
-from tunekit.config.recipe import ModelConfig, Recipe
+from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.models.sources import ModelSource, resolve_model
 
 log = logging.getLogger("tunekit")

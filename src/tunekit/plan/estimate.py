@@ -16,7 +16,7 @@ import torch
 
 from tunekit.config import deepspeed as dsconfig
 from tunekit.training import methods
-from tunekit.config.recipe import Recipe
+from tunekit.config.schema import Recipe
 
 GiB = 1024**3
 QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
@@ -294,12 +294,12 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
                         recipe, dataclasses.replace(s, micro_batch=half,
                                                     accumulation=s.accumulation * (s.micro_batch // half))))
     if recipe.adapter_kind == "lora":
-        from tunekit.config.recipe import QuantizationConfig
+        from tunekit.config.schema import QuantizationConfig
 
         qrecipe = recipe.model_copy(update={"quantization": QuantizationConfig()})
         options.append(("QLoRA: a quantization section (4-bit nf4 base)", qrecipe, s))
     if recipe.full_finetuning:
-        from tunekit.config.recipe import LoraConfig
+        from tunekit.config.schema import LoraConfig
 
         options.append(("adapter=lora", recipe.model_copy(update={"adapter": "lora", "lora": LoraConfig()}), s))
     if s.world_size > 1:

@@ -13,8 +13,9 @@ from pathlib import Path
 from tunekit.runs import checkpoints as checkpointdir
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
-from tunekit.config.recipe import Recipe, to_yaml
-from tunekit.config.recipe import load as load_recipe
+from tunekit.config.schema import Recipe
+from tunekit.config.loading import to_yaml
+from tunekit.config.loading import load as load_recipe
 from tunekit.models.sources import resolve_model
 
 RUN_FILE = "run.json"
@@ -183,7 +184,7 @@ def resolve_target(spec: str, recipe_path: str | None = None, data: str | None =
     if recipe_path:
         recipe = load_recipe(recipe_path, [f"model.name_or_path={spec}"])
     elif data:
-        from tunekit.config.recipe import from_dict
+        from tunekit.config.loading import from_dict
 
         recipe = from_dict({"model": {"name_or_path": spec}, "data": {"train": data}}, source="eval")
     elif source.kind == "hub":

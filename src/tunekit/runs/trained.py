@@ -8,7 +8,7 @@ import torch
 
 from tunekit.models import loading as models
 from tunekit.core.hardware import DTYPES, Precision
-from tunekit.config.recipe import Recipe
+from tunekit.config.schema import Recipe
 from tunekit.runs.layout import MODEL_DIR, RunRecord, Target, weights_dir
 
 

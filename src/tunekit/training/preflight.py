@@ -6,7 +6,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from tunekit.config.recipe import Recipe
+from tunekit.config.schema import Recipe
 
 log = logging.getLogger("tunekit")
 

@@ -30,7 +30,8 @@ from tunekit.runs import layout as rundir
 from tunekit.training import trackers
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision, resolve_precision
-from tunekit.config.recipe import Recipe, to_yaml
+from tunekit.config.schema import Recipe
+from tunekit.config.loading import to_yaml
 from tunekit.runs.layout import ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, INITIAL_ADAPTER_DIR, MODEL_DIR, RECIPE_FILE, RunRecord
 
 log = logging.getLogger("tunekit")
