@@ -272,7 +272,7 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
-    """--format and each format's own options, from the registry (export_formats.FORMATS)."""
+    """--format and each format's own options, from the registry (export.formats.FORMATS)."""
     from tunekit.export.formats import FORMATS, all_options
 
     p.add_argument("target", help="run directory (merged on the fly), merged directory, or base model")
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         p.add_argument("--verbose", action="store_true",
                        help="show every library's messages (a listed few that need no action are hidden otherwise: "
-                            "tunekit/quiet.py)")
+                            "tunekit/core/quiet.py)")
     return parser
 
 

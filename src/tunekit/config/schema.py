@@ -83,7 +83,7 @@ class DataConfig(Section):
     eval_split: str = Field("validation", description="Split to read when `eval` is a hub dataset.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this seeded fraction of train for eval.")
     format: Literal[tuple(FORMATS)] = Field(  # type: ignore[valid-type]  # names from the registry
-        "alpaca", description="Record layout: " + ", ".join(FORMATS) + " (see formats.py).")
+        "alpaca", description="Record layout: " + ", ".join(FORMATS) + " (tunekit.data.formats).")
     fields: FieldMap = Field(default_factory=FieldMap, description="Column names, when they differ from the defaults.")
     template: Literal["auto", "chat", "alpaca", "raw"] = Field(
         "auto",

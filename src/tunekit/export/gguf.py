@@ -3,7 +3,7 @@ tokenizer. The `gguf` package writes it (GGUFWriter, the tensor-name map, numpy 
 converter (convert_hf_to_gguf.py) adds for Llama models is done here too: the q/k projection rows
 reordered for llama.cpp's rotary layout (transformers' GGUF reader undoes it), the vocabulary with token
 types, and the BPE pre-tokenizer named by the hash of a reference tokenization. Each quantization type
-carries the tolerance its read-back check (export_check) holds it to."""
+carries the tolerance its read-back check (export.check) holds it to."""
 
 from __future__ import annotations
 

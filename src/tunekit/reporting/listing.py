@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from tunekit.runs import checkpoints as checkpointdir
+from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.runs.layout import CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, RUN_FILE, RunRecord
@@ -57,8 +57,8 @@ def read(run_dir: Path, root: Path) -> Row:
         status = "interrupted"
     steps = record.global_step if record.global_step is not None else record.failed_at_step
     if steps is None:
-        newest = checkpointdir.newest_complete(run_dir / CHECKPOINTS_DIR)
-        steps = checkpointdir.step_of(newest) if newest else None
+        newest = checkpoint_dir.newest_complete(run_dir / CHECKPOINTS_DIR)
+        steps = checkpoint_dir.step_of(newest) if newest else None
     values = {k: v for k, v in (("train_loss", record.train_loss), ("eval_loss", record.eval_loss)) if v is not None}
     metrics_file = run_dir / EVAL_DIR / "metrics.json"
     if metrics_file.is_file():

@@ -1,7 +1,7 @@
 """The run directory that `tunekit train` writes, in one place: its layout, the typed record kept in
 run.json (written only by `RunRecord.save`), when a run may be resumed, and what a path given to eval or
 merge is (a run, a merged model, a base model). Files only: no torch, transformers or peft here, so that
-`tunekit runs` and `tunekit report` stay light; loading the model a run trained is trained.py's job."""
+`tunekit runs` and `tunekit report` stay light; loading the model a run trained is runs.trained's job."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunekit.runs import checkpoints as checkpointdir
+from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.config.schema import Recipe
@@ -140,7 +140,7 @@ def check_resume(recipe: Recipe, run_dir: Path) -> Path | None:
         if eval_pending(recipe, run_dir):
             return None
         raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
-    return checkpointdir.resume_point(run_dir / CHECKPOINTS_DIR)
+    return checkpoint_dir.resume_point(run_dir / CHECKPOINTS_DIR)
 
 
 def eval_pending(recipe: Recipe, run_dir: Path) -> bool:
