@@ -79,6 +79,7 @@ print(len(bundle.train))
 """
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_concurrent_processes_prepare_once_and_share(tmp_path, tiny_model):
     """As the ranks of a multi-process run do: one prepares, the other waits and reads the cache."""
     path = write_jsonl(tmp_path / "d.jsonl", reverse_rows(3000))

@@ -162,8 +162,11 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.startswith("max_length beyond") else c
-                                  for c in RECIPES])
+SLOW_RECIPES = {"max_length beyond the context window", "deepspeed contradiction", "deepspeed ZeRO stage that does not exist",
+                "deepspeed offload device that does not exist"}  # seconds each (model or DeepSpeed imports)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_RECIPES else c for c in RECIPES])
 def test_bad_recipe(case, ctx):
     build, expected = RECIPES[case]
     raw = build(ctx)
@@ -229,7 +232,8 @@ ARGS = {
 # refused only after torch and transformers are imported (seconds each): run with the slow tests
 SLOW_ARGS = {"eval with a missing data file", "eval with a directory as recipe", "merge of a path that does not exist", "merge of a file", "merge of a directory that is no run",
              "eval of a path that does not exist", "eval of a relative path that does not exist",
-             "eval of a directory that is no run or model", "resume of a path that does not exist"}
+             "eval of a directory that is no run or model", "resume of a path that does not exist",
+             "plan malformed gpu memory", "plan negative gpu memory"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_ARGS else c for c in ARGS])

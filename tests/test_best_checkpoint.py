@@ -102,6 +102,7 @@ def test_metric_for_best_must_be_logged(tmp_path, tiny_model):
         recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_metric_for_best_without_held_out_data_is_one_line(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"metric_for_best": "eval_loss"})

@@ -220,6 +220,7 @@ def test_the_recorder_tells_a_direct_deprecated_call_from_a_library_internal_one
         assert [d.blamed_on_caller for d in recorder.found] == [blamed], (name, recorder.found)
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_a_deprecated_call_from_tunekit_during_a_command_is_caught(tiny_env, monkeypatch):
     """The whole path: a command run in-process through cli.main, with a tunekit function (compiled as a
     tunekit file) reading the deprecated `config.torch_dtype`, is reported as tunekit's."""
@@ -279,6 +280,7 @@ def record(argv: list[str]) -> Recorder:
     return recorder
 
 
+@pytest.mark.slow  # seconds (its fixture trains each method): make test-fast leaves it out
 def test_no_command_makes_a_deprecated_call(tiny_env):
     run, recipe, root = str(tiny_env["sft"]), str(tiny_env["sft.yaml"]), tiny_env["root"]
     commands = {

@@ -140,6 +140,7 @@ def test_a_run_is_merged_on_the_fly_and_its_facts_are_recorded(tmp_path, tiny_mo
     assert "run-q8_0.gguf" in again.stderr and "--force" in again.stderr
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_other_architectures_are_refused_with_one_line(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -79,6 +79,7 @@ except Exception as e:
 '''
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_a_registered_method_is_a_training_method_with_its_section(tmp_path, tiny_model):
     """What docs/adding-a-method.md describes: one module's class, registered, is all the schema needs."""
     raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),

@@ -119,6 +119,7 @@ def _run(tmp_path, tiny_model, name, **data):
     return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_packed_training_matches_padded_training(tmp_path, tiny_model):
     """Same examples per step, loss averaged over trained tokens: the runs coincide step by step."""
     padded = _run(tmp_path, tiny_model, "padded", packing=False)

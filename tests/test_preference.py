@@ -81,6 +81,7 @@ def test_a_malformed_pair_is_named_by_file_and_line(tmp_path, tiny_model):
         train.run(recipe)
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_dpo_learns_the_preference_against_the_adapter_off_base(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "p.jsonl", pairs())
     raw = dpo_raw(tiny_model, data, tmp_path / "run")
@@ -107,6 +108,7 @@ def test_dpo_learns_the_preference_against_the_adapter_off_base(tmp_path, tiny_m
     assert not list((tmp_path / "run").rglob("*.pt")) and not list((tmp_path / "run").rglob("*.bin"))
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_dpo_run_scores_generations_while_training_and_its_measures_reach_metrics_json(tmp_path, tiny_model):
     """With an eval section, a DPO run logs generation metrics at each evaluation; its end-of-run eval
     (metrics.json) carries reward accuracy and margin, equal to TRL's own on the same held-out pairs and
@@ -156,6 +158,7 @@ def test_a_base_model_that_prefers_the_rejected_answers_scores_low(tmp_path, tin
     assert scores["preference_accuracy"] == wins / len(WORDS)
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_dpo_continues_an_sft_run_against_that_run_as_reference(tmp_path, tiny_model):
     """model.adapter_from: SFT on the chosen answers, then DPO from that adapter. The reference is the SFT model
     (TRL's frozen copy kept), so the first DPO loss is exactly log 2; only the trained adapter is saved, and
@@ -219,6 +222,7 @@ def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, ti
     assert planned.parts["weights (frozen reference copy, fp32)"] == planned.counts.total * 4
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_orpo_learns_the_preference_without_a_reference(tmp_path, tiny_model):
     """training.method: orpo on the DPO pairs: no reference model or adapter copy, the base stays unchanged,
     the chosen answers' likelihood and the odds ratio rise on held-out pairs, and the SFT term of the loss
@@ -256,6 +260,7 @@ def unpaired_rows(n_repeat=4):
     return unpaired(pairs(n_repeat))
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_model):
     """training.method: kto on (prompt, completion, label) rows: the desirable completions' rewards rise above
     the undesirable ones' on held-out rows, generation metrics score against desirable completions only, and

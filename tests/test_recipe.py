@@ -50,6 +50,7 @@ def test_overrides_set_any_field_and_are_validated(tmp_path, base):
         recipe_mod.load(path, ["training.learning_rat=1"])
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_validate_cli_prints_resolved_recipe_and_exits_2_on_error(tmp_path, base):
     path = write_recipe(tmp_path / "r.yaml", base)
     ok = run_cli("validate", str(path), "--set", "training.seed=7")

@@ -32,6 +32,7 @@ def assert_last_eval_equals_end_of_training_eval(run_dir):
     assert record["eval_scores"]["chrf"] == last["eval_chrf"]
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_generation_metrics_are_logged_at_each_eval_and_match_an_eval_of_the_same_weights(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 12, "eval_steps": 6,
