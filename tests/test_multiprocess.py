@@ -70,10 +70,21 @@ def test_two_process_ddp_equals_one_process_with_the_same_effective_batch(single
     assert_same_run(single, ddp)
 
 
-def test_zero2_equals_ddp(recipe_file, ddp, tmp_path):
-    out = tmp_path / "run"
-    res = launch(recipe_file, out, 2, "training.deepspeed=ds_configs/zero2.json")
-    assert "ZeRO stage 2" in res.stderr
+ZERO2_LORA = ["training.deepspeed=ds_configs/zero2.json", "adapter=lora", "training.save_steps=2",
+              "training.save_total_limit=10"]
+
+
+@pytest.fixture(scope="module")
+def zero2(recipe_file, tmp_path_factory):
+    """One ZeRO-2 LoRA run (chunked loss, the default; a checkpoint every 2 steps), shared by the DDP
+    comparison, the chunked-loss comparison and the resume test: (run directory, stderr)."""
+    out = tmp_path_factory.mktemp("zero2") / "run"
+    return out, launch(recipe_file, out, 2, *ZERO2_LORA).stderr
+
+
+def test_zero2_equals_ddp(zero2, ddp):
+    out, stderr = zero2
+    assert "ZeRO stage 2" in stderr
     ds = json.loads((out / "deepspeed.json").read_text())
     assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 8
     assert_same_run(ddp, out)
@@ -86,8 +97,9 @@ def test_accelerate_launch_runs_two_processes(recipe_file, ddp, tmp_path):
     assert_same_run(ddp, out)
 
 
-# zero2 and zero3 without offload train LoRA, QLoRA and full fine-tuning in test_shipped_recipes.py,
-# test_zero2_equals_ddp and the resume tests below; here the other configs, with weight checks
+# zero2 and zero3 without offload: LoRA in test_zero2_equals_ddp and test_zero3_run_merges_and_evaluates, QLoRA in
+# test_qlora_under_zero3_equals_qlora_under_ddp, full fine-tuning in the ZeRO-3 resume test below (and every
+# shipped recipe on the real model in test_shipped_recipes.py); here the other configs, with weight checks
 @pytest.mark.parametrize("config", ["zero1", "zero2_offload", "zero3_offload"])
 @pytest.mark.parametrize("adapter", ["lora", "none"])
 def test_zero_stages_train_lora_and_full_finetuning(recipe_file, tmp_path, tiny_model, config, adapter):
@@ -127,25 +139,27 @@ def test_qlora_under_zero3_equals_qlora_under_ddp(recipe_file, tmp_path):
     assert_same_run(runs["ddp"], runs["zero3"])
 
 
-def test_chunked_loss_under_zero2_equals_the_stock_loss(recipe_file, tmp_path):
-    runs = {}
-    for chunked in ("true", "false"):
-        runs[chunked] = tmp_path / chunked
-        res = launch(recipe_file, runs[chunked], 2, "training.deepspeed=ds_configs/zero2.json",
-                     f"training.chunked_loss={chunked}", "training.max_steps=4")
-        assert ("trained positions only" in res.stderr) == (chunked == "true")
-    assert history(runs["true"])[-1] < history(runs["true"])[0]
-    assert_same_run(runs["true"], runs["false"])
+def test_chunked_loss_under_zero2_equals_the_stock_loss(recipe_file, zero2, tmp_path):
+    chunked, stderr = zero2  # training.chunked_loss defaults to true
+    assert "trained positions only" in stderr
+    stock = tmp_path / "stock"
+    res = launch(recipe_file, stock, 2, *ZERO2_LORA, "training.chunked_loss=false")
+    assert "trained positions only" not in res.stderr
+    assert history(chunked)[-1] < history(chunked)[0]
+    assert_same_run(chunked, stock)
 
 
 @pytest.mark.parametrize("config,adapter", [("zero2", "lora"), ("zero3", "none")])
-def test_deepspeed_checkpoints_are_safetensors_and_resume_exactly(recipe_file, tmp_path, config, adapter):
+def test_deepspeed_checkpoints_are_safetensors_and_resume_exactly(recipe_file, request, tmp_path, config, adapter):
     overrides = [f"training.deepspeed=ds_configs/{config}.json", f"adapter={adapter}", "training.save_steps=2",
                  "training.save_total_limit=10"]
     if adapter == "none":
         overrides += ["lora=null", "training.learning_rate=1e-3"]
-    full = tmp_path / "full"
-    launch(recipe_file, full, 2, *overrides)
+    if overrides == ZERO2_LORA:
+        full = request.getfixturevalue("zero2")[0]  # the uninterrupted run is the shared ZeRO-2 one
+    else:
+        full = tmp_path / "full"
+        launch(recipe_file, full, 2, *overrides)
     assert_no_pickles(full)
     cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
     res = launch(recipe_file, cut, 2, *overrides, flags=["--resume"])
