@@ -24,14 +24,18 @@ $(STAMP): pyproject.toml
 # make test: everything but the tests marked `full` (real-model results such as the README's demo and DPO
 # figures, and the shipped-recipe launches beyond one per training method); what CI runs, within 35 minutes.
 # make test-all: the whole suite, recorded in tests/test-all-last-run.json (commit that file after a run).
+# Two pytest-xdist workers: much of a test's time is one core busy (a `tunekit` command spends ~10 s importing
+# torch, transformers and peft), so a second worker uses the other core. --dist loadfile keeps each file's
+# tests, and so its module-scoped runs, on one worker. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=40 -m "not full" tests
+	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile -m "not full" tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=40 --record-run=tests/test-all-last-run.json tests
+	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile --record-run=tests/test-all-last-run.json tests
 
 demo: $(STAMP)
 	$(PY) -m tunekit.cli.demo

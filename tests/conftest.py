@@ -27,7 +27,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    if config.getoption("--record-run"):
+    if config.getoption("--record-run") and not hasattr(config, "workerinput"):  # not in pytest-xdist's workers
         config.pluginmanager.register(RunRecorder(config), "tunekit-run-recorder")
 
 

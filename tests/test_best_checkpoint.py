@@ -35,6 +35,7 @@ def same_weights(a, b):
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_the_final_adapter_is_the_best_checkpoint_not_the_last(tmp_path, tiny_model):
     """Loss falls, so with greater_is_better the best eval_loss is the first evaluation's (step 2):
     the final adapter must be step 2's, not step 8's, although 2 checkpoints are kept by the limit."""
@@ -49,6 +50,7 @@ def test_the_final_adapter_is_the_best_checkpoint_not_the_last(tmp_path, tiny_mo
     assert not same_weights(out / "adapter", out / "checkpoints" / "checkpoint-8")
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_lower_is_better_for_eval_loss_by_default(tmp_path, tiny_model):
     out = tmp_path / "run"
     train.run(recipe_mod.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss", max_steps=4)))
@@ -57,6 +59,7 @@ def test_lower_is_better_for_eval_loss_by_default(tmp_path, tiny_model):
     assert best["step"] == min(losses, key=losses.get) and best["greater_is_better"] is False
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_early_stopping_ends_a_run_that_no_longer_improves(tmp_path, tiny_model):
     out = tmp_path / "run"
     train.run(recipe_mod.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss",

@@ -197,6 +197,7 @@ def test_adapter_from_must_be_a_finished_lora_run(tmp_path, tiny_model, change, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, tiny_model):
     """adapter: none: a second, frozen copy of the base is the reference; it stays equal to the base while the
     trained model moves, the preference is learned, and `tunekit plan` counts the copy."""

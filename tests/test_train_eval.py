@@ -48,6 +48,7 @@ def test_generation_metrics_are_logged_at_each_eval_and_match_an_eval_of_the_sam
     assert_last_eval_equals_end_of_training_eval(tmp_path / "run")
 
 
+@pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_off_switch_logs_the_loss_only(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 2},
