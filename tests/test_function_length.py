@@ -1,6 +1,5 @@
-"""No function in tunekit is longer than 80 lines (issue 27): a long function is several steps that want
-names. The few still over the limit are listed by name below, each in a module another piece of work
-owns and is reshaping; any other function over the limit fails here. Take a name off KNOWN once split."""
+"""No function in tunekit is longer than 80 lines: a long function is several steps that want names.
+KNOWN lists any function allowed over the limit for now (none); any other one fails here."""
 
 from __future__ import annotations
 
