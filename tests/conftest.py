@@ -18,7 +18,7 @@ from tunekit.models.tiny import build_model, build_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# `make test-all` records its run in tests/test-all-last-run.json: the claims that rest on tests marked `full`
+# `make test-full` (and so `make test-all`) records its run in tests/test-full-last-run.json: the claims that rest on tests marked `full`
 # were last checked by that run. Written at the end of the session, passed or not.
 def pytest_addoption(parser):
     parser.addoption("--record-run", metavar="FILE", default=None,

@@ -13,7 +13,7 @@ tests/test_train.py::test_flagship_recipe_settings_run_on_cpu_with_a_local_model
 
 `make test` runs four of these launches, one per training method with the three launchers spread among them
 (IN_MAKE_TEST); the others are marked `full` and run in `make test-all`, whose last run
-tests/test-all-last-run.json records."""
+tests/test-full-last-run.json records."""
 
 from __future__ import annotations
 
