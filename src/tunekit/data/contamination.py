@@ -1,0 +1,188 @@
+"""Data contamination: duplicates inside the training data, and overlap between training and held-out data.
+
+Pure and torch-free. Each example is a (prompt, answer) pair of strings: prompt is "" for raw text; for
+chat data the caller joins the user/system turns as the prompt and the assistant turns as the answer.
+
+    from tunekit.data import contamination
+    found = contamination.check(train_pairs, eval_pairs, n=13, dedup=False, decontaminate=False)
+    found.line()        # one line for the log and the report page
+    found.to_json()     # counts and a few locations, for run.json
+    found.dropped       # training indices to drop under the dedup/decontaminate flags (sorted)
+
+Indices are positions in the order the pairs were given; the caller drops `dropped` from the same
+sequence it passed as `train`.
+
+`check(train, held_out, n=13, *, dedup=False, decontaminate=False) -> Contamination`
+    train: any iterable of pairs, read once (it may stream); held_out: an iterable of pairs, held in
+    memory (the small side). dedup and decontaminate only say what the caller does with the result: they
+    appear in line(), to_json() and `dropped`; nothing is changed here, and the eval set never is.
+
+What is measured, all on normalised text (`normalize`: Unicode NFKC, casefold, whitespace runs collapsed
+to one space, stripped):
+- duplicates: training examples whose normalised prompt and answer, taken as a whole, equal an earlier
+  example's; `Contamination.duplicates` holds the copies after the first (what dedup drops).
+- eval_exact: eval examples whose prompt occurs exactly as a training prompt, or whose answer occurs as
+  a training answer. Empty texts never match.
+- eval_ngram: eval examples whose prompt or answer shares an n-word span (default 13, the span GPT-3's
+  and Llama 2's decontamination studies use) with any training prompt or answer. Counted independently
+  of eval_exact: an exact match of a text of n words or more is in both, a shorter one only in
+  eval_exact (a text shorter than n words can only match exactly).
+- overlapping: training examples that match some eval example either way (what decontaminate drops).
+
+Words (`words`) are Unicode \\w+ runs, except that each Chinese or Japanese character (Han, kana) is a
+word of its own, so "café" and CJK text are covered; other scripts written without spaces (Thai, ...)
+count a whole run as one word. N-grams and texts are compared by 64-bit blake2b digests (stable across
+processes): the eval side's n-grams go into one table and the training side streams against it, so
+memory grows with the eval set and with one digest per distinct training example (for duplicates), not
+with the training n-grams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_N = 13
+SHOWN = 5  # locations kept for to_json()
+
+# Han (with extension A, compatibility and the supplementary planes), hiragana and katakana
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"
+_WORD = re.compile(rf"[{_CJK}]|[^\W{_CJK}]+")
+_SPACE = re.compile(r"\s+")
+
+
+def normalize(text: str) -> str:
+    """NFKC, casefold, whitespace runs collapsed to one space, stripped."""
+    return _SPACE.sub(" ", unicodedata.normalize("NFKC", text or "").casefold()).strip()
+
+
+def words(normalized: str) -> list[str]:
+    """The words of a normalised text: \\w+ runs, each CJK character a word."""
+    return _WORD.findall(normalized)
+
+
+def digest(text: str) -> int:
+    """A stable 64-bit digest of a string."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def ngrams(tokens: list[str], n: int) -> Iterator[int]:
+    """Digests of the n-word spans of `tokens` (none when there are fewer than n)."""
+    for i in range(len(tokens) - n + 1):
+        yield digest(" ".join(tokens[i:i + n]))
+
+
+@dataclass(frozen=True)
+class Contamination:
+    """What `check` found. Index lists are sorted; eval indices count within the eval set, training
+    indices within the training data, both in the order the pairs were given."""
+
+    n: int
+    train_size: int
+    eval_size: int
+    duplicates: list[int]  # training indices dedup drops: each copy after the first
+    eval_exact: list[int]  # eval examples whose prompt or answer occurs exactly in training
+    eval_ngram: list[int]  # eval examples sharing an n-gram with training (exact ones too, if n words long)
+    overlapping: list[int]  # training indices decontaminate drops
+    dedup: bool = False
+    decontaminate: bool = False
+    duplicate_pairs: list[tuple[int, int]] = field(default_factory=list)  # first few (copy, original)
+    overlap_pairs: list[tuple[int, int, str]] = field(default_factory=list)  # first few (eval, train, how)
+
+    @property
+    def eval_contaminated(self) -> list[int]:
+        """Eval examples matched either way."""
+        return sorted(set(self.eval_exact) | set(self.eval_ngram))
+
+    @property
+    def dropped(self) -> list[int]:
+        """Training indices to drop under the dedup and decontaminate flags."""
+        drop = set(self.duplicates) if self.dedup else set()
+        return sorted(drop | set(self.overlapping)) if self.decontaminate else sorted(drop)
+
+    def line(self) -> str:
+        share = len(self.duplicates) / self.train_size if self.train_size else 0.0
+        return (f"contamination: {len(self.duplicates)} duplicate training examples ({share:.1%}); "
+                f"{len(self.eval_exact)} of {self.eval_size} eval examples share a prompt or answer with "
+                f"training, {len(self.eval_ngram)} share a {self.n}-gram "
+                f"({len(self.overlapping)} training examples overlap them); "
+                f"dedup {'on' if self.dedup else 'off'}, decontaminate {'on' if self.decontaminate else 'off'}")
+
+    def to_json(self) -> dict:
+        """Counts, the settings and up to 5 locations of each kind: a plain dict for run.json. An overlap's
+        "match" is "prompt" or "answer" (exact) or "<n>-gram"."""
+        return {
+            "n": self.n, "train_examples": self.train_size, "eval_examples": self.eval_size,
+            "duplicates": len(self.duplicates), "eval_exact": len(self.eval_exact),
+            "eval_ngram": len(self.eval_ngram), "eval_contaminated": len(self.eval_contaminated),
+            "overlapping_train": len(self.overlapping), "dedup": self.dedup,
+            "decontaminate": self.decontaminate, "dropped": len(self.dropped),
+            "duplicate_examples": [{"train": c, "copy_of": o} for c, o in self.duplicate_pairs[:SHOWN]],
+            "overlap_examples": [{"eval": e, "train": t, "match": how} for e, t, how in self.overlap_pairs[:SHOWN]],
+        }
+
+
+class _EvalIndex:
+    """The eval side: digests of its normalised prompts, answers and n-grams, each to its eval indices."""
+
+    def __init__(self, held_out: Iterable[tuple[str, str]], n: int):
+        self.n, self.size = n, 0
+        self.prompts: dict[int, list[int]] = {}
+        self.answers: dict[int, list[int]] = {}
+        self.grams: dict[int, list[int]] = {}
+        for i, (prompt, answer) in enumerate(held_out):
+            self.size += 1
+            for text, table in ((normalize(prompt), self.prompts), (normalize(answer), self.answers)):
+                if text:
+                    table.setdefault(digest(text), []).append(i)
+                    for g in ngrams(words(text), n):
+                        owners = self.grams.setdefault(g, [])
+                        if not owners or owners[-1] != i:
+                            owners.append(i)
+
+    def match(self, prompt: str, answer: str) -> tuple[Sequence[int], Sequence[int], set[int]]:
+        """Eval indices that a training example (normalised) matches: by prompt, by answer, by n-gram."""
+        by_prompt = self.prompts.get(digest(prompt), ()) if prompt else ()
+        by_answer = self.answers.get(digest(answer), ()) if answer else ()
+        by_gram: set[int] = set()
+        if self.grams:
+            for text in (prompt, answer):
+                for g in ngrams(words(text), self.n):
+                    by_gram.update(self.grams.get(g, ()))
+        return by_prompt, by_answer, by_gram
+
+
+def check(train: Iterable[tuple[str, str]], held_out: Iterable[tuple[str, str]], n: int = DEFAULT_N, *,
+          dedup: bool = False, decontaminate: bool = False) -> Contamination:
+    """Duplicates in `train` and its overlap with `held_out` (see the module's docstring)."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    index = _EvalIndex(held_out, n)
+    first: dict[int, int] = {}
+    duplicates, overlapping, dup_pairs, overlap_pairs = [], [], [], []
+    exact_hit, gram_hit = set(), set()
+    size = 0
+    for i, (prompt, answer) in enumerate(train):
+        size += 1
+        prompt, answer = normalize(prompt), normalize(answer)
+        whole = digest(f"{len(prompt)}:{prompt}{answer}")  # the length keeps ("a b", "c") apart from ("a", "b c")
+        original = first.setdefault(whole, i)
+        if original != i:
+            duplicates.append(i)
+            if len(dup_pairs) < SHOWN:
+                dup_pairs.append((i, original))
+        by_prompt, by_answer, by_gram = index.match(prompt, answer)
+        if by_prompt or by_answer or by_gram:
+            overlapping.append(i)
+            exact_hit.update(by_prompt, by_answer)
+            gram_hit |= by_gram
+            if len(overlap_pairs) < SHOWN:
+                how = "prompt" if by_prompt else "answer" if by_answer else f"{n}-gram"
+                overlap_pairs.append((min(by_prompt or by_answer or by_gram), i, how))
+    return Contamination(n=n, train_size=size, eval_size=index.size, duplicates=duplicates,
+                         eval_exact=sorted(exact_hit), eval_ngram=sorted(gram_hit), overlapping=overlapping,
+                         dedup=dedup, decontaminate=decontaminate, duplicate_pairs=dup_pairs,
+                         overlap_pairs=overlap_pairs)
