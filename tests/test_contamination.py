@@ -122,7 +122,9 @@ def test_line_and_to_json_report_the_counts():
     found = check(train, held_out, dedup=True)
     assert found.line() == ("contamination: 1 duplicate training examples (10.0%); 1 of 3 eval examples share a "
                             "prompt or answer with training, 1 share a 13-gram (2 training examples overlap "
-                            "them); dedup on, decontaminate off")
+                            "them); dedup on, decontaminate off; 1 training examples dropped")
+    assert check(train, []).line() == ("contamination: 1 duplicate training examples (10.0%); no held-out data; "
+                                       "dedup off, decontaminate off")
     assert found.to_json() == {
         "n": 13, "train_examples": 10, "eval_examples": 3, "duplicates": 1, "eval_exact": 1, "eval_ngram": 1,
         "eval_contaminated": 2, "overlapping_train": 2, "dedup": True, "decontaminate": False, "dropped": 1,
@@ -151,3 +153,57 @@ def test_module_imports_no_ml_stack():
             "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- wired into data preparation
+
+
+def _planted(tmp_path):
+    """20 distinct training rows, two of them repeated in other case and spacing, and an eval file holding one
+    training answer word for word plus two unseen rows."""
+    from conftest import write_jsonl
+
+    rows = [{"instruction": f"Spell number {i} backwards.", "output": f"answer {i:03d}"[::-1]} for i in range(20)]
+    rows += [{"instruction": "SPELL number 3  backwards.", "output": rows[3]["output"].upper()},
+             {"instruction": "spell NUMBER 7 backwards. ", "output": rows[7]["output"]}]
+    held = [{"instruction": "Something else entirely.", "output": rows[5]["output"]},
+            {"instruction": "Unseen one.", "output": "fresh"}, {"instruction": "Unseen two.", "output": "new"}]
+    return write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", held)
+
+
+@pytest.mark.slow  # prepares Arrow data sets: seconds
+@pytest.mark.parametrize("dedup, decontaminate, kept", [(False, False, 22), (True, False, 20), (True, True, 19)])
+def test_prepared_sets_report_contamination_and_drop_what_the_recipe_asks(tmp_path, tiny_tokenizer, dedup,
+                                                                          decontaminate, kept):
+    from tunekit.config.schema import DataConfig
+    from tunekit.data import arrow
+
+    train, held = _planted(tmp_path)
+    cfg = DataConfig(train=str(train), eval=str(held), dedup=dedup, decontaminate=decontaminate)
+    bundle = arrow.build(cfg, tiny_tokenizer, seed=0)
+    report = bundle.contamination
+    assert len(bundle.train) == bundle.train_stats.examples == kept
+    assert (report["duplicates"], report["eval_exact"], report["overlapping_train"]) == (2, 1, 1)
+    assert report["dropped"] == 22 - kept
+    assert report["duplicate_examples"] == [{"train": f"{train} line 21", "copy_of": f"{train} line 4"},
+                                            {"train": f"{train} line 22", "copy_of": f"{train} line 8"}]
+    assert report["overlap_examples"] == [{"eval": f"{held} line 1", "train": f"{train} line 6", "match": "answer"}]
+    assert report["line"].startswith("contamination: 2 duplicate training examples (9.1%); 1 of 3 eval examples")
+    assert arrow.build(cfg, tiny_tokenizer, seed=0).contamination == report  # read back from the cache
+
+
+@pytest.mark.slow  # seconds
+def test_preference_pairs_report_contamination_too(tmp_path, tiny_model, tiny_tokenizer):
+    from conftest import tiny_recipe, write_jsonl, write_recipe
+    from tunekit.config import loading as recipe_mod
+    from tunekit.training import methods
+
+    pairs = [{"prompt": f"Reverse w{i:03d}", "chosen": f"{i:03d}w", "rejected": f"w{i:03d}"} for i in range(12)]
+    data = write_jsonl(tmp_path / "p.jsonl", pairs + [pairs[2]])
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "dpo"},
+                      data={"format": "preference", "eval": str(write_jsonl(tmp_path / "e.jsonl", pairs[:1])),
+                            "dedup": True, "decontaminate": True})
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
+    bundle = methods.of(recipe).build_data(recipe, tiny_tokenizer)
+    assert (bundle.contamination["duplicates"], bundle.contamination["overlapping_train"]) == (1, 1)
+    assert bundle.contamination["dropped"] == 2 and bundle.train_stats.examples == 11

@@ -7,6 +7,7 @@ import pytest
 from conftest import write_jsonl
 from tunekit.data import arrow as arrowdata
 from tunekit.data import records as data_mod
+from tunekit.data import split
 from tunekit.data.records import IGNORE, Record, Renderer, tokenize
 from tunekit.core.errors import TunekitError
 from tunekit.config.schema import DataConfig
@@ -134,7 +135,7 @@ def test_seeded_eval_fraction_is_deterministic_and_disjoint(tmp_path, tiny_token
     eval_refs = {r.reference for r in a.eval_rendered}
     train_text = [tiny_tokenizer.decode(ids) for ids in a.train["input_ids"]]
     assert not any(f"assistant\n{ref}<" in t for t in train_text for ref in eval_refs)
-    held = data_mod.eval_records(c, seed=3)
+    held = split.held_out(c, seed=3)
     assert [r.values["output"] for r in held] == [r.reference for r in a.eval_rendered]
 
 

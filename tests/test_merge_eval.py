@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.data import records as data_mod
+from tunekit.data import split
 from tunekit.export import merge as merge_mod
 from tunekit.models import loading as models
 from tunekit.config import loading as recipe_mod
@@ -130,14 +131,15 @@ def test_train_with_eval_section_scores_the_run(lora_run):
         assert key in scores
     assert "tok:13a" in result["settings"]["bleu_signature"]
     rows = [json.loads(line) for line in (lora_run / "eval" / "predictions.jsonl").read_text().splitlines()]
-    assert len(rows) == 8 and set(rows[0]) == {"prompt", "reference", "prediction"}
+    assert len(rows) == 8 and set(rows[0]) == {"where", "prompt", "reference", "prediction"}
     # prompts are built exactly as in training: the held-out split, rendered with the chat template
     recipe = recipe_mod.load(lora_run / "recipe.yaml")
     tok = models.load_tokenizer(recipe.model, lora_run / "adapter")
-    held = data_mod.eval_records(recipe.data, recipe.training.seed)
+    held = split.held_out(recipe.data, recipe.training.seed)
     rendered = [data_mod.Renderer(recipe.data, tok).render(r) for r in held]
     assert [r["prompt"] for r in rows] == [r.prompt for r in rendered]
     assert [r["reference"] for r in rows] == [r.values["output"] for r in held]
+    assert [r["where"] for r in rows] == [r.where for r in held]
 
 
 def test_eval_base_model_adapter_run_and_compare(lora_run, tiny_model, tmp_path):
@@ -175,7 +177,7 @@ def test_batched_generation_matches_one_at_a_time(lora_run):
     tok = models.load_tokenizer(recipe.model, lora_run / "adapter")
     model = trained.load_trained(target, torch.float32)
     prompts = [r.prompt for r in (data_mod.Renderer(recipe.data, tok).render(x)
-                                  for x in data_mod.eval_records(recipe.data, 0))]
+                                  for x in split.held_out(recipe.data, 0))]
     batched = evaluation.generate(model, tok, prompts, False, batch_size=8, max_new_tokens=6)
     single = evaluation.generate(model, tok, prompts, False, batch_size=1, max_new_tokens=6)
     assert batched == single

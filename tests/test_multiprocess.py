@@ -171,14 +171,27 @@ def test_deepspeed_checkpoints_are_safetensors_and_resume_exactly(recipe_file, r
 
 
 def test_zero3_run_merges_and_evaluates(recipe_file, tmp_path):
+    """Two ZeRO-3 processes with data.max_examples and data.eval_fraction: generation during training and the
+    end-of-training eval score exactly the records the split held out, on every rank alike."""
+    from tunekit.config import loading as recipe_mod
+    from tunekit.data import split
+
     out = tmp_path / "run"
-    launch(recipe_file, out, 2, "training.deepspeed=ds_configs/zero3.json")
+    res = launch(recipe_file, out, 2, "training.deepspeed=ds_configs/zero3.json", "data.max_examples=24",
+                 "data.eval_fraction=0.25", "eval.max_new_tokens=2", "eval.batch_size=2")
+    assert "data split: 24 records of data.train (the first 24, data.max_examples): 18 train; 6 held out" in res.stderr
     merged = run_cli("merge", str(out))
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert json.loads((out / "merged" / "tunekit.json").read_text())["parity"]["max_abs_diff"] < 1e-4
     data = json.loads((out / "run.json").read_text())
-    assert data["status"] == "completed"
+    assert data["status"] == "completed" and data["data"]["split"]["held_out"] == data["data"]["eval"]["examples"] == 6
+    recipe = recipe_mod.load(out / "recipe.yaml")
+    held = [r.where for r in split.held_out(recipe.data, recipe.training.seed)]
+    predictions = [json.loads(x) for x in (out / "eval" / "predictions.jsonl").read_text().splitlines()]
+    assert [p["where"] for p in predictions] == held
+    evals = [json.loads(x) for x in (out / "loss_history.jsonl").read_text().splitlines() if "eval_bleu" in x]
+    assert evals and evals[-1]["step"] == 6
     ev = run_cli("eval", str(out), "--data", str(recipe_file.parent / "train.jsonl"), "--limit", "4",
-                 "--max-new-tokens", "4")
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "ev"))
     assert ev.returncode == 0, ev.stderr[-2000:]
-    assert json.loads((out / "eval" / "metrics.json").read_text())["scores"]["examples"] == 4
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["scores"]["examples"] == 4

@@ -93,7 +93,12 @@ class DataConfig(Section):
     system_prompt: str | None = Field(None, description="System message added to chat-rendered prompts.")
     max_length: int = Field(1024, ge=8, description="Tokens per example; longer examples are truncated and counted.")
     mask_prompt: bool = Field(True, description="Train only on completion/assistant tokens (prompt labels = -100).")
-    max_examples: int | None = Field(None, gt=0, description="Use only the first N training examples.")
+    max_examples: int | None = Field(None, gt=0, description="Use only the first N records of data.train; "
+                                     "data.eval_fraction then holds out its share of those N.")
+    dedup: bool = Field(False, description="Drop training examples whose prompt and answer repeat an earlier one "
+                        "(after Unicode, case and whitespace normalisation); counted in the contamination report.")
+    decontaminate: bool = Field(False, description="Drop training examples that share a prompt, an answer or a "
+                                "13-word span with a held-out example; counted in the contamination report.")
     packing: Union[Literal["auto"], bool] = Field(
         "auto",
         description="Padding-free packing: each micro-batch becomes one row of concatenated examples with position ids "

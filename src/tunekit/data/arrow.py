@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 from tunekit.data import records as data_mod
-from tunekit.data.records import DataBundle, DataStats, Renderer, split_indices
+from tunekit.data import contamination, split
+from tunekit.data.records import DataBundle, DataStats, Renderer
 from tunekit.core.errors import TunekitError
 from tunekit.data.formats import Record
 from tunekit.core.outputs import cache_root
@@ -38,7 +39,8 @@ DONE = "prepared.json"
 TRAIN_SET, EVAL_SET, EVAL_RECORDS = "train-set", "eval-set", "eval-records.jsonl"
 BATCH = 1000  # rows per map batch and per Arrow record batch
 PARALLEL_FROM = 20_000  # rows; below this, worker start-up costs more than it saves
-_CODE = [Path(__file__), Path(data_mod.__file__), Path(data_mod.__file__).with_name("formats.py")]
+_CODE = [Path(__file__), Path(data_mod.__file__), Path(data_mod.__file__).with_name("formats.py"), Path(split.__file__),
+         Path(contamination.__file__)]
 
 
 def _file_digest(path: Path) -> str:
@@ -85,7 +87,7 @@ def _write_raw(records, path: Path) -> int:
     n, raw, where = 0, [], []
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for record in records:
-            raw.append(json.dumps(record.values, ensure_ascii=False, default=str))
+            raw.append(split.raw(record))
             where.append(record.where)
             if len(raw) == BATCH:
                 writer.write_batch(pa.record_batch([raw, where], schema=schema))
@@ -148,28 +150,39 @@ def _tokenized(raw, renderer: Renderer, cfg: DataConfig, work: Path, name: str, 
     return ds.remove_columns(["truncated", "trained"]), stats
 
 
+def _decontaminated(raw, eval_rows: list[dict], cfg: DataConfig):
+    """The training rows less those data.dedup / data.decontaminate drop, and the contamination report."""
+    def records(rows):
+        for batch in rows.iter(batch_size=BATCH):
+            yield from (Record(json.loads(text), where) for text, where in zip(batch["raw"], batch["where"]))
+
+    held = [Record(json.loads(r["raw"]), r["where"]) for r in eval_rows]
+    found = contamination.of_records(records(raw), held, cfg)
+    report = contamination.report(found, raw["where"], [r.where for r in held])
+    if found.dropped:
+        drop = set(found.dropped)
+        raw = raw.select([i for i in range(len(raw)) if i not in drop])
+    return raw, report
+
+
 def _prepare(cfg: DataConfig, renderer: Renderer, seed: int, out: Path, num_proc: int | None) -> None:
     """Build the prepared data set into `out`: the train and eval sets (Arrow), the eval records, prepared.json."""
     import datasets
 
     work = out / "work"
     work.mkdir(parents=True)
-    n = _write_raw(data_mod.iter_records(cfg.train, cfg.train_split, "data.train"), work / "raw.arrow")
+    n = _write_raw(split.train_source(cfg), work / "raw.arrow")
     if n == 0:
         raise TunekitError(f"data.train: {cfg.train} holds no examples")
     raw = datasets.Dataset.from_file(str(work / "raw.arrow"))
-    if cfg.max_examples:
-        raw = raw.select(range(min(cfg.max_examples, len(raw))))
-    eval_rows: list[dict] = []
+    parts = split.positions(n, cfg, seed)
     if cfg.eval:
-        eval_recs = data_mod.read_records(cfg.eval, cfg.eval_split, "data.eval")
-        if not eval_recs:
-            raise TunekitError(f"data.eval: {cfg.eval} holds no examples")
-        eval_rows = [{"raw": json.dumps(r.values, ensure_ascii=False, default=str), "where": r.where} for r in eval_recs]
-    elif cfg.eval_fraction > 0:
-        train_idx, eval_idx = split_indices(len(raw), cfg.eval_fraction, seed)
-        eval_rows = raw.select(eval_idx).to_list()
-        raw = raw.select(train_idx)
+        eval_rows = [{"raw": split.raw(r), "where": r.where} for r in split.eval_source(cfg)]
+    else:
+        eval_rows = raw.select(parts.held).to_list() if parts.held else []
+        raw = raw.select(parts.train) if parts.held else raw
+    facts = split.summary(cfg, n, len(raw), [(r["where"], r["raw"]) for r in eval_rows])
+    raw, found = _decontaminated(raw, eval_rows, cfg)
 
     train, train_stats = _tokenized(raw, renderer, cfg, work, "train", num_proc)
     if not train_stats.examples:
@@ -178,7 +191,7 @@ def _prepare(cfg: DataConfig, renderer: Renderer, seed: int, out: Path, num_proc
             "raise data.max_length"
         )
     _save(train, out / TRAIN_SET)
-    summary = {"train": vars(train_stats), "eval": None}
+    summary = {"train": vars(train_stats), "eval": None, "split": facts, "contamination": found}
     if eval_rows:
         evaluation, eval_stats = _tokenized(datasets.Dataset.from_list(eval_rows), renderer, cfg, work, "eval", None)
         if eval_stats.examples:
@@ -203,10 +216,13 @@ def _load(directory: Path, cfg: DataConfig, renderer: Renderer) -> DataBundle:
         eval_rendered = [renderer.render(Record(json.loads(r["raw"]), r["where"])) for r in rows]
     eval_stats = DataStats(**summary["eval"]) if summary["eval"] else None
     train_stats = DataStats(**summary["train"])
+    log.info(split.line(summary["split"]))
+    log.info(summary["contamination"]["line"])
     log.info(train_stats.line("train", cfg.max_length))
     if eval_stats:
         log.info(eval_stats.line("eval", cfg.max_length))
-    return DataBundle(train, evaluation, train_stats, eval_stats, eval_rendered, renderer.template)
+    return DataBundle(train, evaluation, train_stats, eval_stats, eval_rendered, renderer.template, summary["split"],
+                      summary["contamination"])
 
 
 _TEMPORARY: list[tempfile.TemporaryDirectory] = []  # uncached builds live as long as the process

@@ -45,6 +45,9 @@ import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from tunekit.config.schema import DataConfig
+from tunekit.data.formats import FORMATS, Parsed, Record
+
 DEFAULT_N = 13
 SHOWN = 5  # locations kept for to_json()
 
@@ -105,11 +108,13 @@ class Contamination:
 
     def line(self) -> str:
         share = len(self.duplicates) / self.train_size if self.train_size else 0.0
-        return (f"contamination: {len(self.duplicates)} duplicate training examples ({share:.1%}); "
-                f"{len(self.eval_exact)} of {self.eval_size} eval examples share a prompt or answer with "
+        held = (f"{len(self.eval_exact)} of {self.eval_size} eval examples share a prompt or answer with "
                 f"training, {len(self.eval_ngram)} share a {self.n}-gram "
-                f"({len(self.overlapping)} training examples overlap them); "
-                f"dedup {'on' if self.dedup else 'off'}, decontaminate {'on' if self.decontaminate else 'off'}")
+                f"({len(self.overlapping)} training examples overlap them)") if self.eval_size else "no held-out data"
+        dropped = f"; {len(self.dropped)} training examples dropped" if self.dropped else ""
+        return (f"contamination: {len(self.duplicates)} duplicate training examples ({share:.1%}); {held}; "
+                f"dedup {'on' if self.dedup else 'off'}, decontaminate {'on' if self.decontaminate else 'off'}"
+                f"{dropped}")
 
     def to_json(self) -> dict:
         """Counts, the settings and up to 5 locations of each kind: a plain dict for run.json. An overlap's
@@ -186,3 +191,38 @@ def check(train: Iterable[tuple[str, str]], held_out: Iterable[tuple[str, str]],
                          eval_exact=sorted(exact_hit), eval_ngram=sorted(gram_hit), overlapping=overlapping,
                          dedup=dedup, decontaminate=decontaminate, duplicate_pairs=dup_pairs,
                          overlap_pairs=overlap_pairs)
+
+
+# ---------------------------------------------------------------- records of a recipe's data
+
+
+def texts(parsed: Parsed) -> tuple[str, str]:
+    """(prompt, answer) of a parsed record: raw text is all answer; in a conversation the assistant turns are
+    the answer and every other turn the prompt (a preference pair's chosen answer is its answer)."""
+    if parsed.text is not None:
+        return "", parsed.text
+    turns = [(m.get("role"), m.get("content") or "") for m in parsed.messages]
+    return ("\n".join(str(c) for role, c in turns if role != "assistant"),
+            "\n".join(str(c) for role, c in turns if role == "assistant"))
+
+
+def of_records(train: Iterable[Record], held_out: Iterable[Record], cfg: DataConfig) -> Contamination:
+    """`check` on a recipe's training and held-out records, parsed by its data format, with its dedup and
+    decontaminate settings."""
+    fmt = FORMATS[cfg.format]
+
+    def pairs(records):
+        return (texts(fmt.parse(r, cfg.fields)) for r in records)
+
+    return check(pairs(train), list(pairs(held_out)), dedup=cfg.dedup, decontaminate=cfg.decontaminate)
+
+
+def report(found: Contamination, train_where: Sequence[str], held_where: Sequence[str]) -> dict:
+    """`found.to_json()` with record locations ("file line N") in place of positions, for run.json."""
+    out = found.to_json()
+    out["duplicate_examples"] = [{"train": train_where[x["train"]], "copy_of": train_where[x["copy_of"]]}
+                                 for x in out["duplicate_examples"]]
+    out["overlap_examples"] = [{"eval": held_where[x["eval"]], "train": train_where[x["train"]], "match": x["match"]}
+                               for x in out["overlap_examples"]]
+    out["line"] = found.line()
+    return out

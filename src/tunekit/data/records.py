@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,6 +24,7 @@ class Rendered:
     prompt: str | None = None  # what generation starts from (everything before the last answer)
     reference: str | None = None  # the last answer
     desirable: bool | None = None  # unpaired preference data: whether that answer is wanted
+    where: str | None = None  # the record it came from (file and line)
 
 
 @dataclass
@@ -56,6 +56,8 @@ class DataBundle:
     eval_stats: DataStats | None
     eval_rendered: list[Rendered] = field(default_factory=list)
     template: str = "raw"
+    split: dict = field(default_factory=dict)  # tunekit.data.split.summary
+    contamination: dict = field(default_factory=dict)  # tunekit.data.contamination.report
 
 
 # ---------------------------------------------------------------- reading
@@ -203,7 +205,7 @@ class Renderer:
     def render(self, record: Record) -> Rendered:
         parsed = self.format.parse(record, self.cfg.fields)
         rendered = self._render(parsed, record.where)
-        rendered.desirable = parsed.desirable
+        rendered.desirable, rendered.where = parsed.desirable, record.where
         return rendered
 
     def _render(self, parsed, where: str) -> Rendered:
@@ -267,35 +269,6 @@ def build_examples(renders: list[Rendered], tokenizer, cfg: DataConfig) -> tuple
         stats.trained_tokens += trained
         out.append(ex)
     return out, stats
-
-
-def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, eval) positions, each in file order: a seeded `fraction` of n held out."""
-    n_eval = round(n * fraction)
-    if n_eval < 1 or n_eval >= n:
-        raise TunekitError(
-            f"data.eval_fraction={fraction} of {n} examples leaves {n_eval} for eval and "
-            f"{n - n_eval} for training; each needs at least one"
-        )
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    held = set(order[:n_eval])
-    return [i for i in range(n) if i not in held], sorted(held)
-
-
-def split_records(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
-    train, held = split_indices(len(records), fraction, seed)
-    return [records[i] for i in train], [records[i] for i in held]
-
-
-def eval_records(cfg: DataConfig, seed: int) -> list[Record]:
-    """The held-out records exactly as training splits them."""
-    if cfg.eval:
-        return read_records(cfg.eval, cfg.eval_split, "data.eval")
-    if cfg.eval_fraction > 0:
-        records = read_records(cfg.train, cfg.train_split, "data.train")
-        return split_records(records, cfg.eval_fraction, seed)[1]
-    return []
 
 
 class CountingCollator:

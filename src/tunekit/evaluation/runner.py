@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tunekit.data import records as data_mod
+from tunekit.data import split
 from tunekit.core import distributed
 from tunekit.training import methods
 from tunekit.evaluation import metrics
@@ -38,15 +39,26 @@ def records_for(target: Target, data: str | None) -> list[data_mod.Record]:
     records = held_out_records(target.recipe, data)
     if not records:
         raise TunekitError(f"{target.spec}: no eval data; pass --data FILE or set data.eval / data.eval_fraction")
+    if target.kind == "run" and not (data or target.recipe.eval and target.recipe.eval.data):
+        check_held_out(target, records)
     return records
 
 
 def held_out_records(recipe: Recipe, data: str | None = None) -> list[data_mod.Record]:
-    """--data, else the recipe's eval.data, else its eval split exactly as training makes it."""
+    """--data, else the recipe's eval.data, else its held-out records exactly as training split them."""
     source = data or (recipe.eval.data if recipe.eval else None)
     if source:
         return data_mod.read_records(source, recipe.data.eval_split, "--data" if data else "eval.data")
-    return data_mod.eval_records(recipe.data, recipe.training.seed)
+    return split.held_out(recipe.data, recipe.training.seed)
+
+
+def check_held_out(target: Target, records: list[data_mod.Record]) -> None:
+    """The records about to be scored are the ones the run held out: its data files have not changed since."""
+    recorded = (RunRecord.load(target.location).data.get("split") or {}).get("held_out_fingerprint")
+    if recorded and recorded != split.fingerprint(split.of(records)):
+        raise TunekitError(f"{target.spec}: the held-out records read now differ from those the run held out "
+                           "(its data files changed since training), so they may include trained examples; "
+                           "restore the files or pass --data FILE with data training never saw")
 
 
 @torch.no_grad()
@@ -140,7 +152,8 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Reco
     scores.update(methods.of(recipe).measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
     scores["examples"] = len(rendered)
     scores["generation_seconds"] = round(gen_seconds, 2)
-    rows = [{"prompt": r.prompt, "reference": r.reference, "prediction": p} for r, p in zip(rendered, predictions)]
+    rows = [{"where": r.where, "prompt": r.prompt, "reference": r.reference, "prediction": p}
+            for r, p in zip(rendered, predictions)]
     return scores, rows
 
 

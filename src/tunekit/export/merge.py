@@ -7,6 +7,7 @@ dequantized, and the adapter merged into that: the merged model is the model tha
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -17,6 +18,7 @@ import torch
 from peft import PeftModel
 
 from tunekit.data import records as data_mod
+from tunekit.data import split
 from tunekit.models import loading as models
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
@@ -43,8 +45,7 @@ class Parity:
 
 def parity_batch(recipe, tokenizer, n: int = 4):
     """A few real examples from the run's own data, tokenized as in training."""
-    records = data_mod.eval_records(recipe.data, recipe.training.seed) or \
-        data_mod.read_records(recipe.data.train, recipe.data.train_split, "data.train")
+    records = split.held_out(recipe.data, recipe.training.seed) or list(itertools.islice(split.train_source(recipe.data), n))
     renderer = data_mod.Renderer(recipe.data, tokenizer)
     examples, _ = data_mod.build_examples([renderer.render(r) for r in records[:n]], tokenizer, recipe.data)
     if not examples:

@@ -96,6 +96,8 @@ class PairBundle:
     train_stats: object  # data.DataStats
     eval_stats: object | None
     template: str
+    split: dict  # tunekit.data.split.summary
+    contamination: dict  # tunekit.data.contamination.report
 
 
 def build(recipe, tokenizer, tokenize=tokenize_pair, shuffle: bool = False, what: str = "train pairs") -> PairBundle:
@@ -104,22 +106,22 @@ def build(recipe, tokenizer, tokenize=tokenize_pair, shuffle: bool = False, what
     import datasets
 
     from tunekit.data import records as data_mod
+    from tunekit.data import contamination, split
 
     cfg = recipe.data
     renderer = data_mod.Renderer(cfg, tokenizer)
-    records = data_mod.read_records(cfg.train, cfg.train_split, "data.train")
-    held: list = []
-    if cfg.eval:
-        held = data_mod.read_records(cfg.eval, cfg.eval_split, "data.eval")
-    elif cfg.eval_fraction > 0:
-        records, held = data_mod.split_records(records, cfg.eval_fraction, recipe.training.seed)
-    if cfg.max_examples:
-        records = records[:cfg.max_examples]
+    records, held, facts = split.train_and_held(cfg, recipe.training.seed)
+    log.info(split.line(facts))
+    found = contamination.of_records(records, held, cfg)
+    report = contamination.report(found, [r.where for r in records], [r.where for r in held])
+    log.info(report["line"])
+    drop = set(found.dropped)
+    records = [r for i, r in enumerate(records) if i not in drop]
     train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length, tokenize)
     if shuffle:
         random.Random(recipe.training.seed).shuffle(train)
     log.info(train_stats.line(what, cfg.max_length))
-    bundle = PairBundle(datasets.Dataset.from_list(train), None, train_stats, None, renderer.template)
+    bundle = PairBundle(datasets.Dataset.from_list(train), None, train_stats, None, renderer.template, facts, report)
     if held:
         pairs, bundle.eval_stats = build_pairs(held, renderer, tokenizer, cfg.max_length, tokenize)
         bundle.eval = datasets.Dataset.from_list(pairs)
