@@ -8,7 +8,6 @@ dequantized, and the adapter merged into that: the merged model is the model tha
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ from tunekit.core.hardware import DTYPES
 from tunekit.models.info import model_config
 from tunekit.config.loading import load as load_recipe
 from tunekit.config.loading import to_yaml
-from tunekit.runs.layout import ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, MODEL_DIR, RECIPE_FILE, RUN_FILE, RunRecord, is_run
+from tunekit.runs.layout import (ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, MODEL_DIR, RECIPE_FILE, RUN_FILE,
+                                RunRecord, is_run, read_json)
 from tunekit.runs.trained import quantization_as_trained
 
 log = logging.getLogger("tunekit")
@@ -103,8 +103,8 @@ def model_card(recipe, run_dir: Path, parity: Parity, dtype: str) -> str:
     scores = ""
     metrics_file = run_dir / EVAL_DIR / "metrics.json"
     if metrics_file.is_file():
-        result = json.loads(metrics_file.read_text())
-        rows = [f"| {k} | {v:.2f} |" for k, v in result["scores"].items() if isinstance(v, float)]
+        result = read_json(metrics_file, METRICS_FIX)
+        rows = [f"| {k} | {v:.2f} |" for k, v in result.get("scores", {}).items() if isinstance(v, float)]
         scores = "\n## Evaluation (adapter run, held-out data)\n\n| metric | value |\n|---|---|\n" + "\n".join(rows) + "\n"
     return (
         f"# Merged model\n\nBase model: `{recipe.model.name_or_path}`  \nAdapter: {recipe.adapter_kind}, "

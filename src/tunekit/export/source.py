@@ -5,11 +5,11 @@ the facts the exported file records about where it came from."""
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunekit.core.errors import TunekitError
 from tunekit.runs import layout as rundir
 
 # models, merge and transformers are imported where they are used: they load torch
@@ -43,10 +43,22 @@ def _finetune(run: Path, recipe) -> dict:
             "steps": record.global_step, "data": recipe.data.train}
 
 
+def _require_exists(target: str) -> None:
+    """A TARGET written as a local path (`/`, `./`, `../`, `~`, or two slashes or more, as models.sources
+    reads it) that is not there is named as missing, before anything else is tried. `org/name` stays a
+    hub id (a missing one is named by the hub check), and so does a .gguf name (it may be packaged)."""
+    if target.endswith(".gguf") or Path(target).expanduser().exists():
+        return
+    if target.startswith(("/", "./", "../", "~")) or target.count("/") > 1:
+        raise TunekitError(f"export target {target}: does not exist; give a run directory, a merged directory, "
+                           "a model directory, a .gguf file or a hub id")
+
+
 def resolve(target: str) -> Source:
     """What TARGET is (rundir.resolve_target tells runs and merged directories apart), and what the file
     will say about it. A base model given as a GGUF file or hub id is materialized as a model directory."""
     path = Path(target)
+    _require_exists(target)
     if not (rundir.is_run(path) or (path / rundir.MERGED_MARKER).is_file()):
         from tunekit.models import loading as models
 
@@ -55,8 +67,9 @@ def resolve(target: str) -> Source:
     if t.kind == "run":
         return Source("run", path, t.recipe, Facts(path.resolve().name, t.recipe.model.name_or_path, None,
                                                    _finetune(path, t.recipe)))
-    run = Path(json.loads((path / rundir.MERGED_MARKER).read_text())["source_run"])
-    facts = _finetune(run, t.recipe) if rundir.is_run(run) else {"merged_from": str(run)}
+    marker = rundir.read_json(path / rundir.MERGED_MARKER, rundir.MERGED_FIX)
+    run = Path(str(marker.get("source_run", "")))
+    facts = _finetune(run, t.recipe) if marker.get("source_run") and rundir.is_run(run) else {"merged_from": str(run)}
     name = path.resolve().parent.name if path.name == "merged" else path.resolve().name
     return Source("merged", path, t.recipe, Facts(name, t.recipe.model.name_or_path, None, facts))
 

@@ -3,7 +3,7 @@ eval/metrics.json, their checkpoints and lock file); nothing is loaded or change
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,7 +13,10 @@ from pathlib import Path
 from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
-from tunekit.runs.layout import CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, RUN_FILE, RunRecord
+from tunekit.runs.layout import (CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, RUN_FILE, DamagedFile, RunRecord,
+                                 read_json)
+
+log = logging.getLogger("tunekit")
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
 SCORES = ("eval_loss", "bleu", "chrf", "rougeL", "exact_match")  # shown, in this order, when present
@@ -23,7 +26,8 @@ LOWER_IS_BETTER = {"eval_loss", "perplexity", "train_loss", "wall_s"}
 @dataclass
 class Row:
     name: str
-    status: str  # completed | failed | running | interrupted (run.json says running, no process holds it)
+    status: str  # completed | failed | running | interrupted (run.json says running, no process holds it),
+                 # or unreadable (a damaged run.json or metrics.json: output says which and why)
     steps: int | None
     output: str
     wall_s: float | None
@@ -62,7 +66,7 @@ def read(run_dir: Path, root: Path) -> Row:
     values = {k: v for k, v in (("train_loss", record.train_loss), ("eval_loss", record.eval_loss)) if v is not None}
     metrics_file = run_dir / EVAL_DIR / "metrics.json"
     if metrics_file.is_file():
-        scores = json.loads(metrics_file.read_text()).get("scores", {})
+        scores = read_json(metrics_file, METRICS_FIX).get("scores", {})
         values.update({k: v for k, v in scores.items() if isinstance(v, (int, float)) and k != "examples"})
     output = record.output or "-"
     merged = [p.name for p in run_dir.iterdir() if p.is_dir() and (p / MERGED_MARKER).is_file()]
@@ -83,8 +87,12 @@ def collect(root: Path) -> list[Row]:
     for run_dir in found:
         try:
             rows.append(read(run_dir, root))
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            rows.append(Row(str(run_dir.relative_to(root)), f"unreadable run.json ({type(e).__name__})", None, "-",
+        except DamagedFile as e:  # one damaged run does not hide the others: its row says which file and why
+            log.warning("%s", e)
+            rows.append(Row(str(run_dir.relative_to(root)), "unreadable", None,
+                            f"{e.path.relative_to(run_dir)}: {e.problem}", None))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # a value of an unexpected type
+            rows.append(Row(str(run_dir.relative_to(root)), "unreadable", None, f"{RUN_FILE}: {type(e).__name__}",
                             None))
     return rows
 

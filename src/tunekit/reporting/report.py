@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tunekit.reporting import listing as runlist
 from tunekit.core.errors import TunekitError
-from tunekit.runs.layout import EVAL_DIR, HISTORY_FILE, RUN_FILE, RunRecord
+from tunekit.runs.layout import EVAL_DIR, HISTORY_FILE, METRICS_FIX, RUN_FILE, RunRecord, read_json, read_jsonl
 from tunekit.evaluation.table import table_rows
 
 REPORT_FILE = "report.html"
@@ -25,17 +25,16 @@ SKIP = {"step", "epoch", "time", "eval_runtime", "eval_samples_per_second", "eva
         "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
 
+HISTORY_FIX = "delete that line (or the whole file, for a report without curves) and run the command again"
+PREDICTIONS_FIX = "run the eval again, or delete the file for a report without predictions"
+
+
 def _history(run_dir: Path) -> list[dict]:
+    """The logged lines that have a step (a cut last line, a kill's, is skipped: see read_jsonl)."""
     path = run_dir / HISTORY_FILE
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
-    return rows
+    return [r for r in read_jsonl(path, HISTORY_FIX) if isinstance(r.get("step"), (int, float))]
 
 
 def _throughput(rows: list[dict], batch: int) -> list[list[float]]:
@@ -68,19 +67,22 @@ def _predictions(run_dir: Path) -> list[dict]:
     path = run_dir / EVAL_DIR / "predictions.jsonl"
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()[:SAMPLES]]
-    return [{"prompt": r.get("prompt", ""), "reference": r.get("reference", ""), "prediction": r.get("prediction", "")}
-            for r in rows]
+    rows = read_jsonl(path, PREDICTIONS_FIX, limit=SAMPLES)
+    return [{k: str(r.get(k, "")) for k in ("prompt", "reference", "prediction")} for r in rows]
 
 
 def load(run_dir: Path) -> dict:
+    if not run_dir.exists():
+        raise TunekitError(f"report: {run_dir} does not exist; give the output_dir of a tunekit train run")
+    if not run_dir.is_dir():
+        raise TunekitError(f"report: {run_dir} is a file; give a run directory (the output_dir of a tunekit train run)")
     if not (run_dir / RUN_FILE).is_file():
         raise TunekitError(f"report: {run_dir} is not a run directory (no {RUN_FILE}); give the output_dir of a "
                            "tunekit train run")
     record = RunRecord.load(run_dir)
     row = runlist.read(run_dir, run_dir.parent)
     metrics_file = run_dir / EVAL_DIR / "metrics.json"
-    scores = json.loads(metrics_file.read_text()).get("scores", {}) if metrics_file.is_file() else {}
+    scores = read_json(metrics_file, METRICS_FIX).get("scores", {}) if metrics_file.is_file() else {}
     return {"name": run_dir.name, "path": str(run_dir), "status": row.status, "steps": row.steps,
             "wall": runlist._duration(row.wall_s), "output": row.output, "record": record,
             "series": series(_history(run_dir), record.effective_batch or 1), "scores": scores,
@@ -169,11 +171,13 @@ def samples(run: dict) -> str:
 def _baseline(path: Path | None) -> dict | None:
     if path is None:
         return None
+    fix = "give the --out directory of a `tunekit eval` of the base model"
+    if not path.exists():
+        raise TunekitError(f"--baseline {path}: does not exist; {fix}")
     file = path / "metrics.json" if path.is_dir() else path
     if not file.is_file():
-        raise TunekitError(f"--baseline {path}: no metrics.json; give the --out directory of a `tunekit eval` "
-                           "of the base model")
-    return json.loads(file.read_text()).get("scores", {})
+        raise TunekitError(f"--baseline {path}: no metrics.json; {fix}")
+    return read_json(file, fix).get("scores", {})
 
 
 def render(runs: list[dict], baseline: dict | None = None) -> str:
