@@ -9,7 +9,9 @@ import json
 import pytest
 
 from conftest import run_cli, write_recipe
-from tunekit.runs.layout import MERGED_MARKER, RunRecord, read_jsonl
+from tunekit.core.errors import TunekitError
+from tunekit.core.jsonfiles import read_jsonl
+from tunekit.runs.layout import MERGED_MARKER, RunRecord
 
 
 def make_run(root, name="run", history=None):
@@ -129,3 +131,16 @@ def test_runs_lists_a_damaged_run_as_unreadable_and_the_others_as_they_are(tmp_p
     assert rows["scores"].split()[1] == "unreadable" and "eval/metrics.json: not valid JSON" in rows["scores"]
     warnings = res.stderr.strip().splitlines()  # one line each, with the fix
     assert len(warnings) == 2 and all("restore it" in w or "--resume" in w for w in warnings), warnings
+
+
+def test_resume_cuts_the_history_back_past_a_line_a_kill_left_half_written(tmp_path):
+    from tunekit.runs.checkpoints import truncate_history
+
+    history = tmp_path / "loss_history.jsonl"
+    history.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    truncate_history(history, 2)
+    assert [json.loads(x) for x in history.read_text().splitlines()] == [{"step": 1, "loss": 2.0},
+                                                                         {"step": 2, "loss": 1.5}]
+    history.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(TunekitError, match=r"loss_history.jsonl: line 2: cut short"):
+        truncate_history(history, 3)

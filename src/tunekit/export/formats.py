@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
+from tunekit.core.jsonfiles import read_json
 from tunekit.export.gguf import QUANTS
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ class Safetensors(ExportFormat):
             if source.recipe is not None:  # a full fine-tuning run or a merged model: `tunekit eval OUT` works
                 shutil.copy(source.path / rundir.RECIPE_FILE, tmp / rundir.RECIPE_FILE)
                 marker = source.path / rundir.MERGED_MARKER
-                facts = rundir.read_json(marker, rundir.MERGED_FIX) if marker.is_file() else {
+                facts = read_json(marker, rundir.MERGED_FIX) if marker.is_file() else {
                     "source_run": str(source.path.resolve()), "base_model": source.facts.base_model, "adapter": "none"}
                 outputs.write_json(tmp / rundir.MERGED_MARKER, {**facts, "dtype": saved, "exported_from": str(model_dir)})
             (tmp / "README.md").write_text(model_card(source, model_dir, saved), encoding="utf-8")

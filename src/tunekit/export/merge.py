@@ -26,7 +26,8 @@ from tunekit.models.info import model_config
 from tunekit.config.loading import load as load_recipe
 from tunekit.config.loading import to_yaml
 from tunekit.runs.layout import (ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, MODEL_DIR, RECIPE_FILE, RUN_FILE,
-                                RunRecord, is_run, read_json)
+                                RunRecord, is_run)
+from tunekit.core.jsonfiles import read_json
 from tunekit.runs.trained import quantization_as_trained
 
 log = logging.getLogger("tunekit")

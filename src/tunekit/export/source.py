@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunekit.core.errors import TunekitError
+from tunekit.core.jsonfiles import read_json
 from tunekit.runs import layout as rundir
 
 # models, merge and transformers are imported where they are used: they load torch
@@ -67,7 +68,7 @@ def resolve(target: str) -> Source:
     if t.kind == "run":
         return Source("run", path, t.recipe, Facts(path.resolve().name, t.recipe.model.name_or_path, None,
                                                    _finetune(path, t.recipe)))
-    marker = rundir.read_json(path / rundir.MERGED_MARKER, rundir.MERGED_FIX)
+    marker = read_json(path / rundir.MERGED_MARKER, rundir.MERGED_FIX)
     run = Path(str(marker.get("source_run", "")))
     facts = _finetune(run, t.recipe) if marker.get("source_run") and rundir.is_run(run) else {"merged_from": str(run)}
     name = path.resolve().parent.name if path.name == "merged" else path.resolve().name

@@ -13,8 +13,8 @@ from pathlib import Path
 from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
-from tunekit.runs.layout import (CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, RUN_FILE, DamagedFile, RunRecord,
-                                 read_json)
+from tunekit.core.jsonfiles import DamagedFile, read_json
+from tunekit.runs.layout import CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, RUN_FILE, RunRecord
 
 log = logging.getLogger("tunekit")
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tunekit.reporting import listing as runlist
 from tunekit.core.errors import TunekitError
-from tunekit.runs.layout import EVAL_DIR, HISTORY_FILE, METRICS_FIX, RUN_FILE, RunRecord, read_json, read_jsonl
+from tunekit.core.jsonfiles import read_json, read_jsonl
+from tunekit.runs.layout import EVAL_DIR, HISTORY_FILE, METRICS_FIX, RUN_FILE, RunRecord
 from tunekit.evaluation.table import table_rows
 
 REPORT_FILE = "report.html"

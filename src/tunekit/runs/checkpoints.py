@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from tunekit.core.errors import TunekitError
+from tunekit.core.jsonfiles import read_jsonl
 
 log = logging.getLogger("tunekit")
 
@@ -41,8 +42,8 @@ def truncate_history(history: Path, step: int) -> None:
     """Drop log lines written after the checkpoint a run resumes from."""
     if not history.is_file():
         return
-    kept = [line for line in history.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    history.write_text("".join(line + "\n" for line in kept))
+    rows = read_jsonl(history, f"delete it or cut it back to the lines of steps up to {step}, then resume again")
+    history.write_text("".join(json.dumps(row) + "\n" for row in rows if row.get("step", 0) <= step))
 
 
 def resume_point(ckpt_dir: Path) -> Path:
