@@ -80,6 +80,13 @@ def test_page_holds_both_runs_curves_scores_and_the_before_after_table(two_runs)
     first = json.loads((root / "fast" / "eval" / "predictions.jsonl").read_text().splitlines()[0])
     assert report.marked_diff(first["reference"], first["prediction"])[0] in page
     assert "<del>" in page or "<ins>" in page
+    # the data section: each run's split and contamination report as run.json has them (these runs hold out
+    # their own training file, so every eval example is in the training data)
+    found = json.loads((root / "fast" / "run.json").read_text())["data"]["contamination"]
+    assert found["eval_exact"] == found["eval_examples"] == 32 and found["duplicates"] > 0
+    table = page.split('<table class="data">')[1].split("</table>")[0]
+    fast_row = next(r for r in table.split("<tr>") if r.startswith("<td>fast"))
+    assert f"<td>{found['duplicates']}</td><td>32</td>" in fast_row and "(data.eval)" in fast_row
     # self-contained: nothing is fetched
     assert not re.search(r'\b(src|href)=', page)
 

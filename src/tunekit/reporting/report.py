@@ -145,6 +145,28 @@ def runs_table(runs: list[dict]) -> str:
     return _table(headers, rows, "runs")
 
 
+def data_table(runs: list[dict]) -> str:
+    """Each run's held-out split and contamination report (run.json's data.split, data.contamination)."""
+    headers = ["run", "records read", "train", "held out", "duplicates in train", "eval sharing a prompt/answer",
+               "eval sharing an n-gram", "train overlapping eval", "dropped", "examples"]
+    rows = []
+    for r in runs:
+        data = r["record"].data or {}
+        split, found = data.get("split") or {}, data.get("contamination") or {}
+        if not (split or found):
+            continue
+        held = f"{_fmt(split.get('held_out'))} ({split.get('held_out_from') or 'none'})" if split else "-"
+        dropped = "-" if not found else f"{_fmt(found.get('dropped'))} (dedup {'on' if found.get('dedup') else 'off'}, " \
+            f"decontaminate {'on' if found.get('decontaminate') else 'off'})"
+        where = [f"{x['train']} = {x['copy_of']}" for x in found.get("duplicate_examples", [])] + \
+                [f"{x['eval']} ~ {x['train']} ({x['match']})" for x in found.get("overlap_examples", [])]
+        rows.append([html.escape(r["name"]), _fmt(split.get("train_records_read")), _fmt(split.get("train")), held,
+                     _fmt(found.get("duplicates")), _fmt(found.get("eval_exact")), _fmt(found.get("eval_ngram")),
+                     _fmt(found.get("overlapping_train")), html.escape(dropped),
+                     "<br>".join(html.escape(w) for w in where) or "-"])
+    return _table(headers, rows, "data") if rows else ""
+
+
 def before_after(baseline: dict, runs: list[dict]) -> str:
     """Base model's zero-shot scores beside each run's end-of-training scores, with the change."""
     headers = ["metric", "base (zero-shot)"] + [f"{html.escape(r['name'])}" for r in runs] + \
@@ -192,6 +214,8 @@ def render(runs: list[dict], baseline: dict | None = None) -> str:
     payload = json.dumps(data).replace("</", "<\\/")
     title = "tunekit report: " + ", ".join(r["name"] for r in runs)
     sections = [f"<h1>{html.escape(title)}</h1>", "<h2>Runs</h2>", runs_table(runs)]
+    if table := data_table(runs):
+        sections += ["<h2>Data: held-out split and contamination</h2>", table]
     if baseline:
         sections += ["<h2>Before and after</h2>", before_after(baseline, runs)]
     sections += ['<h2>Curves</h2><div id="plots"></div>']
