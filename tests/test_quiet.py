@@ -84,6 +84,7 @@ def test_deepspeed_note_hidden_unless_verbose():
 
 
 def hidden_lines(text: str) -> list[str]:
-    """The lines of a command's output that an entry of quiet.HIDDEN matches (the demo test and the
-    shipped-recipe launches assert there are none)."""
-    return [line for line in text.splitlines() if any(re.search(h.pattern, line) for h in quiet.HIDDEN)]
+    """The lines of a command's output that an entry of quiet.HIDDEN or a bar of quiet.HIDDEN_BARS matches
+    (the demo test and the shipped-recipe launches assert there are none)."""
+    return [line for line in text.splitlines() if any(re.search(h.pattern, line) for h in quiet.HIDDEN)
+            or any(line.startswith(f"{b.title}:") for b in quiet.HIDDEN_BARS)]

@@ -103,6 +103,9 @@ OTHER_INTERNALS = [
                                                                  "that stops 4-bit training"),
     ("transformers.modeling_gguf_pytorch_utils", "load_gguf_checkpoint", "modelinfo.py reads a GGUF header "
                                                                          "(return_tensors=False) for plan/validate"),
+    ("transformers.utils.logging", "set_tqdm_hook", "core/quiet.py hides the bars in quiet.HIDDEN_BARS through it "
+                                                    "(their titles are checked in test_console.py)"),
+    ("transformers.utils.logging", "EmptyTqdm", "the stand-in that hook returns for a hidden bar"),
 ]
 
 

@@ -345,12 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(verbose: bool) -> None:
-    from tunekit.core import quiet
+    from tunekit.core import console, quiet
 
     quiet.install(verbose)
     log = logging.getLogger("tunekit")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = console.LogHandler(sys.stderr)  # above any progress bar (core.console)
         handler.setFormatter(logging.Formatter("tunekit: %(message)s"))
         log.addHandler(handler)
         # one voice in multi-process runs: other ranks report only problems

@@ -1,1 +1,1 @@
-"""Shared ground: errors, output directories, state files, processes, hardware, hidden noise."""
+"""Shared ground: errors, output directories, state files, processes, hardware, hidden noise, progress."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from tunekit.data import records as data_mod
 from tunekit.data import contamination, split
 from tunekit.data.records import DataBundle, DataStats, Renderer
+from tunekit.core import console
 from tunekit.core.errors import TunekitError
 from tunekit.data.formats import Record
 from tunekit.core.outputs import cache_root
@@ -132,6 +133,8 @@ def _tokenized(raw, renderer: Renderer, cfg: DataConfig, work: Path, name: str, 
                                   "labels": datasets.Sequence(datasets.Value("int32")),
                                   "truncated": datasets.Value("bool"), "trained": datasets.Value("int32")})
     procs = num_proc if num_proc is not None else (min(os.cpu_count() or 1, 8) if len(raw) >= PARALLEL_FROM else None)
+    if console.mode() == "lines":  # datasets' bar (the data phase's) is drawn on a terminal only
+        log.info("tokenizing %s: %d examples", name, len(raw))
     ds = raw.map(_encode, batched=True, batch_size=BATCH, num_proc=procs, remove_columns=raw.column_names,
                  features=features, fn_kwargs={"renderer": renderer, "cfg": cfg},
                  cache_file_name=str(work / f"{name}-tokenized.arrow"), new_fingerprint=f"{name}-tokenized",

@@ -13,7 +13,7 @@ import torch
 
 from tunekit.data import records as data_mod
 from tunekit.data import split
-from tunekit.core import distributed
+from tunekit.core import console, distributed
 from tunekit.training import methods
 from tunekit.evaluation import metrics
 from tunekit.models import loading as models
@@ -79,6 +79,7 @@ def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, bat
     found: dict[int, str] = {}
     device = next(model.parameters()).device
     model.eval()
+    bar = console.Progress("eval: generating", len(order), unit="answers")
     try:
         for k in range(-(-len(batches) // world)):
             idx = mine[k] if k < len(mine) else batches[0]
@@ -89,8 +90,9 @@ def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, bat
             if k < len(mine):
                 new = out[:, batch["input_ids"].shape[1]:]
                 found.update({i: tokenizer.decode(ids, skip_special_tokens=True).strip() for i, ids in zip(idx, new)})
-            log.info("eval: generated %d/%d", min((k + 1) * batch_size * world, len(order)), len(order))
+            bar.update_to(min((k + 1) * batch_size * world, len(order)))
     finally:
+        bar.close()
         tokenizer.padding_side = side
     for part in distributed.gather_objects(found) if world > 1 else []:
         found.update(part)

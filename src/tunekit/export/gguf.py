@@ -15,6 +15,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tunekit.core import console
 from tunekit.core.errors import TunekitError
 
 if TYPE_CHECKING:
@@ -232,5 +233,5 @@ def write_gguf(model, tokenizer, path: Path, quant: Quant, facts: Facts) -> None
         writer.add_tensor(name, data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=True)
+    writer.write_tensors_to_file(progress=console.mode() == "bars")  # its bar is redrawn in place
     writer.close()

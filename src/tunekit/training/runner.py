@@ -26,6 +26,7 @@ from tunekit.models import loading as models
 from tunekit.core import outputs
 from tunekit.data import packing
 from tunekit.training import preflight
+from tunekit.training import progress
 from tunekit.runs import layout as rundir
 from tunekit.training import trackers
 from tunekit.core.errors import TunekitError
@@ -202,6 +203,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     inputs.callbacks = run_callbacks(recipe, run_dir)
     inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None)
     trainer, collate = method.make_trainer(inputs)
+    progress.install(trainer, lambda: collate.real)
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
 
 
@@ -310,10 +312,9 @@ def fit(p: Prepared):
     try:
         return trainer.train(resume_from_checkpoint=str(p.resume_from) if p.resume_from else None)
     except BaseException as e:
-        for callback in trainer.callback_handler.callbacks:  # close the progress bar before the error line
-            bar = getattr(callback, "training_bar", None)
-            if bar is not None:
-                bar.close()
+        for callback in trainer.callback_handler.callbacks:  # close the progress bars before the error line
+            if isinstance(callback, progress.Console):
+                callback.close()
         if p.launch.is_main:
             p.record.status = "failed"
             p.record.error = str(e).splitlines()[0] if str(e) else type(e).__name__
