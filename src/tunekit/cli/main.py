@@ -58,7 +58,7 @@ def fraction(text: str) -> float:
 
 
 def size(text: str) -> int:
-    from tunekit.plan.estimate import parse_size
+    from tunekit.plan.sizes import parse_size
 
     try:
         return parse_size(text)
@@ -84,21 +84,22 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_validate(a) -> int:
     from tunekit.config import loading as recipe_mod
-    from tunekit.models.hub import Unavailable
-    from tunekit.models.info import fit_max_length
+    from tunekit.data import precheck
 
-    recipe = recipe_mod.load(a.recipe, a.overrides)
-    try:
-        recipe = fit_max_length(recipe, shipped=True)
-    except Unavailable as e:  # the recipe may well be right; say what could not be checked and why
-        logging.getLogger("tunekit").warning("data.max_length not checked against the model's context window: %s", e)
+    # torch-free: a model or data set that cannot be had here is named in a warning, not refused
+    recipe = precheck.check(recipe_mod.load(a.recipe, a.overrides), data_needed=False, model="optional")
     print(recipe_mod.to_yaml(recipe), end="")
+    if recipe.training.deepspeed and not a.world_size:
+        logging.getLogger("tunekit").info("training.deepspeed checked against the recipe; DeepSpeed's own check of "
+                                          "its settings runs with --world-size N and when training starts")
     if recipe.training.deepspeed and a.world_size:
         import json
 
+        from tunekit.config import deepspeed as dsconfig
         from tunekit.core.hardware import resolve_precision
         from tunekit.training.runner import deepspeed_config
 
+        dsconfig.check_file(recipe.training.deepspeed)
         precision = resolve_precision(recipe.training.precision)
         ds = deepspeed_config(recipe, precision, a.world_size, shipped=True)
         print(f"# DeepSpeed config for world size {a.world_size}, precision {precision.name} ({precision.reason})")
@@ -121,6 +122,13 @@ def cmd_train(a) -> int:
         check_writable(out, "output_dir")
         with exclusive(out):  # a run in progress is named, not reported as "exists"
             check_free(out, a.force, "output_dir")
+    if main_process:  # data and model before torch; then DeepSpeed's own check, which imports it
+        from tunekit.config import deepspeed as dsconfig
+        from tunekit.data import precheck
+
+        recipe = precheck.check(recipe, data_needed=True, model="needed")
+        if recipe.training.deepspeed:
+            dsconfig.check_file(recipe.training.deepspeed)
     from tunekit.core import distributed
     from tunekit.evaluation import runner as evaluation
     from tunekit.training import runner as train
@@ -145,18 +153,53 @@ def cmd_train(a) -> int:
     return 0
 
 
+def _base_model_first(target: str) -> None:
+    """Before torch: the model that export will load can be had here; for a completed LoRA run, its
+    base model (named by its recipe key), for a hub id the id itself ("export target"). Anything else
+    about the target is checked by export itself, in its own terms."""
+    from pathlib import Path
+
+    from tunekit.config.loading import load
+    from tunekit.data import precheck
+    from tunekit.models import hub
+    from tunekit.models.sources import resolve_model
+    from tunekit.runs.layout import ADAPTER_DIR, MERGED_MARKER, RECIPE_FILE, RunRecord, is_run
+
+    path = Path(target)
+    if is_run(path):
+        if (path / ADAPTER_DIR).is_dir() and (path / RECIPE_FILE).is_file() and \
+                RunRecord.load(path).status == "completed":
+            precheck.check_model(load(path / RECIPE_FILE).model)
+        return
+    if (path / MERGED_MARKER).is_file():
+        return
+    try:
+        source = resolve_model(target, "export target")
+    except TunekitError:
+        return  # a missing path: export names it
+    if source.kind == "hub":
+        hub.require(target, None, "export target")
+
+
 def cmd_merge(a) -> int:
     from pathlib import Path
 
+    from tunekit.config.loading import load
+    from tunekit.data import precheck
+    from tunekit.runs.layout import RECIPE_FILE, adapter_run
+
+    run_dir, _ = adapter_run(Path(a.run_dir))  # the run and its base model, before torch
+    precheck.check_model(load(run_dir / RECIPE_FILE).model)
     from tunekit.export import merge
 
-    merge.merge(Path(a.run_dir), Path(a.out) if a.out else None, a.dtype, a.force, a.tolerance)
+    merge.merge(run_dir, Path(a.out) if a.out else None, a.dtype, a.force, a.tolerance)
     return 0
 
 
 def cmd_export(a) -> int:
     from pathlib import Path
 
+    _base_model_first(a.target)
     from tunekit.export import run as export
 
     export.export(a.target, a.quant, Path(a.out) if a.out else None, a.force, a.format, a.dtype)
@@ -166,15 +209,20 @@ def cmd_export(a) -> int:
 def cmd_eval(a) -> int:
     from pathlib import Path
 
-    from tunekit.evaluation import runner as evaluation
     from tunekit.config.schema import EvalConfig
-    from tunekit.evaluation.table import format_table
+    from tunekit.data import precheck
+    from tunekit.runs.layout import resolve_target
 
     for flag, value in (("--data", a.data), ("--recipe", a.recipe)):
         if value is not None and not Path(value).is_file():
             raise TunekitError(f"{flag} {value}: " + ("is a directory; give a file" if Path(value).is_dir() else
                                                       "file not found"))
-    targets = [evaluation.resolve_target(t, a.recipe, a.data) for t in [a.target] + ([a.compare] if a.compare else [])]
+    targets = [resolve_target(t, a.recipe, a.data) for t in [a.target] + ([a.compare] if a.compare else [])]
+    for target in targets:  # before torch: a merged directory is its own model, the others load one
+        precheck.check_eval(target.recipe, a.data, base_model=target.kind != "merged")
+    from tunekit.evaluation import runner as evaluation
+    from tunekit.evaluation.table import format_table
+
     columns = []
     for i, target in enumerate(targets):
         base = target.recipe.eval or EvalConfig()
@@ -189,14 +237,18 @@ def cmd_eval(a) -> int:
 
 
 def cmd_plan(a) -> int:
-    from tunekit.plan import estimate as plan
     from tunekit.config import loading as recipe_mod
-    from tunekit.core.hardware import resolve_precision
+    from tunekit.data import precheck
 
+    # torch-free first; a model given by --model-config need not be here
+    recipe = precheck.check(recipe_mod.load(a.recipe, a.overrides), data_needed=False,
+                            model="skip" if a.model_config else "shipped")
+    from tunekit.core.hardware import resolve_precision
     from tunekit.models.info import config_file, fit_max_length
+    from tunekit.plan import estimate as plan
 
     given = config_file(a.model_config) if a.model_config else None
-    recipe = fit_max_length(recipe_mod.load(a.recipe, a.overrides), shipped=True, given=given)
+    recipe = fit_max_length(recipe, shipped=True, given=given)
     precision = recipe.training.precision  # planned as written: a GPU's precision need not exist here
     if precision == "auto":
         precision = resolve_precision("auto").name

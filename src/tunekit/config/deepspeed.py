@@ -1,6 +1,6 @@
 """DeepSpeed config against the recipe: fill every "auto" the recipe decides, and refuse a hand-set
 value that contradicts it, naming both; then let DeepSpeed's own config model judge the rest.
-Pure Python apart from that last check, which imports deepspeed.
+Pure Python apart from that last check (check_file), which imports deepspeed.
 
 transformers fills "auto" too, but only once the Trainer is built, and on machines without a GPU it
 assumes one process (train_batch_size comes out wrong under torchrun); resolving here lets
@@ -91,6 +91,14 @@ def check_with_deepspeed(ds: dict, source: str) -> None:
         except (AssertionError, ValueError, KeyError, TypeError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise TunekitError(f"{source}: DeepSpeed rejects this config: {first}") from None
+
+
+def check_file(path: str | Path) -> None:
+    """DeepSpeed's own check of a recipe's training.deepspeed file. It imports deepspeed and torch (seconds),
+    so loading a recipe does not run it: `tunekit train` does, before loading anything, and so does
+    `tunekit validate --world-size N`."""
+    where = f"training.deepspeed {path}"
+    check_with_deepspeed(read(path, where), where)
 
 
 @contextlib.contextmanager

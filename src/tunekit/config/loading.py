@@ -142,7 +142,7 @@ def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
                                f"{ds} defines DeepSpeed's own; use a config without an optimizer section "
                                "(ds_configs/zero2.json, zero3.json) or drop lora.lr_ratio")
         precision = None if recipe.training.precision == "auto" else recipe.training.precision
-        dsconfig.check_with_deepspeed(parsed, where)  # first: resolve() reads values DeepSpeed may refuse
+        # DeepSpeed's own check imports deepspeed and torch: train and validate --world-size run it (check_file)
         dsconfig.resolve(parsed, recipe, None, precision, where)
         updates["training"]["deepspeed"] = str(found)
     return recipe.model_copy(

@@ -25,8 +25,8 @@ from tunekit.core.hardware import DTYPES
 from tunekit.models.info import model_config
 from tunekit.config.loading import load as load_recipe
 from tunekit.config.loading import to_yaml
-from tunekit.runs.layout import (ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, MODEL_DIR, RECIPE_FILE, RUN_FILE,
-                                RunRecord, is_run)
+from tunekit.runs.layout import (ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, RECIPE_FILE, RunRecord,
+                                adapter_run)
 from tunekit.core.jsonfiles import read_json
 from tunekit.runs.trained import quantization_as_trained
 
@@ -118,15 +118,8 @@ def model_card(recipe, run_dir: Path, parity: Parity, dtype: str) -> str:
 
 def merge(run_dir: Path, out: Path | None = None, dtype: str | None = None, force: bool = False,
           tolerance: float = 1e-3) -> Path:
-    run_dir = outputs.require_dir(Path(run_dir), "run directory")
-    if not is_run(run_dir):
-        raise TunekitError(f"{run_dir}: not a tunekit run directory (no {RUN_FILE})")
-    record = RunRecord.load(run_dir)
-    if (run_dir / MODEL_DIR).is_dir():
-        raise TunekitError(f"{run_dir}: a full fine-tuning run; its weights in {MODEL_DIR}/ are already merged")
+    run_dir, record = adapter_run(Path(run_dir))
     adapter_dir = run_dir / ADAPTER_DIR
-    if record.status != "completed" or not adapter_dir.is_dir():
-        raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
     out = Path(out) if out else run_dir / "merged"
     with outputs.exclusive(out, "merge output"):
         outputs.check_free(out, force, "merge output")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+from pathlib import Path
 
 from tunekit.core.errors import TunekitError, first_line
 
@@ -124,21 +126,56 @@ def _probe(repo: str, revision: str | None, key: str) -> None:
                        f"{repo!r}{at}; {_get(key, repo)}", f"the Hub is not reachable: {reason}")
 
 
-def probe_dataset(repo: str) -> None:
+def probe_dataset(repo: str, key: str | None = None) -> None:
     """Before `datasets` reads hub data set `repo`: one request without retries; when it shows the Hub
-    cannot be reached, go offline, so that `datasets` reads its cache or fails at once."""
+    cannot be reached, go offline, so that `datasets` reads its cache or fails at once. With `key` (the
+    recipe key naming it), a data set that cannot be had here, offline and not in the datasets cache,
+    raises Unavailable. Imports no `datasets`."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
-    if offline():
-        return
+    why = "HF_HUB_OFFLINE=1"
+    if not offline():
+        try:
+            get_hf_file_metadata(hf_hub_url(repo, "README.md", repo_type="dataset"), timeout=PROBE_TIMEOUT_S)
+            return
+        except (HfHubHTTPError, HFValidationError):
+            return  # the Hub answered: `datasets` reports what it said
+        except Exception as e:  # no network (see _probe)
+            why = f"the Hub is not reachable: {_reason(e)}"
+            go_offline()
+    cached = _dataset_cached(repo)
+    if key is not None and not cached:
+        raise Unavailable(f"{key}: data set {repo!r} is not in the local datasets cache and the Hub cannot be used "
+                          f"here ({why}); load it once where the Hub is reachable and copy the cache (HF_HOME), "
+                          f"or set {key} to a local .jsonl/.json/.csv/.parquet file",
+                          f"not in the local datasets cache, and {why}")
+    if why != "HF_HUB_OFFLINE=1":
+        log.info("the Hugging Face Hub is not reachable (%s); reading data set %s from the local cache",
+                 why.removeprefix("the Hub is not reachable: "), repo)
+
+
+def _dataset_cached(repo: str) -> bool:
+    """Whether `datasets` holds a prepared copy of hub data set `repo`, where it looks when offline:
+    HF_DATASETS_CACHE/OWNER___NAME (the name in snake case)/CONFIG/VERSION/HASH."""
+    if "datasets" in sys.modules:
+        root = Path(sys.modules["datasets"].config.HF_DATASETS_CACHE)
+    else:  # datasets.config's defaults
+        home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+        root = Path(os.environ.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")).expanduser()
+    parts = repo.split("/")
+    parts[-1] = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", parts[-1])).lower()
+    return any(p.is_dir() for p in (root / "___".join(parts)).glob("*/*/*"))
+
+
+def config_file(repo: str, revision: str | None, key: str = "model.name_or_path") -> str:
+    """The local path of hub model `repo`'s config.json (from the cache, or downloaded); call `require` first."""
+    from huggingface_hub import hf_hub_download
+
     try:
-        get_hf_file_metadata(hf_hub_url(repo, "README.md", repo_type="dataset"), timeout=PROBE_TIMEOUT_S)
-    except (HfHubHTTPError, HFValidationError):
-        return  # the Hub answered: `datasets` reports what it said
-    except Exception as e:  # no network (see _probe)
-        log.info("the Hugging Face Hub is not reachable (%s); reading data set %s from the local cache", _reason(e), repo)
-        go_offline()
+        return hf_hub_download(repo, "config.json", revision=revision)
+    except Exception as e:  # a partial cache offline, a broken download
+        raise load_error(key, repo, e) from None
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

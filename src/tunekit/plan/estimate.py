@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +16,8 @@ import torch
 from tunekit.config import deepspeed as dsconfig
 from tunekit.training import methods
 from tunekit.config.schema import Recipe
+from tunekit.plan.sizes import GiB, parse_size  # noqa: F401  (plan.parse_size: tests)
 
-GiB = 1024**3
 QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
 DOUBLE_QUANT_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bit in blocks of 256
 OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2,
@@ -319,22 +318,6 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
         if p.peak < plan.peak:
             out.append((label, p))
     return sorted(out, key=lambda lp: lp[1].peak)
-
-
-def parse_size(text: str) -> int:
-    """'24GiB', '24G', '512MB', '1e9' -> bytes (binary units); ValueError for anything else."""
-    units = {"k": 1024, "m": 1024**2, "g": GiB, "t": 1024**4}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = 1
-    if t and t[-1] in units:
-        t, scale = t[:-1], units[t[-1]]
-    try:
-        value = float(t)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size; write e.g. 24GiB, 80G or 512MiB") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{text!r} is not a positive size; write e.g. 24GiB")
-    return int(value * scale)
 
 
 def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str, Plan]]) -> str:

@@ -104,6 +104,20 @@ def weights_dir(run_dir: Path) -> Path:
     return run_dir / (MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else ADAPTER_DIR)
 
 
+def adapter_run(spec: Path) -> tuple[Path, RunRecord]:
+    """A completed LoRA/QLoRA run directory and its record, as `tunekit merge` takes it (imports no torch,
+    so the command checks it first); otherwise one line saying what it is instead."""
+    run_dir = outputs.require_dir(Path(spec), "run directory")
+    if not is_run(run_dir):
+        raise TunekitError(f"{run_dir}: not a tunekit run directory (no {RUN_FILE})")
+    record = RunRecord.load(run_dir)
+    if (run_dir / MODEL_DIR).is_dir():
+        raise TunekitError(f"{run_dir}: a full fine-tuning run; its weights in {MODEL_DIR}/ are already merged")
+    if record.status != "completed" or not (run_dir / ADAPTER_DIR).is_dir():
+        raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
+    return run_dir, record
+
+
 @dataclass
 class StartingAdapter:
     path: Path  # the source run's adapter/

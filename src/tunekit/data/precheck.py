@@ -1,0 +1,169 @@
+"""The first answer: what a command reads, checked before anything heavy is imported (torch,
+transformers, peft, TRL, DeepSpeed, datasets, bitsandbytes take about ten seconds to import), so that
+a bad data line, a missing file or a model that cannot be had here is one line within a second or two.
+train, validate, eval and plan run this first; the steps after it keep their own checks.
+
+Data files: JSON and JSON lines through data.records (streamed, with line numbers), CSV with the
+standard library's reader (cells as text, as preparation reads them), Parquet with pyarrow; each record
+is parsed under data.format and data.fields. A hub data set is asked about once (models.hub), not read.
+
+Big files: parsing a record (JSON and the format's field checks) takes about 15 us on a loaded 2-core
+machine, so the 200,000 lines of a 40 MB JSON lines file take about 3 s, more than the whole budget
+(bench/RESULTS.md). A file's first CHECKED records are parsed here (about 0.3 s), and a line says so;
+every record, those after them included, is parsed again with the same one-line errors when data is
+prepared, before the model is loaded or anything is written."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import Iterator
+
+from tunekit.config.schema import DataConfig, ModelConfig, Recipe
+from tunekit.core.errors import TunekitError, first_line
+from tunekit.data.formats import FORMATS, Record
+from tunekit.data.records import iter_records
+from tunekit.models import hub, info
+from tunekit.models.sources import resolve_model
+
+log = logging.getLogger("tunekit")
+
+CHECKED = 20_000  # records parsed per file
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def data_files(recipe: Recipe) -> list[tuple[str, str, str]]:
+    """(recipe key, file or hub name, split) of every data source the recipe names."""
+    d = recipe.data
+    found = [("data.train", d.train, d.train_split), ("data.eval", d.eval, d.eval_split)]
+    if recipe.eval is not None:
+        found.append(("eval.data", recipe.eval.data, d.eval_split))
+    return [(key, spec, split) for key, spec, split in found if spec]
+
+
+def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
+    """The recipe's data, then its model source, then data.max_length against the model's context window.
+    `data_needed`: a hub data set that cannot be had here is an error (else a warning). `model`: "needed"
+    (it must be readable here; a max_length set beyond the window is refused, and lowering a default one
+    is left to training), "shipped" (else tunekit's copy of a well-known model's config, else an error),
+    "optional" (as shipped, else a warning saying what was not checked) or "skip". "shipped" and "optional"
+    return the recipe with data.max_length fitted."""
+    for key, spec, split in data_files(recipe):
+        check_data(spec, split, key, recipe.data, data_needed,
+                   recipe.data.max_examples if key == "data.train" else None)
+    assert model in ("needed", "shipped", "optional", "skip"), model
+    if model == "skip":
+        return recipe
+    shipped, optional = model != "needed", model == "optional"
+    fitted = _tolerated(lambda: info.raw_config(recipe.model, shipped), optional,
+                        "data.max_length not checked against the model's context window: ")
+    _tolerated(lambda: check_tokenizer(recipe.model), optional, "")
+    if not fitted:
+        return recipe
+    return info.fit_max_length(recipe, shipped=shipped, refuse_only=not shipped)
+
+
+def _tolerated(step, optional: bool, said: str) -> bool:
+    """Run `step`; a model that cannot be had here (hub.Unavailable) is an error, or with `optional` a
+    warning (and False)."""
+    try:
+        step()
+    except hub.Unavailable as e:
+        if not optional:
+            raise
+        log.warning("%s%s", said, e)
+        return False
+    return True
+
+
+def check_model(cfg: ModelConfig, shipped: bool = False) -> None:
+    """The model (and a separate model.tokenizer) can be had here: a local directory with a config.json
+    that reads, a GGUF file (a path or inside an installed package) with a readable header, a hub model
+    that is cached or reachable. Raises hub.Unavailable where it cannot be had now."""
+    info.raw_config(cfg, shipped)
+    check_tokenizer(cfg)
+
+
+def check_tokenizer(cfg: ModelConfig) -> None:
+    """A model.tokenizer given apart from the model: there, or a hub id that is cached or reachable."""
+    if cfg.tokenizer and resolve_model(cfg.tokenizer, "model.tokenizer").kind == "hub":
+        hub.require(cfg.tokenizer, cfg.revision, "model.tokenizer")
+
+
+def check_data(spec: str, split: str, key: str, cfg: DataConfig, needed: bool = True,
+               limit: int | None = None) -> None:
+    """A data file's first records (CHECKED, or `limit` when smaller) parse under cfg's format; a hub data
+    set can be had here (else hub.Unavailable when `needed`, a warning otherwise)."""
+    path = Path(spec)
+    if not path.exists():
+        try:
+            hub.probe_dataset(spec, key)
+        except hub.Unavailable as e:
+            if needed:
+                raise
+            log.warning("%s; its records were not checked", e)
+        return
+    if not path.is_file() or path.suffix not in SUFFIXES:
+        raise TunekitError(f"{key}: {spec!r} is not a .jsonl, .json, .csv or .parquet file")
+    parse = FORMATS[cfg.format].parse
+    count = 0
+    for count, record in enumerate(itertools.islice(_records(path, split, key), min(CHECKED, limit or CHECKED)), 1):
+        parse(record, cfg.fields)
+    if count == 0:
+        raise TunekitError(f"{key}: {spec} holds no examples")
+    if count == CHECKED:
+        log.info("%s: the first %d records checked; the rest are checked as data is prepared", key, CHECKED)
+
+
+def _records(path: Path, split: str, key: str) -> Iterator[Record]:
+    if path.suffix == ".csv":
+        return _csv_records(path, key)
+    if path.suffix == ".parquet":
+        return _parquet_records(path, key)
+    return iter_records(str(path), split, key)
+
+
+def _csv_records(path: Path, key: str) -> Iterator[Record]:
+    """Rows as `datasets` reads them for preparation: every cell text, blank lines skipped, "row N"."""
+    import csv
+
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            for n, row in enumerate(reader, 1):
+                if None in row:
+                    raise TunekitError(f"{key}: {path} line {reader.line_num}: more cells than the header's "
+                                       f"{len(reader.fieldnames or [])} columns")
+                yield Record(row, f"{path} row {n}")
+    except UnicodeDecodeError as e:
+        raise TunekitError(f"{key}: {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); re-save the file "
+                           "as UTF-8") from None
+    except csv.Error as e:
+        raise TunekitError(f"{key}: {path}: malformed CSV ({e})") from None
+
+
+def _parquet_records(path: Path, key: str) -> Iterator[Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1000):
+            for row in batch.to_pylist():
+                n += 1
+                yield Record(row, f"{path} row {n}")
+    except (pa.ArrowException, OSError) as e:
+        raise TunekitError(f"{key}: {path}: not a readable Parquet file ({first_line(e)[:200]})") from None
+
+
+def check_eval(recipe: Recipe, data: str | None, base_model: bool) -> None:
+    """`tunekit eval`: the data it scores (--data, else the recipe's data files) and, for a run or a base
+    model target (`base_model`), the model it loads."""
+    if data:
+        check_data(data, recipe.data.eval_split, "--data", recipe.data)
+    else:
+        for key, spec, split in data_files(recipe):
+            check_data(spec, split, key, recipe.data, limit=recipe.data.max_examples if key == "data.train" else None)
+    if base_model:
+        check_model(recipe.model)
