@@ -391,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(p)
         p.set_defaults(func=func)
         p.add_argument("--verbose", action="store_true",
-                       help="show every library's messages (a listed few that need no action are hidden otherwise: "
-                            "tunekit/core/quiet.py)")
+                       help="show every library's messages and progress bars (a listed few that need no action are "
+                            "hidden otherwise: tunekit/core/quiet.py)")
     return parser
 
 
