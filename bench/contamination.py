@@ -15,33 +15,20 @@ the machine (CPU model and bf16 flags, load average, date, commit).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+import machine  # noqa: E402
 import realdata  # noqa: E402
 
 from tunekit.data.contamination import check, normalize, words  # noqa: E402
-
-
-def machine() -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    flags = set(cpuinfo.split())
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": git.stdout.strip() or None, "cpu": model or platform.processor(), "cpus": os.cpu_count(),
-            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
-            "python": platform.python_version(), "nice": os.nice(0)}
 
 
 def pairs(rows: list[dict]) -> list[tuple[str, str]]:
@@ -124,7 +111,7 @@ def main() -> int:
     expected = reference(train, held_out)
     missed = sorted(set(copied) - set(found.eval_exact)) + sorted(set(quoted) - set(found.eval_ngram))
     result = {
-        "machine": {**machine(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "machine": {**machine.facts(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "train_examples": len(train), "distinct_source_rows": originals, "planted_duplicates": len(train) - originals,
         "eval_examples": len(held_out), "planted_exact": len(copied), "planted_spans": len(quoted),
         "train_words": sum(len(words(normalize(p))) + len(words(normalize(a))) for p, a in train),
