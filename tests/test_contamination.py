@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tunekit.core.errors import TunekitError
 from tunekit.data import contamination
 from tunekit.data.contamination import check, normalize, words
 
@@ -207,3 +208,39 @@ def test_preference_pairs_report_contamination_too(tmp_path, tiny_model, tiny_to
     bundle = methods.of(recipe).build_data(recipe, tiny_tokenizer)
     assert (bundle.contamination["duplicates"], bundle.contamination["overlapping_train"]) == (1, 1)
     assert bundle.contamination["dropped"] == 2 and bundle.train_stats.examples == 11
+
+
+def _found(fmt, rows, held=(), **settings):
+    from tunekit.config.schema import DataConfig
+    from tunekit.data.contamination import of_records
+    from tunekit.data.formats import Record
+
+    cfg = DataConfig(train="unused.jsonl", format=fmt, template="chat", **settings)
+    return of_records([Record(r, f"t line {i}") for i, r in enumerate(rows, 1)],
+                      [Record(r, f"e line {i}") for i, r in enumerate(held, 1)], cfg)
+
+
+def test_pairs_with_another_rejected_answer_or_label_are_not_duplicates():
+    pairs = [{"prompt": "Q", "chosen": "good", "rejected": "bad one"},
+             {"prompt": "Q", "chosen": "good", "rejected": "bad two"},
+             {"prompt": "q", "chosen": "GOOD", "rejected": "bad one"}]
+    assert _found("preference", pairs, dedup=True).dropped == [2]
+    unpaired = [{"prompt": "Q", "completion": "A", "label": True}, {"prompt": "Q", "completion": "A", "label": False}]
+    assert _found("unpaired_preference", unpaired, dedup=True).duplicates == []
+
+
+def test_a_system_prompt_shared_by_every_example_is_no_overlap():
+    system = {"role": "system", "content": " ".join(SPAN[:20])}
+    rows = [{"messages": [system, {"role": "user", "content": f"task {i}"}, {"role": "assistant", "content": f"done {i}"}]}
+            for i in range(6)]
+    found = _found("chat", rows[:4], rows[4:], decontaminate=True)
+    assert found.eval_ngram == [] and found.overlapping == [] and found.dropped == []
+
+
+def test_dropping_every_training_example_is_one_line_naming_the_settings():
+    from tunekit.data.contamination import report
+
+    rows = [{"instruction": "Same.", "output": "same"}] * 2
+    found = _found("alpaca", rows[:1], rows[1:], decontaminate=True)
+    with pytest.raises(TunekitError, match="data.dedup/data.decontaminate drop all 1 training examples"):
+        report(found, ["t line 1"], ["e line 1"])

@@ -190,3 +190,15 @@ def test_a_big_file_is_checked_up_to_its_first_records(tmp_path, monkeypatch, ca
     with pytest.raises(TunekitError, match="holds no examples"):
         path.write_text("\n")
         precheck.check_data(str(path), "train", "data.train", cfg)
+
+
+def test_plan_needs_no_tokenizer_and_train_names_one_it_cannot_have(files):
+    raw = yaml.safe_load(files["valid"].read_text())
+    raw["model"]["tokenizer"] = "org/tokenizer-not-here"
+    recipe = files["tmp"] / "hub-tokenizer.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    from tunekit.config import loading
+    from tunekit.data import precheck
+
+    assert precheck.check(loading.load(recipe), data_needed=False, model="shipped").model.tokenizer  # no error
+    assert_one_line_before_heavy(tunekit(files["tmp"], "train", str(recipe)), "model.tokenizer: 'org/tokenizer-not-here'")

@@ -211,15 +211,17 @@ def cmd_eval(a) -> int:
 
     from tunekit.config.schema import EvalConfig
     from tunekit.data import precheck
-    from tunekit.runs.layout import resolve_target
+    from tunekit.runs.layout import ADAPTER_DIR, resolve_target
 
     for flag, value in (("--data", a.data), ("--recipe", a.recipe)):
         if value is not None and not Path(value).is_file():
             raise TunekitError(f"{flag} {value}: " + ("is a directory; give a file" if Path(value).is_dir() else
                                                       "file not found"))
     targets = [resolve_target(t, a.recipe, a.data) for t in [a.target] + ([a.compare] if a.compare else [])]
-    for target in targets:  # before torch: a merged directory is its own model, the others load one
-        precheck.check_eval(target.recipe, a.data, base_model=target.kind != "merged")
+    for target in targets:  # before torch: a merged directory or a full fine-tuning run is its own model
+        lora_run = target.kind == "run" and (target.location / ADAPTER_DIR).is_dir()
+        precheck.check_eval(target.recipe, a.data, base_model=target.kind == "base" or lora_run,
+                            tokenizer=target.kind == "base")
     from tunekit.evaluation import runner as evaluation
     from tunekit.evaluation.table import format_table
 

@@ -1,7 +1,8 @@
 """Data contamination: duplicates inside the training data, and overlap between training and held-out data.
 
-Pure and torch-free. Each example is a (prompt, answer) pair of strings: prompt is "" for raw text; for
-chat data the caller joins the user/system turns as the prompt and the assistant turns as the answer.
+Torch-free. Each example is a (prompt, answer) pair of strings: prompt is "" for raw text; for chat data
+the user and tool turns are the prompt and the assistant turns the answer (`texts`, which leaves system
+turns out and adds what else makes a training example itself: a pair's rejected answer, a label).
 
     from tunekit.data import contamination
     found = contamination.check(train_pairs, eval_pairs, n=13, dedup=False, decontaminate=False)
@@ -40,15 +41,20 @@ with the training n-grams.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import re
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tunekit.config.schema import DataConfig
+from tunekit.core.errors import TunekitError
 from tunekit.data.formats import FORMATS, Parsed, Record
 
 DEFAULT_N = 13
+MANY = 0.1  # a share of training dropped worth a warning
+log = logging.getLogger("tunekit")
 SHOWN = 5  # locations kept for to_json()
 
 # Han (with extension A, compatibility and the supplementary planes), hiragana and katakana
@@ -160,9 +166,11 @@ class _EvalIndex:
         return by_prompt, by_answer, by_gram
 
 
-def check(train: Iterable[tuple[str, str]], held_out: Iterable[tuple[str, str]], n: int = DEFAULT_N, *,
+def check(train: Iterable[tuple[str, ...]], held_out: Iterable[tuple[str, str]], n: int = DEFAULT_N, *,
           dedup: bool = False, decontaminate: bool = False) -> Contamination:
-    """Duplicates in `train` and its overlap with `held_out` (see the module's docstring)."""
+    """Duplicates in `train` and its overlap with `held_out` (see the module's docstring). A training item
+    may carry a third string that is part of what makes it the same example (a preference pair's rejected
+    answer, an unpaired completion's label) without taking part in the overlap."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     index = _EvalIndex(held_out, n)
@@ -170,10 +178,12 @@ def check(train: Iterable[tuple[str, str]], held_out: Iterable[tuple[str, str]],
     duplicates, overlapping, dup_pairs, overlap_pairs = [], [], [], []
     exact_hit, gram_hit = set(), set()
     size = 0
-    for i, (prompt, answer) in enumerate(train):
+    for i, (prompt, answer, *rest) in enumerate(train):
         size += 1
         prompt, answer = normalize(prompt), normalize(answer)
-        whole = digest(f"{len(prompt)}:{prompt}{answer}")  # the length keeps ("a b", "c") apart from ("a", "b c")
+        extra = normalize(rest[0]) if rest else ""
+        # the lengths keep ("a b", "c") apart from ("a", "b c")
+        whole = digest(f"{len(prompt)}:{len(answer)}:{prompt}{answer}{extra}")
         original = first.setdefault(whole, i)
         if original != i:
             duplicates.append(i)
@@ -196,14 +206,17 @@ def check(train: Iterable[tuple[str, str]], held_out: Iterable[tuple[str, str]],
 # ---------------------------------------------------------------- records of a recipe's data
 
 
-def texts(parsed: Parsed) -> tuple[str, str]:
-    """(prompt, answer) of a parsed record: raw text is all answer; in a conversation the assistant turns are
-    the answer and every other turn the prompt (a preference pair's chosen answer is its answer)."""
+def texts(parsed: Parsed) -> tuple[str, str, str]:
+    """(prompt, answer, the rest of what makes the example itself) of a parsed record: raw text is all answer;
+    in a conversation the assistant turns are the answer and the user and tool turns the prompt. System turns
+    are left out: one system prompt shared by a whole data set would otherwise make every example overlap
+    every other. The rest: a preference pair's rejected answer, an unpaired completion's label."""
     if parsed.text is not None:
-        return "", parsed.text
+        return "", parsed.text, ""
     turns = [(m.get("role"), m.get("content") or "") for m in parsed.messages]
-    return ("\n".join(str(c) for role, c in turns if role != "assistant"),
-            "\n".join(str(c) for role, c in turns if role == "assistant"))
+    rest = json.dumps([parsed.rejected, parsed.desirable]) if (parsed.rejected, parsed.desirable) != (None, None) else ""
+    return ("\n".join(str(c) for role, c in turns if role not in ("assistant", "system")),
+            "\n".join(str(c) for role, c in turns if role == "assistant"), rest)
 
 
 def of_records(train: Iterable[Record], held_out: Iterable[Record], cfg: DataConfig) -> Contamination:
@@ -211,10 +224,10 @@ def of_records(train: Iterable[Record], held_out: Iterable[Record], cfg: DataCon
     decontaminate settings."""
     fmt = FORMATS[cfg.format]
 
-    def pairs(records):
+    def items(records):
         return (texts(fmt.parse(r, cfg.fields)) for r in records)
 
-    return check(pairs(train), list(pairs(held_out)), dedup=cfg.dedup, decontaminate=cfg.decontaminate)
+    return check(items(train), [t[:2] for t in items(held_out)], dedup=cfg.dedup, decontaminate=cfg.decontaminate)
 
 
 def report(found: Contamination, train_where: Sequence[str], held_where: Sequence[str]) -> dict:
@@ -225,4 +238,11 @@ def report(found: Contamination, train_where: Sequence[str], held_where: Sequenc
     out["overlap_examples"] = [{"eval": held_where[x["eval"]], "train": train_where[x["train"]], "match": x["match"]}
                                for x in out["overlap_examples"]]
     out["line"] = found.line()
+    if found.train_size and len(found.dropped) > MANY * found.train_size:
+        log.warning("data.dedup/data.decontaminate drop %d of %d training examples (%.0f%%): see the "
+                    "contamination line's counts", len(found.dropped), found.train_size,
+                    100 * len(found.dropped) / found.train_size)
+    if found.train_size and len(found.dropped) == found.train_size:
+        raise TunekitError(f"data.dedup/data.decontaminate drop all {found.train_size} training examples "
+                           f"({found.line()}); set them to false or hold out other data")
     return out

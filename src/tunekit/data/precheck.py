@@ -58,7 +58,8 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
     shipped, optional = model != "needed", model == "optional"
     fitted = _tolerated(lambda: info.raw_config(recipe.model, shipped), optional,
                         "data.max_length not checked against the model's context window: ")
-    _tolerated(lambda: check_tokenizer(recipe.model), optional, "")
+    if model != "shipped":  # plan reads the model's config only, validate says what it could not check
+        _tolerated(lambda: check_tokenizer(recipe.model), optional, "")
     if not fitted:
         return recipe
     return info.fit_max_length(recipe, shipped=shipped, refuse_only=not shipped)
@@ -131,7 +132,11 @@ def _csv_records(path: Path, key: str) -> Iterator[Record]:
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
-            for n, row in enumerate(reader, 1):
+            n = 0
+            for row in reader:
+                if all(v is None or not v.strip() for v in row.values()):  # pandas skips a blank line
+                    continue
+                n += 1
                 if None in row:
                     raise TunekitError(f"{key}: {path} line {reader.line_num}: more cells than the header's "
                                        f"{len(reader.fieldnames or [])} columns")
@@ -157,13 +162,17 @@ def _parquet_records(path: Path, key: str) -> Iterator[Record]:
         raise TunekitError(f"{key}: {path}: not a readable Parquet file ({first_line(e)[:200]})") from None
 
 
-def check_eval(recipe: Recipe, data: str | None, base_model: bool) -> None:
-    """`tunekit eval`: the data it scores (--data, else the recipe's data files) and, for a run or a base
-    model target (`base_model`), the model it loads."""
-    if data:
-        check_data(data, recipe.data.eval_split, "--data", recipe.data)
-    else:
-        for key, spec, split in data_files(recipe):
-            check_data(spec, split, key, recipe.data, limit=recipe.data.max_examples if key == "data.train" else None)
+def check_eval(recipe: Recipe, data: str | None, base_model: bool, tokenizer: bool) -> None:
+    """`tunekit eval`: the one data source it scores (--data, else eval.data, else the held-out data) and the
+    base model it loads (`base_model`: a base model, or a LoRA run's base) and its separate tokenizer
+    (`tokenizer`: a base model only; a run or merged directory holds its own)."""
+    d = recipe.data
+    source = (data, "--data", d.eval_split) if data else \
+        (recipe.eval.data, "eval.data", d.eval_split) if recipe.eval and recipe.eval.data else \
+        (d.eval, "data.eval", d.eval_split) if d.eval else (d.train, "data.train", d.train_split)
+    spec, key, split = source
+    check_data(spec, split, key, d, limit=d.max_examples if key == "data.train" else None)
     if base_model:
-        check_model(recipe.model)
+        info.raw_config(recipe.model, False)
+    if tokenizer:
+        check_tokenizer(recipe.model)

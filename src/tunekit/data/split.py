@@ -26,7 +26,6 @@ from tunekit.data.records import iter_records, read_records
 class Split:
     """Positions among the records read from data.train (the first max_examples of them), each in file order."""
 
-    read: int
     train: list[int]
     held: list[int]  # empty when data.eval is the held-out source
 
@@ -48,8 +47,8 @@ def indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
 def positions(n: int, cfg: DataConfig, seed: int) -> Split:
     """The split of the n records read from data.train (n already capped by max_examples)."""
     if cfg.eval is None and cfg.eval_fraction > 0:
-        return Split(n, *indices(n, cfg.eval_fraction, seed))
-    return Split(n, list(range(n)), [])
+        return Split(*indices(n, cfg.eval_fraction, seed))
+    return Split(list(range(n)), [])
 
 
 def train_source(cfg: DataConfig) -> Iterator[Record]:

@@ -55,6 +55,11 @@ def held_out_records(recipe: Recipe, data: str | None = None) -> list[data_mod.R
 def check_held_out(target: Target, records: list[data_mod.Record]) -> None:
     """The records about to be scored are the ones the run held out: its data files have not changed since."""
     recorded = (RunRecord.load(target.location).data.get("split") or {}).get("held_out_fingerprint")
+    d = target.recipe.data
+    if recorded is None and d.max_examples and d.eval_fraction:
+        log.warning("%s was trained before tunekit recorded its held-out split: with data.max_examples and "
+                    "data.eval_fraction both set, the records scored now may not be the ones it held out",
+                    target.spec)
     if recorded and recorded != split.fingerprint(split.of(records)):
         raise TunekitError(f"{target.spec}: the held-out records read now differ from those the run held out "
                            "(its data files changed since training), so they may include trained examples; "

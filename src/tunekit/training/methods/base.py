@@ -17,7 +17,8 @@ class TrainerInputs:
     recipe: Any  # recipe.Recipe
     model: Any
     args: Any  # the method's config (Method.trainer_config)
-    data: Any  # what Method.build_data returned: .train, .eval, .train_stats, .eval_stats, .template
+    data: Any  # what Method.build_data returned: .train, .eval, .train_stats, .eval_stats, .template, .split,
+    # .contamination
     tokenizer: Any
     precision: Any  # hardware.Precision
     packed: bool  # batches packed (Method.packs and the model supports it)
@@ -72,7 +73,9 @@ class Method:
     # ------------------------------------------------------------ training stages
 
     def build_data(self, recipe, tokenizer):
-        """The tokenized train/eval data sets (with .train, .eval, .train_stats, .eval_stats, .template)."""
+        """The tokenized train/eval data sets (with .train, .eval, .train_stats, .eval_stats, .template, and
+        .split and .contamination: the held-out split's and the contamination report's facts for run.json,
+        from tunekit.data.split and tunekit.data.contamination)."""
         raise NotImplementedError
 
     def trainer_config(self, args, recipe):
