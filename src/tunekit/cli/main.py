@@ -153,34 +153,6 @@ def cmd_train(a) -> int:
     return 0
 
 
-def _base_model_first(target: str) -> None:
-    """Before torch: the model that export will load can be had here; for a completed LoRA run, its
-    base model (named by its recipe key), for a hub id the id itself ("export target"). Anything else
-    about the target is checked by export itself, in its own terms."""
-    from pathlib import Path
-
-    from tunekit.config.loading import load
-    from tunekit.data import precheck
-    from tunekit.models import hub
-    from tunekit.models.sources import resolve_model
-    from tunekit.runs.layout import ADAPTER_DIR, MERGED_MARKER, RECIPE_FILE, RunRecord, is_run
-
-    path = Path(target)
-    if is_run(path):
-        if (path / ADAPTER_DIR).is_dir() and (path / RECIPE_FILE).is_file() and \
-                RunRecord.load(path).status == "completed":
-            precheck.check_model(load(path / RECIPE_FILE).model)
-        return
-    if (path / MERGED_MARKER).is_file():
-        return
-    try:
-        source = resolve_model(target, "export target")
-    except TunekitError:
-        return  # a missing path: export names it
-    if source.kind == "hub":
-        hub.require(target, None, "export target")
-
-
 def cmd_merge(a) -> int:
     from pathlib import Path
 
@@ -199,7 +171,9 @@ def cmd_merge(a) -> int:
 def cmd_export(a) -> int:
     from pathlib import Path
 
-    _base_model_first(a.target)
+    from tunekit.export import source
+
+    source.check_first(a.target)  # before torch
     from tunekit.export import run as export
 
     export.export(a.target, a.quant, Path(a.out) if a.out else None, a.force, a.format, a.dtype)

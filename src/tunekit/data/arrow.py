@@ -160,10 +160,8 @@ def _decontaminated(raw, eval_rows: list[dict], cfg: DataConfig):
             yield from (Record(json.loads(text), where) for text, where in zip(batch["raw"], batch["where"]))
 
     held = [Record(json.loads(r["raw"]), r["where"]) for r in eval_rows]
-    found = contamination.of_records(records(raw), held, cfg)
-    report = contamination.report(found, raw["where"], [r.where for r in held])
-    if found.dropped:
-        drop = set(found.dropped)
+    drop, report = contamination.screen(records(raw), held, cfg, raw["where"])
+    if drop:
         raw = raw.select([i for i in range(len(raw)) if i not in drop])
     return raw, report
 

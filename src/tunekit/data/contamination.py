@@ -230,6 +230,14 @@ def of_records(train: Iterable[Record], held_out: Iterable[Record], cfg: DataCon
     return check(items(train), [t[:2] for t in items(held_out)], dedup=cfg.dedup, decontaminate=cfg.decontaminate)
 
 
+def screen(train: Iterable[Record], held_out: list[Record], cfg: DataConfig,
+           train_where: Sequence[str]) -> tuple[set[int], dict]:
+    """What data preparation does with a recipe's records: the training positions data.dedup and
+    data.decontaminate drop, and the report for run.json (`train_where`: the training records' locations)."""
+    found = of_records(train, held_out, cfg)
+    return set(found.dropped), report(found, train_where, [r.where for r in held_out])
+
+
 def report(found: Contamination, train_where: Sequence[str], held_where: Sequence[str]) -> dict:
     """`found.to_json()` with record locations ("file line N") in place of positions, for run.json."""
     out = found.to_json()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
+from tunekit.models.sources import looks_like_path, resolve_model
 from tunekit.runs import layout as rundir
 
 # models, merge and transformers are imported where they are used: they load torch
@@ -45,14 +46,39 @@ def _finetune(run: Path, recipe) -> dict:
 
 
 def _require_exists(target: str) -> None:
-    """A TARGET written as a local path (`/`, `./`, `../`, `~`, or two slashes or more, as models.sources
-    reads it) that is not there is named as missing, before anything else is tried. `org/name` stays a
-    hub id (a missing one is named by the hub check), and so does a .gguf name (it may be packaged)."""
+    """A TARGET written as a local path (as models.sources reads it) that is not there is named as missing,
+    before anything else is tried. `org/name` stays a hub id (a missing one is named by the hub check), and so
+    does a .gguf name (it may be packaged)."""
     if target.endswith(".gguf") or Path(target).expanduser().exists():
         return
-    if target.startswith(("/", "./", "../", "~")) or target.count("/") > 1:
+    if looks_like_path(target):
         raise TunekitError(f"export target {target}: does not exist; give a run directory, a merged directory, "
                            "a model directory, a .gguf file or a hub id")
+
+
+def check_first(target: str) -> None:
+    """Before torch: TARGET is there, and the model export will load can be had here: for a completed LoRA
+    run its base model (named by its recipe key), for a hub id the id itself ("export target"). Anything
+    else about the target is checked by `resolve`, in its own terms."""
+    from tunekit.config.loading import load
+    from tunekit.data import precheck
+    from tunekit.models import hub
+
+    _require_exists(target)
+    path = Path(target)
+    if rundir.is_run(path):
+        if (path / rundir.ADAPTER_DIR).is_dir() and (path / rundir.RECIPE_FILE).is_file() and \
+                rundir.RunRecord.load(path).status == "completed":
+            precheck.check_model(load(path / rundir.RECIPE_FILE).model)
+        return
+    if (path / rundir.MERGED_MARKER).is_file():
+        return
+    try:
+        source = resolve_model(target, "export target")
+    except TunekitError:
+        return  # a path that is not a model: resolve names it
+    if source.kind == "hub":
+        hub.require(target, None, "export target")
 
 
 def resolve(target: str) -> Source:

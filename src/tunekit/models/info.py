@@ -131,7 +131,9 @@ def _read_raw(spec: str, revision: str | None) -> dict:
     return raw
 
 
-# GGUF value types: struct format of each scalar; 8 is a string, 9 an array
+# GGUF value types: struct format of each scalar; 8 is a string, 9 an array. Read here rather than with the
+# gguf package's GGUFReader, which maps and indexes the whole file (tensors and vocabulary: seconds for
+# SmolLM2) and imports numpy, when the pre-check needs three header keys before anything heavy loads.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 

@@ -39,7 +39,8 @@ def _package_file(spec: str) -> Path | None:
     return None
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
+    """A spec written as a local path; anything else without a .gguf suffix is a hub id."""
     return spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1
 
 
@@ -62,6 +63,6 @@ def resolve_model(spec: str, key: str = "model.name_or_path") -> ModelSource:
         return ModelSource("dir", str(path.resolve()))
     if path.exists():
         raise TunekitError(f"{key}: {spec!r} is a file; give a model directory, a .gguf file or a hub id")
-    if _looks_like_path(spec):
+    if looks_like_path(spec):
         raise TunekitError(f"{key}: no such model directory {spec!r}")
     return ModelSource("hub", spec)

@@ -112,10 +112,8 @@ def build(recipe, tokenizer, tokenize=tokenize_pair, shuffle: bool = False, what
     renderer = data_mod.Renderer(cfg, tokenizer)
     records, held, facts = split.train_and_held(cfg, recipe.training.seed)
     log.info(split.line(facts))
-    found = contamination.of_records(records, held, cfg)
-    report = contamination.report(found, [r.where for r in records], [r.where for r in held])
+    drop, report = contamination.screen(records, held, cfg, [r.where for r in records])
     log.info(report["line"])
-    drop = set(found.dropped)
     records = [r for i, r in enumerate(records) if i not in drop]
     train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length, tokenize)
     if shuffle:
