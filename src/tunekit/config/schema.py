@@ -74,6 +74,14 @@ class FieldMap(Section):
     rejected: str = Field("rejected", description="preference: the dispreferred answer's column.")
     label: str = Field("label", description="unpaired_preference: column saying whether the completion is "
                        "desirable (true/false or 1/0).")
+    tools: str = Field("tools", description="chat: column holding the example's tool (function) schemas, a list or "
+                       "a JSON text; passed to the chat template.")
+    tool_calls: str = Field("tool_calls", description="chat: key of an assistant message's tool calls "
+                            "(OpenAI layout: function name and JSON arguments).")
+    reasoning: str = Field("reasoning_content", description="chat: key of an assistant message's reasoning; "
+                           "`thinking` is read too while this is left at its default.")
+    train: str = Field("train", description="chat: key of a message's own switch; `train: false` on an assistant "
+                       "message keeps it out of the loss.")
 
 
 class DataConfig(Section):
@@ -92,6 +100,11 @@ class DataConfig(Section):
     )
     system_prompt: str | None = Field(None, description="System message added to chat-rendered prompts.")
     max_length: int = Field(1024, ge=8, description="Tokens per example; longer examples are truncated and counted.")
+    train_on: Literal["all_assistant", "last_assistant"] = Field(
+        "all_assistant", description="chat: which assistant messages train: every one (tool calls included) or only "
+        "the conversation's last. System, user and tool messages never train.")
+    train_reasoning: bool = Field(True, description="chat: train on assistant reasoning (reasoning_content); empty "
+                                  "reasoning blocks a template writes never train.")
     mask_prompt: bool = Field(True, description="Train only on completion/assistant tokens (prompt labels = -100).")
     max_examples: int | None = Field(None, gt=0, description="Use only the first N records of data.train; "
                                      "data.eval_fraction then holds out its share of those N.")
