@@ -202,7 +202,9 @@ class EvalConfig(Section):
     batch_size: int = Field(8, gt=0, description="Prompts per generate() call.")
     max_new_tokens: int = Field(64, gt=0, description="Generation length cap.")
     metrics: list[Literal[tuple(METRICS)]] = Field(  # type: ignore[valid-type]  # names from the registry
-        default_factory=lambda: list(METRICS), description="Built-in metrics: " + ", ".join(METRICS) + "."
+        default_factory=lambda: [n for n, m in METRICS.items() if m.default], description="Built-in metrics: "
+        + ", ".join(METRICS) + "; left out, every one but "
+        + ", ".join(n for n, m in METRICS.items() if not m.default) + "."
     )
     extra_metrics: list[str] = Field(
         default_factory=list, description="`evaluate` metrics by Hub name or local script path (needs `evaluate`)."

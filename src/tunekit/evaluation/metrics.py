@@ -7,6 +7,7 @@ ones are a registry (METRICS): the recipe schema and the eval table are derived 
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -42,24 +43,31 @@ def _normalize(text: str) -> str:
 class Metric:
     """A metric a recipe can name in eval.metrics. `score` maps (predictions, references) to scores;
     None marks a metric computed from the model (loss), not from text. `rows` are the (score key,
-    label) pairs printed in eval tables; `settings` is recorded in metrics.json."""
+    label) pairs printed in eval tables; `settings` is recorded in metrics.json. `default`: scored when a
+    recipe's eval section names no metrics (a task-specific metric, such as tool calls, is named)."""
 
     name: str
     score: Callable[[list[str], list[str]], dict] | None
     rows: tuple[tuple[str, str], ...]
     settings: str
+    default: bool = True
 
 
 METRICS: dict[str, Metric] = {}
 
 
-def register(name: str, rows: tuple[tuple[str, str], ...], settings: str):
+def register(name: str, rows: tuple[tuple[str, str], ...], settings: str, default: bool = True):
     """Add a metric: one decorated function here is all it takes; the recipe schema, the eval table
     and the docs' list follow from METRICS."""
     def add(fn):
-        METRICS[name] = Metric(name, fn, rows, settings)
+        METRICS[name] = Metric(name, fn, rows, settings, default)
         return fn
     return add
+
+
+def defaults() -> list[str]:
+    """The metrics an eval section scores when it names none."""
+    return [name for name, metric in METRICS.items() if metric.default]
 
 
 @register("bleu", (("bleu", "BLEU"),), "sacreBLEU corpus BLEU; tokenizer 13a, or zh when references contain CJK")
@@ -101,6 +109,88 @@ def rouge(predictions: list[str], references: list[str]) -> dict:
 def exact_match(predictions: list[str], references: list[str]) -> dict:
     hits = sum(_normalize(p) == _normalize(r) for p, r in zip(predictions, references))
     return {"exact_match": 100.0 * hits / max(len(predictions), 1)}
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_values(text: str) -> list:
+    """Every JSON object or array in the text, outermost first, wherever it stands (inside
+    <tool_call> tags, after [TOOL_CALLS], in a code fence, bare)."""
+    found, pos = [], 0
+    while True:
+        starts = [i for i in (text.find("{", pos), text.find("[", pos)) if i >= 0]
+        if not starts:
+            return found
+        pos = min(starts)
+        try:
+            value, end = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            pos += 1
+            continue
+        if isinstance(value, (dict, list)):
+            found.append(value)
+        pos = end
+
+
+def _calls_in(value) -> list[tuple[str, object]]:
+    """(name, arguments) of the calls in a JSON value: objects with a string "name" and "arguments"
+    (or "parameters", as Llama 3.1 writes), at any depth, so OpenAI's {"function": {...}} and lists
+    of calls count; arguments given as JSON text are read."""
+    if isinstance(value, list):
+        return [call for item in value for call in _calls_in(item)]
+    if not isinstance(value, dict):
+        return []
+    key = "arguments" if "arguments" in value else "parameters" if "parameters" in value else None
+    if isinstance(value.get("name"), str) and key:
+        args = value[key]
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        return [(value["name"], args)]
+    return [call for item in value.values() for call in _calls_in(item)]
+
+
+def tool_calls_in(text: str) -> list[tuple[str, object]]:
+    """The tool calls written in a model's answer, in order, whatever the chat template's markup."""
+    return [call for value in _json_values(text) for call in _calls_in(value)]
+
+
+def _canonical(value) -> str:
+    """A JSON value as comparable text: key order ignored, 2 and 2.0 alike, true and 1 not."""
+    def norm(v):
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    return json.dumps(norm(value), sort_keys=True, ensure_ascii=False)
+
+
+@register("tool_calls", (("tool_call_valid_json", "tool call parsed %"), ("tool_call_name", "tool call name %"),
+                         ("tool_call_args", "tool call arguments %"), ("tool_call_spurious", "spurious tool call %")),
+          "over the examples whose reference makes a tool call: % whose answer holds a parseable call (a JSON "
+          "object with name and arguments or parameters, anywhere in the text), % calling the same functions, % "
+          "with the same functions and arguments (equal as JSON values; calls compared as a multiset); spurious: % of "
+          "the examples whose reference makes no call where the answer makes one. null when there are no such "
+          "examples", default=False)
+def tool_calls(predictions: list[str], references: list[str]) -> dict:
+    valid = name = args = calling = spurious = quiet = 0
+    for pred, ref in zip(predictions, references):
+        wanted, made = tool_calls_in(ref), tool_calls_in(pred)
+        if not wanted:
+            quiet += 1
+            spurious += bool(made)
+            continue
+        calling += 1
+        valid += bool(made)
+        name += sorted(n for n, _ in made) == sorted(n for n, _ in wanted)
+        args += sorted((n, _canonical(a)) for n, a in made) == sorted((n, _canonical(a)) for n, a in wanted)
+    share = lambda hits, of: 100.0 * hits / of if of else None  # noqa: E731
+    return {"tool_call_valid_json": share(valid, calling), "tool_call_name": share(name, calling),
+            "tool_call_args": share(args, calling), "tool_call_spurious": share(spurious, quiet)}
 
 
 # held-out loss needs the model, so evaluation computes it; it is listed here to be named and shown
