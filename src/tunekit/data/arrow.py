@@ -100,13 +100,17 @@ def _write_raw(records, path: Path) -> int:
 
 
 def _encode(batch, renderer: Renderer, cfg: DataConfig):
-    renders = [renderer.render(Record(json.loads(raw), where)) for raw, where in zip(batch["raw"], batch["where"])]
+    renders = [r for raw, where in zip(batch["raw"], batch["where"]) for r in renderer.examples(Record(json.loads(raw), where))]
     examples = data_mod.tokenize_batch(renders, renderer.tok, cfg.max_length, cfg.mask_prompt)
+    notes = [""] * len(examples)  # the default renderings used (Renderer.notes), on a batch's first row
+    if notes:
+        notes[0] = "\n".join(sorted(renderer.notes))
     return {
         "input_ids": [ex.input_ids for ex, _ in examples],
         "labels": [ex.labels for ex, _ in examples],
         "truncated": [t for _, t in examples],
         "trained": [data_mod.trained_count(ex.labels) for ex, _ in examples],
+        "notes": notes,
     }
 
 
@@ -131,7 +135,8 @@ def _tokenized(raw, renderer: Renderer, cfg: DataConfig, work: Path, name: str, 
 
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "labels": datasets.Sequence(datasets.Value("int32")),
-                                  "truncated": datasets.Value("bool"), "trained": datasets.Value("int32")})
+                                  "truncated": datasets.Value("bool"), "trained": datasets.Value("int32"),
+                                  "notes": datasets.Value("string")})
     procs = num_proc if num_proc is not None else (min(os.cpu_count() or 1, 8) if len(raw) >= PARALLEL_FROM else None)
     if console.mode() == "lines":  # datasets' bar (the data phase's) is drawn on a terminal only
         log.info("tokenizing %s: %d examples", name, len(raw))
@@ -147,10 +152,11 @@ def _tokenized(raw, renderer: Renderer, cfg: DataConfig, work: Path, name: str, 
                       tokens=int(pc.sum(pc.filter(lengths, keep)).as_py() or 0),
                       trained_tokens=int(pc.sum(trained).as_py() or 0))
     stats.dropped_no_target = len(ds) - stats.examples
+    stats.notes = sorted({n for text in pc.unique(table.column("notes")).to_pylist() if text for n in text.split("\n")})
     if stats.dropped_no_target:
         ds = ds.filter(lambda t: [x > 0 for x in t], input_columns=["trained"], batched=True, batch_size=BATCH,
                        cache_file_name=str(work / f"{name}-kept.arrow"), new_fingerprint=f"{name}-kept")
-    return ds.remove_columns(["truncated", "trained"]), stats
+    return ds.remove_columns(["truncated", "trained", "notes"]), stats
 
 
 def _decontaminated(raw, eval_rows: list[dict], cfg: DataConfig):
@@ -220,6 +226,8 @@ def _load(directory: Path, cfg: DataConfig, renderer: Renderer) -> DataBundle:
     log.info(split.line(summary["split"]))
     log.info(summary["contamination"]["line"])
     log.info(train_stats.line("train", cfg.max_length))
+    for note in train_stats.notes:
+        log.info("data: %s", note)
     if eval_stats:
         log.info(eval_stats.line("eval", cfg.max_length))
     return DataBundle(train, evaluation, train_stats, eval_stats, eval_rendered, renderer.template, summary["split"],

@@ -5,9 +5,11 @@ follow from FORMATS, and data.Renderer turns any Parsed into text and trained sp
 from __future__ import annotations
 
 from dataclasses import dataclass
+import json
 from typing import Any, Callable
 
 from tunekit.core.errors import TunekitError
+from tunekit.data import agent
 
 ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
 
@@ -32,13 +34,16 @@ class Record:
 class Parsed:
     """One record: either a conversation (`messages`, ending in what is trained) or raw `text`
     trained on whole. `alpaca_prompt` is the prompt under the Alpaca template, for formats that have one.
-    A preference pair is the conversation ending in the chosen answer, plus the `rejected` answer."""
+    A preference pair is the conversation ending in the chosen answer, plus the `rejected` answer.
+    Messages are {"role", "content"} plus, where present, "tool_calls" (OpenAI layout, arguments as objects),
+    "reasoning_content", "train" (bool), and on tool results "tool_call_id" / "name" (tunekit.data.agent)."""
 
     messages: list[dict] | None = None
     text: str | None = None
     alpaca_prompt: str | None = None
     rejected: str | None = None  # preference pairs: the dispreferred answer (messages end with the chosen one)
     desirable: bool | None = None  # unpaired preference (KTO): whether the answer the messages end in is wanted
+    tools: list[dict] | None = None  # chat: the tool (function) schemas the conversation may call
 
 
 @dataclass(frozen=True)
@@ -99,25 +104,51 @@ def prompt_completion(record: Record, f) -> Parsed:
 
 @register("chat", needs_chat=True)
 def chat(record: Record, f) -> Parsed:
+    """OpenAI-style messages: roles system/user/assistant/tool, assistant tool_calls and reasoning, tool results
+    linked to their call, and a per-example list of tool (function) schemas."""
     messages = _messages(record, f)
     if not any(m["role"] == "assistant" for m in messages):
         raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
-    return Parsed(messages=messages)
+    return Parsed(messages=messages, tools=_tools(record, f))
 
 
 def _messages(record: Record, f) -> list[dict]:
     raw = field(record, f.messages, "messages")
     if not isinstance(raw, list) or not raw:
         raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
-    messages = []
+    messages: list[dict] = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get(f.role), str) or not isinstance(m.get(f.content), str):
-            raise TunekitError(f"{record.where}: message {i} must be an object with text fields {f.role!r} and {f.content!r}")
-        if m[f.role] not in ROLES:
-            raise TunekitError(f"{record.where}: message {i} has role {m[f.role]!r}; use one of "
-                               f"{', '.join(ROLES)} (or map the column names with data.fields.role)")
-        messages.append({"role": m[f.role], "content": m[f.content]})
+        where = f"{record.where}: message {i}"
+        if not isinstance(m, dict) or not isinstance(m.get(f.role), str):
+            raise TunekitError(f"{where} must be an object with a text field {f.role!r} (and {f.content!r})")
+        role = m[f.role]
+        if role not in ROLES:
+            raise TunekitError(f"{where} has role {role!r}; use one of {', '.join(ROLES)} "
+                               "(or map the key names with data.fields.role)")
+        message = {"role": role, "content": _content(m, f, role, where)}
+        message.update(agent.extras(m, f, role, where, messages))
+        messages.append(message)
     return messages
+
+
+def _content(m: dict, f, role: str, where: str) -> str:
+    """A message's text: a string, or a list of text parts; empty for an assistant message that only calls tools,
+    and a tool result may be any JSON value (written as JSON)."""
+    value = m.get(f.content)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    if value is None and role == "assistant" and m.get(f.tool_calls):
+        return ""
+    if role == "tool" and value is not None:
+        return json.dumps(value, ensure_ascii=False)
+    raise TunekitError(f"{where} must have a text field {f.content!r}")
+
+
+def _tools(record: Record, f) -> list[dict] | None:
+    value = record.values.get(f.tools)
+    return agent.tools(value, f"{record.where}: field {f.tools!r}") if value not in (None, "", []) else None
 
 
 @register("text")

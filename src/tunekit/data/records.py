@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 from tunekit.models import hub
 from tunekit.core.errors import TunekitError, first_line
+from tunekit.data.chat import Chat
 from tunekit.data.formats import FORMATS, Record
 from tunekit.config.schema import DataConfig
 
@@ -25,6 +26,7 @@ class Rendered:
     reference: str | None = None  # the last answer
     desirable: bool | None = None  # unpaired preference data: whether that answer is wanted
     where: str | None = None  # the record it came from (file and line)
+    roles: list[tuple[int, int, str]] | None = None  # character ranges by message role (Renderer(roles=True))
 
 
 @dataclass
@@ -40,6 +42,7 @@ class DataStats:
     dropped_no_target: int = 0
     tokens: int = 0
     trained_tokens: int = 0
+    notes: list[str] = field(default_factory=list)  # default renderings the chat template needed (data.chat)
 
     def line(self, name: str, max_length: int) -> str:
         return (
@@ -166,12 +169,15 @@ def iter_records(spec: str, split: str, key: str) -> Iterator[Record]:
 
 
 class Renderer:
-    """Turns one record into text plus the character spans that are trained."""
+    """Turns one record into text plus the character spans that are trained: `examples` for training (one per
+    record, more where a chat template rewrites earlier turns), `render` for generation and scoring (the
+    conversation through its last assistant message, with that message's prompt and reference)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer):
+    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False):
         self.cfg = cfg
         self.tok = tokenizer
         self.format = FORMATS[cfg.format]
+        self.with_roles = roles
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         template = cfg.template
         if template == "auto":
@@ -181,39 +187,53 @@ class Renderer:
         if template == "alpaca" and not self.format.alpaca:
             raise TunekitError(f"data.template=alpaca only renders format alpaca, not {cfg.format}; use chat or raw")
         self.template = template
+        self.chat = Chat(tokenizer, cfg.train_on, cfg.train_reasoning) if template == "chat" else None
 
-    def _chat(self, messages: list[dict], where: str) -> Rendered:
+    @property
+    def notes(self) -> set[str]:
+        """One line per default rendering used so far (templates without tool or reasoning support)."""
+        return self.chat.notes if self.chat else set()
+
+    def _conversation(self, parsed) -> tuple[list[dict], list | None, list[dict]]:
+        messages = parsed.messages
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
-        apply = self.tok.apply_chat_template
-        full = apply(messages, tokenize=False)
-        spans, before = [], ""
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = apply(messages[:i], tokenize=False, add_generation_prompt=True)
-            through = apply(messages[: i + 1], tokenize=False)
-            if not (full.startswith(through) and through.startswith(before)):
-                raise TunekitError(
-                    f"{where}: the tokenizer's chat template rewrites earlier turns, so assistant tokens cannot be "
-                    "located; set data.template: raw or use a tokenizer with a prefix-stable template"
-                )
-            spans.append((len(before), len(through)))
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        return Rendered(full, spans, False, prompt=before, reference=messages[last]["content"])
+        return self.chat.adapt(messages, parsed.tools)
+
+    def examples(self, record: Record) -> list[Rendered]:
+        parsed = self.format.parse(record, self.cfg.fields)
+        if self.chat is None or parsed.text is not None:
+            return [self._finish(self._plain(parsed), parsed, record.where)]
+        messages, tools, meta = self._conversation(parsed)
+        out = []
+        for piece in self.chat.pieces(messages, tools, meta, record.where):
+            rendered = Rendered(piece.text, piece.spans, False)
+            if self.with_roles:
+                rendered.roles = self.chat.roles(messages, tools, piece.text, record.where)
+            out.append(self._finish(rendered, parsed, record.where))
+        return out
 
     def render(self, record: Record) -> Rendered:
         parsed = self.format.parse(record, self.cfg.fields)
-        rendered = self._render(parsed, record.where)
-        rendered.desirable, rendered.where = parsed.desirable, record.where
+        if self.chat is None or parsed.text is not None:
+            return self._finish(self._plain(parsed), parsed, record.where)
+        messages, tools, meta = self._conversation(parsed)
+        last = max(i for i, info in enumerate(meta) if info["role"] == "assistant")
+        turn = self.chat.turn(messages, tools, last, record.where)
+        spans = self.chat.spans(messages, tools, turn, meta[last], record.where) if meta[last]["train"] else []
+        rendered = Rendered(turn.through, spans, False, prompt=turn.before,
+                            reference=self.chat.reference(messages, tools, turn, meta[last], record.where))
+        return self._finish(rendered, parsed, record.where)
+
+    @staticmethod
+    def _finish(rendered: Rendered, parsed, where: str) -> Rendered:
+        rendered.desirable, rendered.where = parsed.desirable, where
         return rendered
 
-    def _render(self, parsed, where: str) -> Rendered:
+    def _plain(self, parsed) -> Rendered:
         eos = self.tok.eos_token or ""
         if parsed.text is not None:
             return Rendered(parsed.text + eos, [(0, len(parsed.text) + len(eos))], True)
-        if self.template == "chat":
-            return self._chat(parsed.messages, where)
         # one turn without a chat template: the Alpaca prompt or the bare prompt, then the answer
         user, answer = parsed.messages[0]["content"], parsed.messages[-1]["content"]
         plain = parsed.alpaca_prompt if self.template == "alpaca" else user

@@ -1,0 +1,125 @@
+"""The agent parts of a chat record, checked and normalised: assistant tool calls (OpenAI layout), tool
+results linked to the call they answer, reasoning, a message's own `train` switch, and the tool schemas.
+
+Normalised so that every chat template reads them the way Hugging Face templates expect: a tool call is
+{"id"?, "type": "function", "function": {"name", "arguments": <object>}} (OpenAI data carries the arguments
+as JSON text; templates write them with `tojson`, which would quote that text twice); a tool schema is
+{"type": "function", "function": {...}}. Keys are only present when a message has them (Llama 3.1's
+template branches on `'tool_calls' in message`)."""
+
+from __future__ import annotations
+
+import json
+
+from tunekit.core.errors import TunekitError
+
+
+def extras(m: dict, f, role: str, where: str, earlier: list[dict]) -> dict:
+    """The keys beyond role/content of message `m` (its field names mapped by data.fields `f`)."""
+    out: dict = {}
+    train = m.get(f.train)
+    if train is not None:
+        if not isinstance(train, bool):
+            raise TunekitError(f"{where}: {f.train!r} must be true or false, got {train!r}")
+        if train and role != "assistant":
+            raise TunekitError(f"{where}: {f.train!r} is true on a {role} message; only assistant messages train")
+        if role == "assistant":
+            out["train"] = train
+    calls = m.get(f.tool_calls)
+    if calls not in (None, []):
+        if role != "assistant":
+            raise TunekitError(f"{where}: a {role} message carries {f.tool_calls!r}; only assistant messages call tools")
+        out["tool_calls"] = [_call(c, f"{where} tool call {k}") for k, c in _listed(calls, f"{where} {f.tool_calls!r}")]
+    reasoning = _reasoning(m, f, where)
+    if reasoning:
+        if role != "assistant":
+            raise TunekitError(f"{where}: a {role} message carries reasoning; only assistant messages reason")
+        out["reasoning_content"] = reasoning
+    if role == "tool":
+        out.update(_result_link(m, where, earlier))
+    return out
+
+
+def _listed(value, where: str):
+    if isinstance(value, str):
+        value = _json(value, where)
+    if not isinstance(value, list):
+        raise TunekitError(f"{where} must be a list, got {type(value).__name__}")
+    return enumerate(value)
+
+
+def _json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TunekitError(f"{where} is not JSON ({e.msg} at column {e.colno}): {text[:60]!r}") from None
+
+
+def _call(c, where: str) -> dict:
+    if not isinstance(c, dict):
+        raise TunekitError(f"{where} must be an object with a function name and arguments")
+    fn = c.get("function", c)
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise TunekitError(f"{where} has no function name (expected {{\"function\": {{\"name\": ..., \"arguments\": ...}}}})")
+    args = fn.get("arguments", fn.get("parameters", {}))
+    if isinstance(args, str):
+        args = _json(args, f"{where}: the arguments of {name!r}")
+    if not isinstance(args, dict):
+        raise TunekitError(f"{where}: the arguments of {name!r} must be a JSON object, got {type(args).__name__}")
+    call = {"type": "function", "function": {"name": name, "arguments": args}}
+    if c.get("id") is not None:
+        call = {"id": str(c["id"]), **call}
+    return call
+
+
+def _reasoning(m: dict, f, where: str) -> str:
+    keys = [f.reasoning] + (["thinking"] if f.reasoning == "reasoning_content" else [])
+    for key in keys:
+        value = m.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise TunekitError(f"{where}: {key!r} must be text, got {type(value).__name__}")
+            return value
+    return ""
+
+
+def _result_link(m: dict, where: str, earlier: list[dict]) -> dict:
+    """A tool result answers a call of the assistant message just before it (other results between allowed)."""
+    k = len(earlier) - 1
+    while k >= 0 and earlier[k]["role"] == "tool":
+        k -= 1
+    calls = earlier[k].get("tool_calls") if k >= 0 and earlier[k]["role"] == "assistant" else None
+    if not calls:
+        raise TunekitError(f"{where}: a tool result without a call: the assistant message before it calls no tool")
+    out = {}
+    call_id, name = m.get("tool_call_id"), m.get("name")
+    ids = [c["id"] for c in calls if "id" in c]
+    if call_id is not None:
+        if ids and str(call_id) not in ids:
+            raise TunekitError(f"{where}: tool_call_id {call_id!r} matches no call of the assistant message before "
+                               f"it (ids: {', '.join(ids)})")
+        out["tool_call_id"] = str(call_id)
+    names = [c["function"]["name"] for c in calls]
+    if name is not None:
+        if name not in names:
+            raise TunekitError(f"{where}: tool result for {name!r}, but the assistant message before it calls "
+                               f"{', '.join(names)}")
+        out["name"] = name
+    elif call_id is not None and str(call_id) in ids:
+        out["name"] = calls[ids.index(str(call_id))]["function"]["name"]
+    elif len(set(names)) == 1:
+        out["name"] = names[0]
+    return out
+
+
+def tools(value, where: str) -> list[dict]:
+    """The tool schemas of an example: a list (or JSON text of one) of function schemas."""
+    out = []
+    for k, t in _listed(value, where):
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise TunekitError(f"{where} item {k} must be a function schema with a name "
+                               "({\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}})")
+        out.append({"type": "function", "function": fn})
+    return out
