@@ -248,6 +248,17 @@ def test_bad_argument(case, ctx):
 
 # ---------------------------------------------------------------- data files
 
+def _agent_line(call: dict | None, after: list | None = None) -> str:
+    """A good chat line, then one whose assistant message calls `call` (None: calls nothing)."""
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    assistant = {"role": "assistant", "content": "" if call else "b"}
+    if call:
+        assistant["tool_calls"] = [{"id": "c1", "type": "function", "function": call}]
+    bad = {"messages": [{"role": "user", "content": "weather?"}, assistant] + (after or [])
+           + [{"role": "assistant", "content": "done"}]}
+    return json.dumps(good) + "\n" + json.dumps(bad) + "\n"
+
+
 BAD_DATA = {
     "malformed": ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"}\n{"instruction": "a" "output": "b"}\n',
                   r"bad.jsonl line 3: malformed JSON"),
@@ -264,6 +275,21 @@ BAD_DATA = {
                           r"bad.jsonl line 1: message 1 has role 'assistent'; use one of system, user, assistant, tool"),
     "chat_no_assistant": (json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n",
                           r"bad.jsonl line 1: conversation has no assistant message to train on"),
+    "chat_arguments_not_json": (_agent_line({"name": "f", "arguments": "{city: Paris}"}),
+                                r"bad.jsonl line 2: message 1 tool call 0: the arguments of 'f' is not JSON "
+                                r"\(Expecting property name enclosed in double quotes at column 2\)"),
+    "chat_tool_result_without_call": (
+        _agent_line(None, [{"role": "tool", "content": "21", "tool_call_id": "c1"}]),
+        r"bad.jsonl line 2: message 2: a tool result without a call: the assistant message before it calls no tool"),
+    "chat_tool_result_wrong_id": (
+        _agent_line({"name": "f", "arguments": "{}"}, [{"role": "tool", "content": "21", "tool_call_id": "c9"}]),
+        r"bad.jsonl line 2: message 2: tool_call_id 'c9' matches no call of the assistant message before it \(ids: c1\)"),
+    "chat_tools_not_json": ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], '
+                            '"tools": "[{name: f}]"}\n', r"bad.jsonl line 1: field 'tools' is not JSON"),
+    "chat_train_true_on_user": (json.dumps({"messages": [{"role": "user", "content": "a", "train": True},
+                                                         {"role": "assistant", "content": "b"}]}) + "\n",
+                                r"bad.jsonl line 1: message 0: 'train' is true on a user message; only assistant "
+                                r"messages train"),
 }
 
 
