@@ -9,7 +9,6 @@ import json
 from typing import Any, Callable
 
 from tunekit.core.errors import TunekitError
-from tunekit.data import agent
 
 ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
 
@@ -113,6 +112,8 @@ def chat(record: Record, f) -> Parsed:
 
 
 def _messages(record: Record, f) -> list[dict]:
+    from tunekit.data import agent  # a registry imports only the core when the recipe schema reads it
+
     raw = field(record, f.messages, "messages")
     if not isinstance(raw, list) or not raw:
         raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
@@ -147,6 +148,8 @@ def _content(m: dict, f, role: str, where: str) -> str:
 
 
 def _tools(record: Record, f) -> list[dict] | None:
+    from tunekit.data import agent
+
     value = record.values.get(f.tools)
     return agent.tools(value, f"{record.where}: field {f.tools!r}") if value not in (None, "", []) else None
 
