@@ -138,3 +138,20 @@ def test_tools_as_json_text_or_bare_functions(tiny_tokenizer, value):
     record["tools"] = value
     [rendered] = renderer(tiny_tokenizer).examples(Record(record, "t line 1"))
     assert '{"type": "function", "function": {"name": "get_weather"' in rendered.text
+
+
+def test_contamination_reads_tool_calls_as_the_answer():
+    """An answer that only calls a tool is its call: two calls with other arguments are not one answer."""
+    from tunekit.data import contamination
+
+    def ending_at_call(city: str, question: str) -> Record:
+        call = dict(CALL, function={"name": "get_weather", "arguments": json.dumps({"city": city})})
+        return Record({"messages": [{"role": "user", "content": question},
+                                    {"role": "assistant", "content": None, "tool_calls": [call]}]}, f"t {city}")
+
+    cfg = DataConfig(train="unused.jsonl", format="chat")
+    train = [ending_at_call("Paris", "Weather in Paris?"), ending_at_call("Oslo", "How warm is Oslo?")]
+    found = contamination.of_records(train, [ending_at_call("Lima", "Lima weather please")], cfg)
+    assert found.eval_exact == [] and found.overlapping == []
+    found = contamination.of_records(train, [ending_at_call("Oslo", "Is Oslo warm now?")], cfg)
+    assert found.eval_exact == [0] and found.overlapping == [1]

@@ -206,6 +206,17 @@ def check(train: Iterable[tuple[str, ...]], held_out: Iterable[tuple[str, str]],
 # ---------------------------------------------------------------- records of a recipe's data
 
 
+def _said(message: dict) -> str:
+    """A message's text, with its tool calls written out (an answer that only calls a tool is its call)."""
+    calls = message.get("tool_calls")
+    text = message.get("content") or ""
+    if not calls:
+        return text
+    written = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                   sort_keys=True) for c in calls)
+    return f"{text}\n{written}" if text else written
+
+
 def texts(parsed: Parsed) -> tuple[str, str, str]:
     """(prompt, answer, the rest of what makes the example itself) of a parsed record: raw text is all answer;
     in a conversation the assistant turns are the answer and the user and tool turns the prompt. System turns
@@ -213,7 +224,7 @@ def texts(parsed: Parsed) -> tuple[str, str, str]:
     every other. The rest: a preference pair's rejected answer, an unpaired completion's label."""
     if parsed.text is not None:
         return "", parsed.text, ""
-    turns = [(m.get("role"), m.get("content") or "") for m in parsed.messages]
+    turns = [(m.get("role"), _said(m)) for m in parsed.messages]
     rest = json.dumps([parsed.rejected, parsed.desirable]) if (parsed.rejected, parsed.desirable) != (None, None) else ""
     return ("\n".join(str(c) for role, c in turns if role not in ("assistant", "system")),
             "\n".join(str(c) for role, c in turns if role == "assistant"), rest)
