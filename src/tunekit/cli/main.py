@@ -31,6 +31,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _finite(text: str) -> float:
     import math
 
@@ -238,6 +248,27 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def cmd_data(a) -> int:
+    from tunekit.config import loading as recipe_mod
+    from tunekit.data import precheck
+
+    recipe = precheck.check(recipe_mod.load(a.recipe, a.overrides), data_needed=True, model="needed")  # before torch
+    if recipe.training.method != "sft":
+        raise TunekitError(f"training.method: {recipe.training.method} trains on preference pairs; tunekit data "
+                           "shows the examples of training.method sft")
+    from tunekit.data import preview
+    from tunekit.models import info, tokenizer
+    from tunekit.reporting import dataview
+
+    recipe = info.fit_max_length(recipe)  # as training fits it
+    renderer = preview.renderer_for(recipe.data, tokenizer.load(recipe.model))
+    records, facts, found = preview.training_records(recipe.data, recipe.training.seed)
+    result = preview.preview(records, renderer, recipe.data, a.show)
+    print(dataview.json_lines(result, facts, found) if a.json else
+          dataview.text(result, facts, found, dataview.colour_wanted()), end="")
+    return 0
+
+
 def cmd_runs(a) -> int:
     from pathlib import Path
 
@@ -288,6 +319,15 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="the model's config.json, for a model not downloaded here (without it: the model's own "
                         "config, else tunekit's copy for well-known models: Llama 3.x, Qwen2.5, Qwen3, Mistral 7B, "
                         "Gemma 2/3)")
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    _recipe_args(p)
+    p.add_argument("--show", type=non_negative_int, default=3, metavar="N",
+                   help="examples shown with their trained tokens marked (default 3; 0: counts only)")
+    p.add_argument("--json", action="store_true",
+                   help="JSON lines: a summary, then one line per shown example with its trained and untrained "
+                        "segments")
 
 
 def _merge_args(p: argparse.ArgumentParser) -> None:
@@ -348,6 +388,8 @@ VERBS = {
     "validate": ("check a recipe and print it with every default filled", _validate_args, cmd_validate),
     "train": ("train a recipe into its run directory", _train_args, cmd_train),
     "plan": ("memory per device and time per step, before loading any weights", _plan_args, cmd_plan),
+    "data": ("what training will see of the data: counts, tokens per role, lengths, examples with the trained "
+             "tokens marked; loads the tokenizer only", _data_args, cmd_data),
     "merge": ("merge a run's adapter into its base and save deployable weights", _merge_args, cmd_merge),
     "export": ("write a GGUF file (llama.cpp, Ollama, LM Studio) checked against its source, and an Ollama "
                "Modelfile beside it; or a safetensors directory (--format safetensors)", _export_args, cmd_export),

@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from tunekit.data.preview import EXAMPLES_FILE
+from tunekit.reporting import dataview
 from tunekit.reporting import listing as runlist
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json, read_jsonl
@@ -28,6 +30,7 @@ SKIP = {"step", "epoch", "time", "eval_runtime", "eval_samples_per_second", "eva
 
 HISTORY_FIX = "delete that line (or the whole file, for a report without curves) and run the command again"
 PREDICTIONS_FIX = "run the eval again, or delete the file for a report without predictions"
+EXAMPLES_FIX = f"delete {EXAMPLES_FILE} for a report without training examples"
 
 
 def _history(run_dir: Path) -> list[dict]:
@@ -72,6 +75,12 @@ def _predictions(run_dir: Path) -> list[dict]:
     return [{k: str(r.get(k, "")) for k in ("prompt", "reference", "prediction")} for r in rows]
 
 
+def _examples(run_dir: Path) -> list[dict]:
+    """The first training examples the run wrote (data-examples.jsonl), as segments."""
+    path = run_dir / EXAMPLES_FILE
+    return read_jsonl(path, EXAMPLES_FIX) if path.is_file() else []
+
+
 def load(run_dir: Path) -> dict:
     if not run_dir.exists():
         raise TunekitError(f"report: {run_dir} does not exist; give the output_dir of a tunekit train run")
@@ -87,7 +96,7 @@ def load(run_dir: Path) -> dict:
     return {"name": run_dir.name, "path": str(run_dir), "status": row.status, "steps": row.steps,
             "wall": runlist._duration(row.wall_s), "output": row.output, "record": record,
             "series": series(_history(run_dir), record.effective_batch or 1), "scores": scores,
-            "predictions": _predictions(run_dir)}
+            "predictions": _predictions(run_dir), "examples": _examples(run_dir)}
 
 
 def marked_diff(reference: str, prediction: str) -> tuple[str, str]:
@@ -191,6 +200,14 @@ def samples(run: dict) -> str:
                   rows, "samples")
 
 
+def training_examples(run: dict) -> str:
+    """A run's first training examples, trained tokens highlighted."""
+    rows = [[_fmt(e.get("example")), f"{_fmt(e.get('tokens'))} ({_fmt(e.get('trained_tokens'))} trained)",
+             dataview.html_example(e)] for e in run["examples"]]
+    return _table(["example", "tokens", "text as trained: highlighted tokens are trained (label != -100)"], rows,
+                  "examples")
+
+
 def _baseline(path: Path | None) -> dict | None:
     if path is None:
         return None
@@ -219,6 +236,10 @@ def render(runs: list[dict], baseline: dict | None = None) -> str:
     if baseline:
         sections += ["<h2>Before and after</h2>", before_after(baseline, runs)]
     sections += ['<h2>Curves</h2><div id="plots"></div>']
+    for r in runs:
+        if r.get("examples"):
+            sections += [f"<h2>Training examples: {html.escape(r['name'])} (first {len(r['examples'])})</h2>",
+                         training_examples(r)]
     for r in runs:
         if r["predictions"]:
             sections += [f"<h2>Predictions: {html.escape(r['name'])} (first {len(r['predictions'])})</h2>", samples(r)]
@@ -250,6 +271,7 @@ th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-a
 th {{ background: #f3f3f3; }}
 table.samples td {{ max-width: 420px; }}
 pre {{ white-space: pre-wrap; margin: 0; font-size: 12px; }}
+mark {{ background: #bfe6bf; }}
 del {{ background: #fdd; }} ins {{ background: #dfd; text-decoration: none; }}
 #plots {{ display: flex; flex-wrap: wrap; gap: 16px; }}
 .plot {{ border: 1px solid #ddd; padding: 4px; }}

@@ -25,6 +25,7 @@ from tunekit.models import info as modelinfo
 from tunekit.models import loading as models
 from tunekit.core import outputs
 from tunekit.data import packing
+from tunekit.data import preview
 from tunekit.training import preflight
 from tunekit.training import progress
 from tunekit.runs import layout as rundir
@@ -200,6 +201,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     record = run_record(inputs, resume_from, start)
     if launch.is_main:
         write_run_files(recipe, run_dir, ds, record)
+        preview.write_examples(run_dir / preview.EXAMPLES_FILE, preview.run_examples(bundle.train, tokenizer))
     inputs.callbacks = run_callbacks(recipe, run_dir)
     inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None)
     trainer, collate = method.make_trainer(inputs)
@@ -260,7 +262,8 @@ def run_record(inputs: methods.TrainerInputs, resume_from: Path | None, start) -
         adapter=recipe.adapter_kind, training_method=recipe.training.method, base_model=recipe.model.name_or_path,
         parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
         resumed_from=resume_from.name if resume_from else None, adapter_from=start.source if start else None,
-        data={"template": bundle.template, "packed": inputs.packed, "attention": inputs.attention, "split": bundle.split,
+        data={"template": bundle.template, "packed": inputs.packed, "attention": inputs.attention,
+              "split": {k: v for k, v in bundle.split.items() if k != "mix"}, "mix": bundle.split.get("mix"),
               "contamination": bundle.contamination,
               "train": vars(bundle.train_stats), "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
     )
