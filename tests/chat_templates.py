@@ -137,11 +137,14 @@ def families() -> dict[str, Family]:
 @lru_cache(maxsize=1)
 def base_tokenizer_dir() -> Path:
     """tunekit.models.tiny's tokenizer, built once per process into a temporary folder."""
+    import atexit
+    import shutil
     import tempfile
 
     from tunekit.models.tiny import build_tokenizer
 
     path = Path(tempfile.mkdtemp(prefix="tunekit-chat-templates-"))
+    atexit.register(shutil.rmtree, path, True)
     build_tokenizer(path)
     return path
 

@@ -109,7 +109,7 @@ def tool_chat(family, arguments=ARGS_TEXT, thoughts: bool = False) -> dict:
     return {"tools": TOOLS, "messages": _system(family) + [{"role": "user", "content": QUESTION}, call, result, final]}
 
 
-def reasoning_chat(family) -> dict:
+def reasoning_chat() -> dict:
     return {"messages": [{"role": "user", "content": PRIME_Q},
                          {"role": "assistant", "reasoning_content": PRIME_THINK, "content": PRIME_A}]}
 
@@ -202,7 +202,7 @@ def test_expected_strings_are_what_the_template_writes(name, families, tokenizer
     text = _render(tok, two_turns(fam))
     assert want["hi"] in text and want["bye"] in text
     if fam.reasoning:
-        assert want["prime"] in _render(tok, reasoning_chat(fam))
+        assert want["prime"] in _render(tok, reasoning_chat())
         text = _render(tok, tool_chat(fam, arguments=ARGS, thoughts=True))
         assert want["call_thought"] in text and want["final_thought"] in text
 
@@ -242,10 +242,10 @@ def test_generation_prompt_and_reference(name, families, tokenizers):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_reasoning_trains_only_when_asked(name, families, tokenizers):
     fam, want, tok = families[name], EXPECTED[name], tokenizers[name]
-    found, texts, notes = trained(tok, reasoning_chat(fam))
+    found, texts, notes = trained(tok, reasoning_chat())
     assert found == [want["prime"]] and PRIME_THINK in texts[-1]
     assert (DEFAULTS["reasoning"] in notes) == (not fam.reasoning)
-    found, _, _ = trained(tok, reasoning_chat(fam), train_reasoning=False)
+    found, _, _ = trained(tok, reasoning_chat(), train_reasoning=False)
     assert found == [want["prime_plain"]]
     assert_untrained_prompts(name, found)
 
