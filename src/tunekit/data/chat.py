@@ -206,16 +206,24 @@ class Chat:
         renderings share is the template's, not the message's."""
         m = messages[turn.index]
         own = turn.own
-        variants = []
+        variants = {}
         for content in ("", _PROBE_CHAR):
             v = {k: val for k, val in m.items() if k != "tool_calls"}
             v["content"] = content
-            text = self.apply(messages[: turn.index] + [v], tools, where)
-            if not text.startswith(turn.before):
-                return 0, ""
-            variants.append(text[len(turn.before):])
-        start = min(_common_prefix(own, v) for v in variants)
-        tail = variants[0][start:]
+            try:
+                text = self._raw(messages[: turn.index] + [v], tools)
+            except Exception:  # a template may refuse an assistant message without text or calls (Mistral's)
+                continue
+            if text.startswith(turn.before):
+                variants[content] = text[len(turn.before):]
+        if not variants:
+            return 0, ""
+        start = min(_common_prefix(own, v) for v in variants.values())
+        if "" in variants:
+            tail = variants[""][start:]
+        else:
+            probed = variants[_PROBE_CHAR]
+            tail = probed[probed.find(_PROBE_CHAR) + 1:] if _PROBE_CHAR in probed[start:] else ""
         return start, tail if own.endswith(tail) else ""
 
     def spans(self, messages: list[dict], tools, turn: Turn, info: dict, where: str) -> list[tuple[int, int]]:
