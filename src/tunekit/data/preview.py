@@ -15,7 +15,6 @@ spans it rendered and "prompt" for the rest."""
 from __future__ import annotations
 
 import bisect
-import inspect
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -82,17 +81,14 @@ def length_buckets(max_length: int) -> list[tuple[int, int]]:
 
 
 def renderer_for(cfg: DataConfig, tokenizer) -> Renderer:
-    """A Renderer that fills Rendered.roles where the renderer can."""
-    if "roles" in inspect.signature(Renderer).parameters:
-        return Renderer(cfg, tokenizer, roles=True)
-    return Renderer(cfg, tokenizer)
+    """A Renderer that fills Rendered.roles (chat-rendered examples)."""
+    return Renderer(cfg, tokenizer, roles=True)
 
 
 def rendered(renderer: Renderer, records: Iterable[Record]) -> Iterator[Rendered]:
     """The examples training renders from the records, in order."""
-    many = getattr(renderer, "examples", None)
     for record in records:
-        yield from (many(record) if many else [renderer.render(record)])
+        yield from renderer.examples(record)
 
 
 def trained_flags(labels: list[int]) -> list[bool]:
@@ -117,8 +113,8 @@ def _pieces(r: Rendered, ids: list[int], offsets, truncated: bool, tokenizer) ->
 
 def _roles(r: Rendered, offsets) -> list[str]:
     """Each token's role, by its first character."""
-    ranges = getattr(r, "roles", None)
-    if ranges is None:
+    ranges = r.roles
+    if ranges is None:  # not chat-rendered: the trained spans and the rest
         return ["answer" if end > start and any(s <= start < e for s, e in r.spans) else "prompt"
                 for start, end in offsets]
     ranges = sorted(ranges)
@@ -188,7 +184,7 @@ def preview(records: Iterable[Record], renderer: Renderer, cfg: DataConfig, show
     while batch := list(itertools.islice(stream, BATCH)):
         _add(p, batch, renderer.tok, show, histogram)
     p.lengths = [{"from": lo, "to": hi, "examples": n} for (lo, hi), n in zip(length_buckets(cfg.max_length), histogram)]
-    p.notes = sorted(getattr(renderer, "notes", None) or [])
+    p.notes = sorted(renderer.notes)
     return p
 
 
