@@ -9,8 +9,8 @@ Each token's text is the stretch of the rendered text up to its end (so whitespa
 of offsets still shows); a special token the tokenizer adds (BOS, EOS) shows as its token string.
 
 A token's role is the message its first character lies in (Rendered.roles: system, user, assistant, tool;
-"template" for text no message owns). A renderer that gives no roles has two: "answer" for the trained
-spans it rendered and "prompt" for the rest."""
+"template" for text no message owns). An example not chat-rendered (alpaca, raw text) has two: "answer" for
+its trained spans and "prompt" for the rest."""
 
 from __future__ import annotations
 
