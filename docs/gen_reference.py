@@ -38,10 +38,21 @@ def _section_type(annotation) -> type[BaseModel] | None:
     return None
 
 
+def _item_section(annotation) -> type[BaseModel] | None:
+    """The section class of a list's items in a field typed `list[Section]` (or a union holding one), else None."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        return _section_type(args[0])
+    found = [s for s in map(_item_section, args) if s is not None] if origin is not None else []
+    return found[0] if found else None
+
+
 def _type_name(annotation) -> str:
     """Alternatives are separated by `|` as in the YAML comments of the shipped recipes."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
     if origin is typing.Literal:
         return " | ".join(f"`{v if isinstance(v, str) else json.dumps(v)}`" for v in args)
     if origin in (typing.Union, types.UnionType):
@@ -93,13 +104,18 @@ def _section(lines: list[str], model: type[BaseModel], prefix: str) -> list[tupl
         key = f"{prefix}{name}"
         if sub is not None:
             nested.append((key, sub))
-            anchor = key.replace(".", "")
+            anchor = key.replace(".", "").replace("[]", "")
             kind = "section" + (" | `null`" if type(None) in typing.get_args(field.annotation) else "")
             description = f"{_cell(field.description)} See [{key}](#{anchor})."
             lines.append(f"| `{key}` | {_cell(kind)} | {_default(field)} | {description} |")
         else:
+            items = _item_section(field.annotation)
+            description = _cell(field.description)
+            if items is not None:
+                nested.append((f"{key}[]", items))
+                description += f" Each item of the list: see [{key}[]](#{key.replace('.', '')})."
             lines.append(f"| `{key}` | {_cell(_type_name(field.annotation) + _bounds(field))} | {_default(field)} | "
-                         f"{_cell(field.description)} |")
+                         f"{description} |")
     lines.append("")
     return nested
 
@@ -125,8 +141,8 @@ def recipe_reference() -> str:
 def _field_at(root: type[BaseModel], dotted: str):
     model, field = root, None
     for part in dotted.split("."):
-        field = model.model_fields[part]
-        model = _section_type(field.annotation)
+        field = model.model_fields[part.removesuffix("[]")]
+        model = _item_section(field.annotation) if part.endswith("[]") else _section_type(field.annotation)
     return field
 
 

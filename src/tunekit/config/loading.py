@@ -22,17 +22,24 @@ from tunekit.training import methods
 
 
 def _unwrap(annotation: Any) -> Any:
-    """Optional[X] / X | None -> X, for walking the schema by dotted path."""
+    """Optional[X] / X | None -> X, and the section inside a list of sections or a union with one
+    (data.train: a file or a list of DataSource), for walking the schema by dotted path."""
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType):
         inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return inner[0] if len(inner) == 1 else annotation
+        if len(inner) == 1:
+            return _unwrap(inner[0])
+    if origin is not None:
+        for arg in typing.get_args(annotation):
+            found = _unwrap(arg)
+            if isinstance(found, type) and issubclass(found, BaseModel):
+                return found
     return annotation
 
 
 def _section_at(loc: tuple) -> type[BaseModel] | None:
     model: Any = Recipe
-    for part in loc:
+    for part in (p for p in loc if not isinstance(p, int)):  # a list's items are sections of one kind
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
             return None
         model = _unwrap(model.model_fields[part].annotation)
@@ -40,7 +47,8 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
 
 
 def _dotted(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc)
+    """("data", "train", 1, "weight") -> data.train[1].weight"""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).removeprefix(".")
 
 
 def _describe(error: dict) -> str:
@@ -109,6 +117,16 @@ def _resolve_file(value: str, base: Path) -> Path | None:
     return None
 
 
+def _data_file(value: str, base: Path, key: str) -> str:
+    """A data file's absolute path, or a hub name as given; a missing file (a name that looks like one) is an error."""
+    found = _resolve_file(value, base)
+    if found is not None:
+        return str(found)
+    if value.endswith(DATA_SUFFIXES) or value.startswith(("/", "./", "../", "~")):
+        raise TunekitError(f"{key}: file {value!r} not found")
+    return value
+
+
 def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
     """Existence checks for local files, rewriting them to absolute paths so runs are reproducible
     from any directory."""
@@ -118,13 +136,12 @@ def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
         ("data", "eval", recipe.data.eval),
         ("eval", "data", recipe.eval.data if recipe.eval else None),
     ):
-        if value is None:
-            continue
-        found = _resolve_file(value, base)
-        if found is not None:
-            updates[section][key] = str(found)
-        elif value.endswith(DATA_SUFFIXES) or value.startswith(("/", "./", "../", "~")):
-            raise TunekitError(f"{source}: {section}.{key}: file {value!r} not found")
+        if isinstance(value, list):  # a mixture's sources
+            updates[section][key] = [s.model_copy(update={"path": _data_file(s.path, base, f"{source}: {section}.{key}"
+                                                                               f"[{i}].path")})
+                                     for i, s in enumerate(value)]
+        elif value is not None:
+            updates[section][key] = _data_file(value, base, f"{source}: {section}.{key}")
     ds = recipe.training.deepspeed
     if ds is not None:
         found = _resolve_file(ds, base)

@@ -4,9 +4,9 @@ overrides and the one-line errors live in config.loading."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, create_model, model_validator
+from pydantic import Discriminator, Field, Tag, create_model, model_validator
 
 from tunekit.config.section import Section
 from tunekit.data.formats import FORMATS
@@ -84,12 +84,50 @@ class FieldMap(Section):
                        "message keeps it out of the loss.")
 
 
+class DataSource(Section):
+    """One source of a mixture: data.train (or data.eval) given as a list of these."""
+
+    path: str = Field(description="A .jsonl/.json/.csv/.parquet file or a `datasets` hub name.")
+    split: str | None = Field(None, description="Split to read from a hub dataset; null: data.train_split "
+                              "(data.eval_split for a data.eval source).")
+    format: Literal[tuple(FORMATS)] | None = Field(  # type: ignore[valid-type]  # names from the registry
+        None, description="This source's record layout; null: data.format.")
+    fields: FieldMap | None = Field(None, description="This source's column names; the keys given here replace "
+                                    "data.fields' for this source.")
+    weight: float | None = Field(None, gt=0, description="data.train: this source's share of each epoch's training "
+                                 "examples (see docs/data.md, mixtures); sampled with repetition when it asks for "
+                                 "more than the source holds.")
+    count: int | None = Field(None, gt=0, description="data.train: a fixed number of examples from this source per "
+                              "epoch (repeated when the source holds fewer). With neither weight nor count: all of "
+                              "its records.")
+
+    @model_validator(mode="after")
+    def _one_size(self) -> "DataSource":
+        if self.weight is not None and self.count is not None:
+            raise ValueError("weight and count are both set; keep one")
+        return self
+
+
+def _file_or_sources(value: Any) -> str:
+    return "[sources]" if isinstance(value, list) else "[file]"
+
+
+# A file or hub name, or a list of sources. The tags hold "[" so that a one-line error's key leaves them out
+# (config.loading): data.train[1].weight, not data.train.[sources].1.weight.
+DataSpec = Annotated[Union[Annotated[str, Tag("[file]")],
+                           Annotated[list[DataSource], Field(min_length=1), Tag("[sources]")]],
+                     Discriminator(_file_or_sources)]
+
+
 class DataConfig(Section):
-    train: str = Field(description="Training data: a .jsonl/.json/.csv/.parquet file or a `datasets` hub name.")
+    train: DataSpec = Field(description="Training data: a .jsonl/.json/.csv/.parquet file or a `datasets` hub name, "
+                            "or a list of sources mixed by weight or count (a mixture, docs/data.md).")
     train_split: str = Field("train", description="Split to read from a hub dataset.")
-    eval: str | None = Field(None, description="Eval data file or hub name; otherwise see eval_fraction.")
+    eval: DataSpec | None = Field(None, description="Eval data file or hub name, or a list of sources (held out "
+                                  "whole, one after another); otherwise see eval_fraction.")
     eval_split: str = Field("validation", description="Split to read when `eval` is a hub dataset.")
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this seeded fraction of train for eval.")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this seeded fraction of train (of "
+                                 "each source of a mixture) for eval.")
     format: Literal[tuple(FORMATS)] = Field(  # type: ignore[valid-type]  # names from the registry
         "alpaca", description="Record layout: " + ", ".join(FORMATS) + " (tunekit.data.formats).")
     fields: FieldMap = Field(default_factory=FieldMap, description="Column names, when they differ from the defaults.")
@@ -106,8 +144,9 @@ class DataConfig(Section):
     train_reasoning: bool = Field(True, description="chat: train on assistant reasoning (reasoning_content); empty "
                                   "reasoning blocks a template writes never train.")
     mask_prompt: bool = Field(True, description="Train only on completion/assistant tokens (prompt labels = -100).")
-    max_examples: int | None = Field(None, gt=0, description="Use only the first N records of data.train; "
-                                     "data.eval_fraction then holds out its share of those N.")
+    max_examples: int | None = Field(None, gt=0, description="Use only the first N records of data.train (of "
+                                     "each source of a mixture); data.eval_fraction then holds out its share of "
+                                     "those N.")
     dedup: bool = Field(False, description="Drop training examples whose prompt and answer repeat an earlier one "
                         "(after Unicode, case and whitespace normalisation); counted in the contamination report.")
     decontaminate: bool = Field(False, description="Drop training examples that share a prompt, an answer or a "
@@ -123,10 +162,30 @@ class DataConfig(Section):
     def _rules(self) -> "DataConfig":
         if self.eval is not None and self.eval_fraction > 0:
             raise ValueError("data.eval and data.eval_fraction are both set; keep one")
-        if FORMATS[self.format].needs_chat and self.template in ("alpaca", "raw"):
-            raise ValueError(f"data.template={self.template} cannot render format {self.format}; "
-                             "use template: chat or auto")
+        named = [(f" ({key}.format)", s.format) for key, s in self.sources() + self.sources("eval") if s.format]
+        for key, fmt in [("", self.format)] + named:
+            if FORMATS[fmt].needs_chat and self.template in ("alpaca", "raw"):
+                raise ValueError(f"data.template={self.template} cannot render format {fmt}{key}; "
+                                 "use template: chat or auto")
+        for key, s in self.sources("eval"):
+            if s.weight is not None or s.count is not None:
+                raise ValueError(f"{key}: data.eval sources are held out whole; remove weight and count")
+        self._weights_fit()
         return self
+
+    def _weights_fit(self) -> None:
+        """Beside sources of a fixed size (a count, or all records), weights are shares of the whole epoch."""
+        given = self.sources("train")
+        total = sum(s.weight for _, s in given if s.weight is not None)
+        if total >= 1 and any(s.weight is None for _, s in given) and any(s.weight is not None for _, s in given):
+            raise ValueError(f"data.train: the weights sum to {total:g} beside sources of a fixed size (a count, or "
+                             "all records); there they are shares of the whole epoch and must sum to less than 1 "
+                             "(or give every source a weight)")
+
+    def sources(self, which: str = "train") -> list[tuple[str, DataSource]]:
+        """(key, source) of each source of a mixture given as a list (data.train[0], ...); empty for a file."""
+        value = getattr(self, which)
+        return [(f"data.{which}[{i}]", s) for i, s in enumerate(value)] if isinstance(value, list) else []
 
 
 class TrainingConfig(Section):

@@ -26,11 +26,10 @@ import tempfile
 from pathlib import Path
 
 from tunekit.data import records as data_mod
-from tunekit.data import contamination, split
-from tunekit.data.records import DataBundle, DataStats, Renderer
+from tunekit.data import contamination, mixture, split
+from tunekit.data.records import DataBundle, DataStats
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
-from tunekit.data.formats import Record
 from tunekit.core.outputs import cache_root
 from tunekit.config.schema import DataConfig
 
@@ -41,7 +40,7 @@ TRAIN_SET, EVAL_SET, EVAL_RECORDS = "train-set", "eval-set", "eval-records.jsonl
 BATCH = 1000  # rows per map batch and per Arrow record batch
 PARALLEL_FROM = 20_000  # rows; below this, worker start-up costs more than it saves
 _CODE = [Path(__file__), Path(data_mod.__file__), Path(data_mod.__file__).with_name("formats.py"), Path(split.__file__),
-         Path(contamination.__file__)]
+         Path(contamination.__file__), Path(mixture.__file__)]
 
 
 def _file_digest(path: Path) -> str:
@@ -53,15 +52,15 @@ def _file_digest(path: Path) -> str:
 
 
 def fingerprint(cfg: DataConfig, tokenizer, seed: int) -> str | None:
-    """Cache key, or None when a source is not a local file (a hub data set can change under its name)."""
+    """Cache key, or None when a source is not a local file (a hub data set can change under its name). It
+    covers every source's file (each of a mixture's) and settings."""
     from datasets.fingerprint import Hasher
 
     h = hashlib.sha256(f"{cfg.model_dump_json()}|{seed}".encode())
-    for spec in (cfg.train, cfg.eval):
-        if spec is not None:
-            if not Path(spec).is_file():
-                return None
-            h.update(_file_digest(Path(spec)).encode())
+    for source in mixture.sources(cfg):
+        if not Path(source.spec).is_file():
+            return None
+        h.update(_file_digest(Path(source.spec)).encode())
     h.update(Hasher.hash(tokenizer).encode())
     for path in _CODE:
         h.update(path.read_bytes())
@@ -80,27 +79,36 @@ def _locked(path: Path):
         os.close(fd)
 
 
-def _write_raw(records, path: Path) -> int:
-    """Stream records into an Arrow file of (raw JSON, where) rows; returns the row count."""
+def _write_raw(records, path: Path, sources: int) -> list[int]:
+    """Stream records into an Arrow file of (raw JSON, where, source) rows; returns the rows of each source."""
     import pyarrow as pa
 
-    schema = pa.schema([("raw", pa.string()), ("where", pa.string())])
-    n, raw, where = 0, [], []
+    schema = pa.schema([("raw", pa.string()), ("where", pa.string()), ("source", pa.int32())])
+    sizes = [0] * sources
+    raw, where, source = [], [], []
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for record in records:
             raw.append(split.raw(record))
             where.append(record.where)
+            source.append(mixture.source_of(record) or 0)
+            sizes[source[-1]] += 1
             if len(raw) == BATCH:
-                writer.write_batch(pa.record_batch([raw, where], schema=schema))
-                n, raw, where = n + len(raw), [], []
+                writer.write_batch(pa.record_batch([raw, where, source], schema=schema))
+                raw, where, source = [], [], []
         if raw:
-            writer.write_batch(pa.record_batch([raw, where], schema=schema))
-            n += len(raw)
-    return n
+            writer.write_batch(pa.record_batch([raw, where, source], schema=schema))
+    return sizes
 
 
-def _encode(batch, renderer: Renderer, cfg: DataConfig):
-    renders = [r for raw, where in zip(batch["raw"], batch["where"]) for r in renderer.examples(Record(json.loads(raw), where))]
+def _records(rows) -> list[mixture.Sourced]:
+    """Rows of raw JSON (a batch's columns, or a list of row dicts) as records with their sources."""
+    if isinstance(rows, list):
+        return [mixture.Sourced(json.loads(r["raw"]), r["where"], r.get("source") or 0) for r in rows]
+    return [mixture.Sourced(json.loads(r), w, s) for r, w, s in zip(rows["raw"], rows["where"], rows["source"])]
+
+
+def _encode(batch, renderer: mixture.Renderers, cfg: DataConfig):
+    renders = [r for record in _records(batch) for r in renderer.examples(record)]
     examples = data_mod.tokenize_batch(renders, renderer.tok, cfg.max_length, cfg.mask_prompt)
     notes = [""] * len(examples)  # the default renderings used (Renderer.notes), on a batch's first row
     if notes:
@@ -128,7 +136,7 @@ def _save(ds, path: Path) -> None:
             datasets.enable_progress_bars()
 
 
-def _tokenized(raw, renderer: Renderer, cfg: DataConfig, work: Path, name: str, num_proc: int | None):
+def _tokenized(raw, renderer: mixture.Renderers, cfg: DataConfig, work: Path, name: str, num_proc: int | None):
     """(dataset of input_ids/labels, stats) for the raw rows; rows without a trained token dropped."""
     import datasets
     import pyarrow.compute as pc
@@ -160,37 +168,42 @@ def _tokenized(raw, renderer: Renderer, cfg: DataConfig, work: Path, name: str, 
 
 
 def _decontaminated(raw, eval_rows: list[dict], cfg: DataConfig):
-    """The training rows less those data.dedup / data.decontaminate drop, and the contamination report."""
+    """The positions among the training rows that data.dedup / data.decontaminate drop, and the contamination
+    report."""
     def records(rows):
         for batch in rows.iter(batch_size=BATCH):
-            yield from (Record(json.loads(text), where) for text, where in zip(batch["raw"], batch["where"]))
+            yield from _records(batch)
 
-    held = [Record(json.loads(r["raw"]), r["where"]) for r in eval_rows]
-    drop, report = contamination.screen(records(raw), held, cfg, raw["where"])
-    if drop:
-        raw = raw.select([i for i in range(len(raw)) if i not in drop])
-    return raw, report
+    return mixture.screen(records(raw), _records(eval_rows), cfg, raw["where"])
 
 
-def _prepare(cfg: DataConfig, renderer: Renderer, seed: int, out: Path, num_proc: int | None) -> None:
+def _split(cfg: DataConfig, seed: int, work: Path):
+    """(the rows the epoch trains on, the held-out rows, the split's summary with the mix, the contamination
+    report): data.split's decisions and the mixture's draw, on the streamed rows."""
+    import datasets
+
+    sizes = _write_raw(split.train_source(cfg), work / "raw.arrow", len(mixture.train_sources(cfg)))
+    raw = datasets.Dataset.from_file(str(work / "raw.arrow"))
+    parts = split.positions(sizes, cfg, seed)
+    if cfg.eval:
+        eval_rows = [{"raw": split.raw(r), "where": r.where, "source": mixture.source_of(r)}
+                     for r in split.eval_source(cfg)]
+    else:
+        eval_rows = raw.select(parts.held).to_list() if parts.held else []
+    facts = split.summary(cfg, sizes, len(parts.train), [(r["where"], r["raw"]) for r in eval_rows])
+    drop, found = _decontaminated(raw.select(parts.train) if parts.held else raw, eval_rows, cfg)
+    kept = [p for k, p in enumerate(parts.train) if k not in drop]
+    chosen = split.mix(kept, parts, cfg, seed, facts)
+    return (raw if chosen == list(range(len(raw))) else raw.select(chosen)), eval_rows, facts, found
+
+
+def _prepare(cfg: DataConfig, renderer: mixture.Renderers, seed: int, out: Path, num_proc: int | None) -> None:
     """Build the prepared data set into `out`: the train and eval sets (Arrow), the eval records, prepared.json."""
     import datasets
 
     work = out / "work"
     work.mkdir(parents=True)
-    n = _write_raw(split.train_source(cfg), work / "raw.arrow")
-    if n == 0:
-        raise TunekitError(f"data.train: {cfg.train} holds no examples")
-    raw = datasets.Dataset.from_file(str(work / "raw.arrow"))
-    parts = split.positions(n, cfg, seed)
-    if cfg.eval:
-        eval_rows = [{"raw": split.raw(r), "where": r.where} for r in split.eval_source(cfg)]
-    else:
-        eval_rows = raw.select(parts.held).to_list() if parts.held else []
-        raw = raw.select(parts.train) if parts.held else raw
-    facts = split.summary(cfg, n, len(raw), [(r["where"], r["raw"]) for r in eval_rows])
-    raw, found = _decontaminated(raw, eval_rows, cfg)
-
+    raw, eval_rows, facts, found = _split(cfg, seed, work)
     train, train_stats = _tokenized(raw, renderer, cfg, work, "train", num_proc)
     if not train_stats.examples:
         raise TunekitError(
@@ -211,7 +224,7 @@ def _prepare(cfg: DataConfig, renderer: Renderer, seed: int, out: Path, num_proc
     (out / DONE).write_text(json.dumps(summary), encoding="utf-8")
 
 
-def _load(directory: Path, cfg: DataConfig, renderer: Renderer) -> DataBundle:
+def _load(directory: Path, cfg: DataConfig, renderer: mixture.Renderers) -> DataBundle:
     import datasets
 
     summary = json.loads((directory / DONE).read_text(encoding="utf-8"))
@@ -220,10 +233,12 @@ def _load(directory: Path, cfg: DataConfig, renderer: Renderer) -> DataBundle:
     eval_rendered = []
     if (directory / EVAL_RECORDS).is_file():
         rows = [json.loads(line) for line in (directory / EVAL_RECORDS).read_text(encoding="utf-8").splitlines()]
-        eval_rendered = [renderer.render(Record(json.loads(r["raw"]), r["where"])) for r in rows]
+        eval_rendered = [renderer.render(record) for record in _records(rows)]
     eval_stats = DataStats(**summary["eval"]) if summary["eval"] else None
     train_stats = DataStats(**summary["train"])
     log.info(split.line(summary["split"]))
+    if summary["split"].get("mix"):
+        log.info(mixture.line(summary["split"]["mix"]))
     log.info(summary["contamination"]["line"])
     log.info(train_stats.line("train", cfg.max_length))
     for note in train_stats.notes:
@@ -239,7 +254,7 @@ _TEMPORARY: list[tempfile.TemporaryDirectory] = []  # uncached builds live as lo
 
 def build(cfg: DataConfig, tokenizer, seed: int, num_proc: int | None = None) -> DataBundle:
     """The prepared train/eval data sets for `cfg`, from the cache when it holds them."""
-    renderer = Renderer(cfg, tokenizer)  # template errors first, before any data is read
+    renderer = mixture.Renderers(cfg, tokenizer)  # template errors first, before any data is read
     key = fingerprint(cfg, tokenizer, seed)
     if key is None:
         holder = tempfile.TemporaryDirectory(prefix="tunekit-data-")

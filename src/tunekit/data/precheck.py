@@ -22,6 +22,7 @@ from typing import Iterator
 
 from tunekit.config.schema import DataConfig, ModelConfig, Recipe
 from tunekit.core.errors import TunekitError, first_line
+from tunekit.data import mixture
 from tunekit.data.formats import FORMATS, Record
 from tunekit.data.records import iter_records
 from tunekit.models import hub, info
@@ -33,13 +34,19 @@ CHECKED = 20_000  # records parsed per file
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
-def data_files(recipe: Recipe) -> list[tuple[str, str, str]]:
-    """(recipe key, file or hub name, split) of every data source the recipe names."""
+def data_files(recipe: Recipe) -> list[tuple[str, str, str, DataConfig]]:
+    """(recipe key, file or hub name, split, the data settings it is read with) of every data source the recipe
+    names: each source of a mixture (data.train[1], ...) with its own format and fields."""
     d = recipe.data
-    found = [("data.train", d.train, d.train_split), ("data.eval", d.eval, d.eval_split)]
-    if recipe.eval is not None:
-        found.append(("eval.data", recipe.eval.data, d.eval_split))
-    return [(key, spec, split) for key, spec, split in found if spec]
+    found = [(s.key, s.spec, s.split, s.cfg) for s in mixture.sources(d)]
+    if recipe.eval is not None and recipe.eval.data:
+        found.append(("eval.data", recipe.eval.data, d.eval_split, d))
+    return found
+
+
+def _limit(key: str, cfg: DataConfig) -> int | None:
+    """data.max_examples caps each training source."""
+    return cfg.max_examples if key.startswith("data.train") else None
 
 
 def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
@@ -49,9 +56,8 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
     is left to training), "shipped" (else tunekit's copy of a well-known model's config, else an error),
     "optional" (as shipped, else a warning saying what was not checked) or "skip". "shipped" and "optional"
     return the recipe with data.max_length fitted."""
-    for key, spec, split in data_files(recipe):
-        check_data(spec, split, key, recipe.data, data_needed,
-                   recipe.data.max_examples if key == "data.train" else None)
+    for key, spec, split, cfg in data_files(recipe):
+        check_data(spec, split, key, cfg, data_needed, _limit(key, cfg))
     assert model in ("needed", "shipped", "optional", "skip"), model
     if model == "skip":
         return recipe
@@ -167,11 +173,11 @@ def check_eval(recipe: Recipe, data: str | None, base_model: bool, tokenizer: bo
     base model it loads (`base_model`: a base model, or a LoRA run's base) and its separate tokenizer
     (`tokenizer`: a base model only; a run or merged directory holds its own)."""
     d = recipe.data
-    source = (data, "--data", d.eval_split) if data else \
-        (recipe.eval.data, "eval.data", d.eval_split) if recipe.eval and recipe.eval.data else \
-        (d.eval, "data.eval", d.eval_split) if d.eval else (d.train, "data.train", d.train_split)
-    spec, key, split = source
-    check_data(spec, split, key, d, limit=d.max_examples if key == "data.train" else None)
+    named = data or (recipe.eval.data if recipe.eval else None)
+    found = [("--data" if data else "eval.data", named, d.eval_split, d)] if named else \
+        [(s.key, s.spec, s.split, s.cfg) for s in mixture.eval_sources(d) or mixture.train_sources(d)]
+    for key, spec, split, cfg in found:
+        check_data(spec, split, key, cfg, limit=_limit(key, cfg))
     if base_model:
         info.raw_config(recipe.model, False)
     if tokenizer:

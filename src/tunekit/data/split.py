@@ -5,29 +5,43 @@ seeded fraction of those N. A `data.eval` source is held out as it stands (max_e
 only). Every path that trains or scores takes its records from here: the prepared train/eval sets (SFT),
 the preference pairs, generation metrics during training, the end-of-training eval, `tunekit eval RUN`
 and merge's parity prompts; every rank of a multi-process run computes the same split from the seed.
+
+A mixture (data.train as a list of sources) is split source by source: max_examples takes each source's
+first N records and eval_fraction holds out its share of each (seeded by training.seed plus the source's
+index; the first source's split is the one a plain data.train would have). The epoch's examples are then
+drawn from the training records left (data.mixture.draw, after the contamination screen): held-out
+records never reach it. A data.eval list is held out whole, its sources one after another.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import json
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
+from tunekit.data import mixture
 from tunekit.data.formats import Record
 from tunekit.data.records import iter_records, read_records
 
 
 @dataclass(frozen=True)
 class Split:
-    """Positions among the records read from data.train (the first max_examples of them), each in file order."""
+    """Positions among the records read from data.train's sources (the first max_examples of each, the
+    sources one after another), each in file order."""
 
     train: list[int]
     held: list[int]  # empty when data.eval is the held-out source
+    sizes: tuple[int, ...] = ()  # records read from each source
+
+    def source_at(self, position: int) -> int:
+        """The index of the source a position lies in."""
+        return bisect.bisect_right(list(itertools.accumulate(self.sizes)), position)
 
 
 def indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -44,31 +58,94 @@ def indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     return [i for i in range(n) if i not in held], sorted(held)
 
 
-def positions(n: int, cfg: DataConfig, seed: int) -> Split:
-    """The split of the n records read from data.train (n already capped by max_examples)."""
-    if cfg.eval is None and cfg.eval_fraction > 0:
-        return Split(*indices(n, cfg.eval_fraction, seed))
-    return Split(list(range(n)), [])
+def positions(sizes: int | list[int], cfg: DataConfig, seed: int) -> Split:
+    """The split of the records read from data.train (`sizes`: how many each source gave, already capped by
+    max_examples; an int for a plain data.train)."""
+    sizes = [sizes] if isinstance(sizes, int) else list(sizes)
+    train: list[int] = []
+    held: list[int] = []
+    start = 0
+    for i, (source, n) in enumerate(zip(mixture.train_sources(cfg), sizes)):
+        if n == 0:
+            raise TunekitError(f"{source.key}: {source.spec} holds no examples")
+        if cfg.eval is None and cfg.eval_fraction > 0:
+            try:
+                t, h = indices(n, cfg.eval_fraction, seed + i)
+            except TunekitError as e:
+                raise TunekitError(f"{source.key}: {e}" if mixture.is_mixture(cfg) else str(e)) from None
+        else:
+            t, h = list(range(n)), []
+        train += [start + x for x in t]
+        held += [start + x for x in h]
+        start += n
+    return Split(train, held, tuple(sizes))
 
 
 def train_source(cfg: DataConfig) -> Iterator[Record]:
-    """The records of data.train that take part at all: the first data.max_examples when set."""
-    return itertools.islice(iter_records(cfg.train, cfg.train_split, "data.train"), cfg.max_examples)
+    """The records of data.train that take part at all: the first data.max_examples (of each source) when
+    set, each tagged with its source (mixture.Sourced)."""
+    for i, source in enumerate(mixture.train_sources(cfg)):
+        for record in itertools.islice(iter_records(source.spec, source.split, source.key), cfg.max_examples):
+            yield mixture.Sourced(record.values, record.where, i)
 
 
 def eval_source(cfg: DataConfig) -> list[Record]:
-    records = read_records(cfg.eval, cfg.eval_split, "data.eval")
-    if not records:
-        raise TunekitError(f"data.eval: {cfg.eval} holds no examples")
+    """The records of data.eval's sources, one after another, each tagged with its source."""
+    records: list[Record] = []
+    offset = len(mixture.train_sources(cfg))
+    for i, source in enumerate(mixture.eval_sources(cfg)):
+        found = [mixture.Sourced(r.values, r.where, offset + i) for r in iter_records(source.spec, source.split,
+                                                                                      source.key)]
+        if not found:
+            raise TunekitError(f"{source.key}: {source.spec} holds no examples")
+        records += found
     return records
 
 
-def train_and_held(cfg: DataConfig, seed: int) -> tuple[list[Record], list[Record], dict]:
-    """(training records, held-out records, the split's summary) as every path sees them."""
+def sizes_of(records: list[Record], cfg: DataConfig) -> list[int]:
+    """Records per train source, for records in train_source's order."""
+    counts = [0] * len(mixture.train_sources(cfg))
+    for record in records:
+        counts[mixture.source_of(record) or 0] += 1
+    return counts
+
+
+def _read_and_split(cfg: DataConfig, seed: int) -> tuple[list[Record], Split, list[Record]]:
     records = list(train_source(cfg))
-    parts = positions(len(records), cfg, seed)
-    held = eval_source(cfg) if cfg.eval else [records[i] for i in parts.held]
-    return [records[i] for i in parts.train], held, summary(cfg, len(records), len(parts.train), of(held))
+    parts = positions(sizes_of(records, cfg), cfg, seed)
+    return records, parts, eval_source(cfg) if cfg.eval else [records[i] for i in parts.held]
+
+
+def train_and_held(cfg: DataConfig, seed: int) -> tuple[list[Record], list[Record], dict]:
+    """(training records, held-out records, the split's summary) as every path sees them; the training records
+    are those a mixture's examples are drawn from (`training` draws them)."""
+    records, parts, held = _read_and_split(cfg, seed)
+    return [records[i] for i in parts.train], held, summary(cfg, parts.sizes, len(parts.train), of(held))
+
+
+def training(cfg: DataConfig, seed: int) -> tuple[list[Record], list[Record], dict, dict]:
+    """(the epoch's training records, the held-out records, the split's summary with the realised mix, the
+    contamination report): the training records less those data.dedup/data.decontaminate drop, then the
+    mixture's draw (every one of them, in order, for a plain data.train)."""
+    records, parts, held = _read_and_split(cfg, seed)
+    facts = summary(cfg, parts.sizes, len(parts.train), of(held))
+    pool = [records[i] for i in parts.train]
+    drop, report = mixture.screen(pool, held, cfg, [r.where for r in pool])
+    kept = [p for k, p in enumerate(parts.train) if k not in drop]
+    return [records[i] for i in mix(kept, parts, cfg, seed, facts)], held, facts, report
+
+
+def mix(kept: list[int], parts: Split, cfg: DataConfig, seed: int, facts: dict) -> list[int]:
+    """The positions the epoch trains on, drawn from `kept` (the training positions of `parts` left after the
+    contamination screen): `kept` itself for a plain data.train; for a mixture, the draw, whose realised mix
+    goes into `facts` (the split's summary) as "mix"."""
+    if not mixture.is_mixture(cfg):
+        return kept
+    groups: list[list[int]] = [[] for _ in parts.sizes]
+    for position in kept:
+        groups[parts.source_at(position)].append(position)
+    chosen, facts["mix"] = mixture.draw(groups, parts.sizes, cfg, seed)
+    return chosen
 
 
 def held_out(cfg: DataConfig, seed: int) -> list[Record]:
@@ -80,19 +157,24 @@ def held_out(cfg: DataConfig, seed: int) -> list[Record]:
     return []
 
 
-def summary(cfg: DataConfig, read: int, train: int, held: list[tuple[str, str]]) -> dict:
-    """The split's facts for run.json and the run output; `held`: the held-out records' (location, raw JSON)."""
+def summary(cfg: DataConfig, read: int | Sequence[int], train: int, held: list[tuple[str, str]]) -> dict:
+    """The split's facts for run.json and the run output; `read`: records read (from each source), `held`: the
+    held-out records' (location, raw JSON). A mixture's realised mix is added under "mix" once drawn."""
     source = "data.eval" if cfg.eval else ("data.eval_fraction" if cfg.eval_fraction > 0 else None)
-    return {"train_records_read": read, "max_examples": cfg.max_examples, "train": train,
+    total = read if isinstance(read, int) else sum(read)
+    return {"train_records_read": total, "max_examples": cfg.max_examples, "train": train,
             "held_out": len(held), "held_out_from": source, "held_out_fingerprint": fingerprint(held)}
 
 
 def line(facts: dict) -> str:
-    capped = f" (the first {facts['max_examples']}, data.max_examples)" if facts["max_examples"] else ""
+    mix = facts.get("mix")
+    each = " of each source" if mix else ""
+    capped = f" (the first {facts['max_examples']}{each}, data.max_examples)" if facts["max_examples"] else ""
     held = {None: "none held out",
             "data.eval": f"{facts['held_out']} held out in data.eval",
             "data.eval_fraction": f"{facts['held_out']} held out by data.eval_fraction"}[facts["held_out_from"]]
-    return f"data split: {facts['train_records_read']} records of data.train{capped}: {facts['train']} train; {held}"
+    train = f"data.train's {len(mix)} sources" if mix else "data.train"
+    return f"data split: {facts['train_records_read']} records of {train}{capped}: {facts['train']} train; {held}"
 
 
 def raw(record: Record) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tunekit.data import records as data_mod
-from tunekit.data import split
+from tunekit.data import mixture, split
 from tunekit.core import console, distributed
 from tunekit.training import methods
 from tunekit.evaluation import metrics
@@ -125,7 +125,7 @@ def token_loss(model, tokenizer, examples: list[data_mod.Example], batch_size: i
 
 
 def rendered_examples(recipe: Recipe, tokenizer, records: list[data_mod.Record], cfg: EvalConfig) -> list:
-    renderer = data_mod.Renderer(recipe.data, tokenizer)
+    renderer = mixture.Renderers(recipe.data, tokenizer)  # each record by its source's format and fields
     # unpaired preference data: only the completions labelled desirable are references
     rendered = [x for x in map(renderer.render, records) if x.desirable is not False]
     if cfg.limit:

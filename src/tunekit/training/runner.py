@@ -262,7 +262,8 @@ def run_record(inputs: methods.TrainerInputs, resume_from: Path | None, start) -
         adapter=recipe.adapter_kind, training_method=recipe.training.method, base_model=recipe.model.name_or_path,
         parameters={"total": total, "trainable": trainable}, world_size=args.world_size, effective_batch=effective,
         resumed_from=resume_from.name if resume_from else None, adapter_from=start.source if start else None,
-        data={"template": bundle.template, "packed": inputs.packed, "attention": inputs.attention, "split": bundle.split,
+        data={"template": bundle.template, "packed": inputs.packed, "attention": inputs.attention,
+              "split": {k: v for k, v in bundle.split.items() if k != "mix"}, "mix": bundle.split.get("mix"),
               "contamination": bundle.contamination,
               "train": vars(bundle.train_stats), "eval": vars(bundle.eval_stats) if bundle.eval_stats else None},
     )

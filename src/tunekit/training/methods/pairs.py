@@ -67,13 +67,14 @@ def tokenize_unpaired(record, renderer, tokenizer) -> dict:
 
 
 def build_pairs(records: list, renderer, tokenizer, max_length: int, tokenize=tokenize_pair):
-    """Tokenized examples ((list of dicts, DataStats)); one whose prompt alone fills max_length is dropped (no
+    """Tokenized examples ((list of dicts, DataStats)), each record by its source's renderer (`renderer`: a
+    data.mixture.Renderers); one whose prompt alone fills max_length is dropped (no
     answer token would be left), longer answers are cut at max_length by the collator. Counted like SFT data."""
     from tunekit.data.records import DataStats
 
     pairs, stats = [], DataStats()
     for record in records:
-        pair = tokenize(record, renderer, tokenizer)
+        pair = tokenize(record, renderer.of(record), tokenizer)
         answers = [key for key in pair if key.endswith("_ids") and key != "prompt_ids"]
         if len(pair["prompt_ids"]) >= max_length:
             stats.dropped_no_target += 1
@@ -105,16 +106,15 @@ def build(recipe, tokenizer, tokenize=tokenize_pair, shuffle: bool = False, what
     here with the recipe's seed (for a trainer that samples in order)."""
     import datasets
 
-    from tunekit.data import records as data_mod
-    from tunekit.data import contamination, split
+    from tunekit.data import mixture, split
 
     cfg = recipe.data
-    renderer = data_mod.Renderer(cfg, tokenizer)
-    records, held, facts = split.train_and_held(cfg, recipe.training.seed)
+    renderer = mixture.Renderers(cfg, tokenizer)
+    records, held, facts, report = split.training(cfg, recipe.training.seed)
     log.info(split.line(facts))
-    drop, report = contamination.screen(records, held, cfg, [r.where for r in records])
+    if facts.get("mix"):
+        log.info(mixture.line(facts["mix"]))
     log.info(report["line"])
-    records = [r for i, r in enumerate(records) if i not in drop]
     train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length, tokenize)
     if shuffle:
         random.Random(recipe.training.seed).shuffle(train)
@@ -217,10 +217,10 @@ def measures(model, tokenizer, recipe, records: list, limit: int | None, batch_s
     adapter, the implicit rewards beta * (log p_adapter - log p_base) as TRL computes them, the base (adapter
     off) being the reference: reward_accuracy (chosen rewarded above rejected) and reward_margin (mean
     difference)."""
-    from tunekit.data.records import Renderer
+    from tunekit.data.mixture import Renderers
 
-    renderer = Renderer(recipe.data, tokenizer)
-    pairs = [tokenize_pair(r, renderer, tokenizer) for r in records[:limit or None]]
+    renderer = Renderers(recipe.data, tokenizer)
+    pairs = [tokenize_pair(r, renderer.of(r), tokenizer) for r in records[:limit or None]]
     pairs = [p for p in pairs if len(p["prompt_ids"]) < recipe.data.max_length]
     args = (recipe.data.max_length, batch_size, tokenizer.pad_token_id)
     model.eval()
