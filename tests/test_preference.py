@@ -67,8 +67,9 @@ def test_pairs_are_tokenized_exactly_as_sft_renders_them(tmp_path, tiny_model):
             as_sft = data_mod.Record({**record.values, "chosen": record.values[answer]}, record.where)
             ex, _ = data_mod.tokenize(renderer.render(as_sft), tok, 10**6, mask_prompt=True)
             trained = [i for i, label in zip(ex.input_ids, ex.labels) if label != data_mod.IGNORE]
-            assert ex.input_ids == pair["prompt_ids"] + pair[f"{answer}_ids"]
-            assert pair[f"{answer}_ids"] == trained
+            n = len(pair["prompt_ids"]) + len(pair[f"{answer}_ids"])
+            assert ex.input_ids[:n] == pair["prompt_ids"] + pair[f"{answer}_ids"]
+            assert pair[f"{answer}_ids"] == trained and tok.decode(ex.input_ids[n:]).strip() == ""
         assert tok.decode(pair["chosen_ids"]).startswith(record.values["chosen"])
 
 

@@ -28,11 +28,14 @@ DEFAULT_BETA = 0.1  # TRL's default beta: the implicit reward's scale when the r
 
 
 def _split(example) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids): the answer starts at the first trained token."""
+    """(prompt ids, answer ids): the answer runs from the first trained token to the last (what a chat template
+    writes after the end-of-turn marker is not trained, so not part of the answer)."""
     from tunekit.data.records import IGNORE
 
-    start = next((i for i, label in enumerate(example.labels) if label != IGNORE), len(example.labels))
-    return example.input_ids[:start], example.input_ids[start:]
+    trained = [i for i, label in enumerate(example.labels) if label != IGNORE]
+    if not trained:
+        return example.input_ids, []
+    return example.input_ids[:trained[0]], example.input_ids[trained[0]:trained[-1] + 1]
 
 
 def tokenize_pair(record, renderer, tokenizer) -> dict:
