@@ -127,7 +127,7 @@ def test_command_shows_training_records_only_and_loads_no_model(tiny_model, tiny
 @pytest.mark.parametrize("problem,expected", [
     ({"data": {"train": "/nonexistent/train.jsonl"}}, "data.train: file '/nonexistent/train.jsonl' not found"),
     ({"data": {"max_lenght": 64}}, "unknown key data.max_lenght"),
-    ({"training": {"method": "dpo"}, "data": {"format": "preference"}}, "training.method: dpo trains on preference"),
+    ({"training": {"method": "dpo"}, "data": {"format": "preference"}}, "training.method: dpo trains on (prompt, chosen, rejected) pairs; tunekit data shows"),
 ])
 def test_a_bad_recipe_is_one_line_and_exit_2(tiny_model, tmp_path, problem, expected):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(4))

@@ -132,6 +132,24 @@ def test_bad_mixtures_are_one_line(tmp_path, tiny_model, files, train, message):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+def test_a_source_in_a_format_the_method_does_not_train_on_is_refused(tmp_path, tiny_model, files):
+    raw = tiny_recipe(tiny_model, files["a"], tmp_path / "run", data={"format": "preference", "train": [
+        {"path": str(files["a"])}, {"path": str(files["chat"]), **CHAT}]}, training={"method": "dpo"})
+    res = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert res.returncode == 2 and "training.method: dpo trains on" in res.stderr and "(got chat)" in res.stderr
+
+
+def test_tunekit_data_shows_the_mixture_training_draws(tmp_path, tiny_model, files):
+    train = [{"path": str(files["a"]), "count": 12}, {"path": str(files["chat"]), **CHAT, "count": 5}]
+    raw = tiny_recipe(tiny_model, files["a"], tmp_path / "run", data={"train": train})
+    res = run_cli("data", str(write_recipe(tmp_path / "r.yaml", raw)), "--json", "--show", "20")
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [json.loads(line) for line in res.stdout.splitlines()]
+    assert lines[0]["summary"]["examples"] == 17
+    shown = [line["where"] for line in lines[1:]]
+    assert sum("chat.jsonl" in w for w in shown) == 5 and sum("a.jsonl" in w for w in shown) == 12
+
+
 def test_a_bad_record_in_a_source_names_the_source_and_line(tmp_path, tiny_model, files):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(alpaca_rows(1)[0]) + "\n{not json\n")
@@ -163,6 +181,11 @@ def test_training_on_a_packed_mixture_records_the_mix(tmp_path, tiny_model, file
     assert [(m["source"], m["used"]) for m in record["data"]["mix"]] == [("data.train[0]", 10), ("data.train[1]", 30)]
     assert record["data"]["split"]["held_out"] == 8 + 2 and "mix" not in record["data"]["split"]
     assert "data mix: 40 training examples per epoch" in res.stderr + res.stdout
+    from tunekit.export import source  # what export records of the run's data: the sources, as JSON
+
+    facts = source._finetune(tmp_path / "run", recipe_mod.load(tmp_path / "run" / "recipe.yaml"))
+    assert json.loads(json.dumps(facts))["data"] == [{**s, "split": None, "format": None, "fields": None,
+                                                      "weight": s.get("weight"), "count": s.get("count")} for s in train]
 
 
 @pytest.mark.slow

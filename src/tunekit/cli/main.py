@@ -253,9 +253,12 @@ def cmd_data(a) -> int:
     from tunekit.data import precheck
 
     recipe = precheck.check(recipe_mod.load(a.recipe, a.overrides), data_needed=True, model="needed")  # before torch
-    if recipe.training.method != "sft":
-        raise TunekitError(f"training.method: {recipe.training.method} trains on preference pairs; tunekit data "
-                           "shows the examples of training.method sft")
+    from tunekit.training import methods
+
+    method = methods.of(recipe)
+    if method.data_formats is not None:  # a method with its own data (pairs, labelled completions)
+        raise TunekitError(f"training.method: {method.name} trains on {method.data_description}; tunekit data "
+                           f"shows the examples of methods that train on every data format ({methods.DEFAULT})")
     from tunekit.data import preview
     from tunekit.models import info, tokenizer
     from tunekit.reporting import dataview

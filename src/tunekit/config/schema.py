@@ -173,6 +173,11 @@ class DataConfig(Section):
         self._weights_fit()
         return self
 
+    def formats(self) -> list[str]:
+        """Every data format the recipe reads: data.format and each source's own."""
+        named = [s.format for _, s in self.sources() + self.sources("eval") if s.format]
+        return list(dict.fromkeys([self.format] + named))
+
     def _weights_fit(self) -> None:
         """Beside sources of a fixed size (a count, or all records), weights are shares of the whole epoch."""
         given = self.sources("train")

@@ -92,14 +92,14 @@ class Renderers:
     """A Renderer per source; a record is rendered by its own source's (a record read elsewhere, --data say,
     by data.format's)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer):
-        self.base = Renderer(cfg, tokenizer)
+    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False):
+        self.base = Renderer(cfg, tokenizer, roles=roles)
         made: dict[str, Renderer] = {cfg.model_dump_json(): self.base}
         self.each = []
         for source in sources(cfg):
             key = source.cfg.model_dump_json()
             if key not in made:
-                made[key] = Renderer(source.cfg, tokenizer)
+                made[key] = Renderer(source.cfg, tokenizer, roles=roles)
             self.each.append(made[key])
         self.tok = tokenizer
         self.cfg = cfg

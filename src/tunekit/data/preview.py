@@ -23,9 +23,9 @@ from typing import Iterable, Iterator
 
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
-from tunekit.data import contamination, split
+from tunekit.data import mixture, split
 from tunekit.data.formats import Record
-from tunekit.data.records import IGNORE, DataStats, Renderer, Rendered, tokenize_batch
+from tunekit.data.records import IGNORE, DataStats, Rendered, tokenize_batch
 
 EXAMPLES_FILE = "data-examples.jsonl"  # a run's first training examples as segments, for the report
 RUN_EXAMPLES = 3  # examples a run writes there
@@ -80,12 +80,12 @@ def length_buckets(max_length: int) -> list[tuple[int, int]]:
     return [(1 if i == 0 else edges[i - 1] + 1, edge) for i, edge in enumerate(edges)]
 
 
-def renderer_for(cfg: DataConfig, tokenizer) -> Renderer:
-    """A Renderer that fills Rendered.roles (chat-rendered examples)."""
-    return Renderer(cfg, tokenizer, roles=True)
+def renderer_for(cfg: DataConfig, tokenizer) -> mixture.Renderers:
+    """The renderers training uses (one per source), filling Rendered.roles (chat-rendered examples)."""
+    return mixture.Renderers(cfg, tokenizer, roles=True)
 
 
-def rendered(renderer: Renderer, records: Iterable[Record]) -> Iterator[Rendered]:
+def rendered(renderer: mixture.Renderers, records: Iterable[Record]) -> Iterator[Rendered]:
     """The examples training renders from the records, in order."""
     for record in records:
         yield from renderer.examples(record)
@@ -175,7 +175,7 @@ def _add(p: Preview, renders: list[Rendered], tokenizer, show: int, histogram: l
             p.shown.append(Shown(index, r.where, n, count, truncated, count == 0, segments))
 
 
-def preview(records: Iterable[Record], renderer: Renderer, cfg: DataConfig, show: int) -> Preview:
+def preview(records: Iterable[Record], renderer: mixture.Renderers, cfg: DataConfig, show: int) -> Preview:
     """Counts over every example of `records` (the training records, as data.split gives them) and the
     first `show` examples as segments."""
     p = Preview(cfg.max_length, cfg.mask_prompt)
@@ -233,8 +233,7 @@ def training_records(cfg: DataConfig, seed: int) -> tuple[list[Record], dict, di
     """(the records training prepares examples from, the split's facts, the contamination report): the
     training side of data.split, less what data.dedup / data.decontaminate drop. Held-out records are read
     only to screen against; none is returned."""
-    train, held, facts = split.train_and_held(cfg, seed)
+    train, _, facts, found = split.training(cfg, seed)
     if not train:
         raise TunekitError(f"data.train: {cfg.train} holds no examples")
-    drop, found = contamination.screen(train, held, cfg, [r.where for r in train])
-    return [r for i, r in enumerate(train) if i not in drop], facts, found
+    return train, facts, found

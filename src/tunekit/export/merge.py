@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
+from tunekit.data import mixture
 from tunekit.data import records as data_mod
 from tunekit.data import split
 from tunekit.models import loading as models
@@ -47,7 +48,7 @@ class Parity:
 def parity_batch(recipe, tokenizer, n: int = 4):
     """A few real examples from the run's own data, tokenized as in training."""
     records = split.held_out(recipe.data, recipe.training.seed) or list(itertools.islice(split.train_source(recipe.data), n))
-    renderer = data_mod.Renderer(recipe.data, tokenizer)
+    renderer = mixture.Renderers(recipe.data, tokenizer)  # each record by its source's format and fields
     examples, _ = data_mod.build_examples([renderer.render(r) for r in records[:n]], tokenizer, recipe.data)
     if not examples:
         raise TunekitError("merge: no usable example in the run's data for the parity check")

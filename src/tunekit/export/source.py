@@ -42,7 +42,7 @@ class Source:
 def _finetune(run: Path, recipe) -> dict:
     record = rundir.RunRecord.load(run)
     return {"run": run.resolve().name, "training_method": record.training_method, "adapter": record.adapter,
-            "steps": record.global_step, "data": recipe.data.train}
+            "steps": record.global_step, "data": recipe.model_dump(mode="json")["data"]["train"]}
 
 
 def _require_exists(target: str) -> None:

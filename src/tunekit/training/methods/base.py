@@ -63,9 +63,10 @@ class Method:
 
     def check(self, recipe) -> None:
         """Rules of this method on a validated recipe; raise ValueError with a one-line message."""
-        if self.data_formats is not None and recipe.data.format not in self.data_formats:
-            raise ValueError(f"training.method: {self.name} trains on {self.data_description}; set data.format: "
-                             f"{' or '.join(self.data_formats)} (got {recipe.data.format})")
+        wrong = [f for f in recipe.data.formats() if self.data_formats is not None and f not in self.data_formats]
+        if wrong:
+            raise ValueError(f"training.method: {self.name} trains on {self.data_description}; set data.format "
+                             f"(and each source's format): {' or '.join(self.data_formats)} (got {wrong[0]})")
         if self.has_reference and recipe.lora is not None and recipe.lora.init != "default":
             raise ValueError(f"training.method: {self.name} takes the base model as its reference, which lora.init="
                              f"{recipe.lora.init} rewrites; use lora.init: default")
@@ -137,9 +138,10 @@ def check_others(recipe) -> None:
         if other.section is not None and getattr(recipe, other.section) is not None:
             raise ValueError(f"{other.section}: these settings belong to training.method {other.name}; set "
                              f"training.method: {other.name} or remove the {other.section} section")
-        if other.owns_formats and recipe.data.format in other.data_formats:
-            raise ValueError(f"data.format: {recipe.data.format} is training data for training.method {other.name}; "
-                             f"set training.method: {other.name} or use another format")
+        for fmt in recipe.data.formats():
+            if other.owns_formats and fmt in other.data_formats:
+                raise ValueError(f"data.format: {fmt} is training data for training.method {other.name}; "
+                                 f"set training.method: {other.name} or use another format")
 
 
 def check(recipe) -> None:
