@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from tunekit.data import records as data_mod
-from tunekit.data import contamination, mixture, split
+from tunekit.data import chat, contamination, mixture, split
 from tunekit.data.records import DataBundle, DataStats
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
@@ -241,8 +241,7 @@ def _load(directory: Path, cfg: DataConfig, renderer: mixture.Renderers) -> Data
         log.info(mixture.line(summary["split"]["mix"]))
     log.info(summary["contamination"]["line"])
     log.info(train_stats.line("train", cfg.max_length))
-    for note in train_stats.notes:
-        log.info("data: %s", note)
+    chat.say(train_stats.notes)
     if eval_stats:
         log.info(eval_stats.line("eval", cfg.max_length))
     return DataBundle(train, evaluation, train_stats, eval_stats, eval_rendered, renderer.template, summary["split"],

@@ -19,6 +19,7 @@ default rendering (DEFAULTS), noted once in the run output, never a silent drop.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 
 from tunekit.core.errors import TunekitError, first_line
@@ -40,6 +41,7 @@ DEFAULTS = {
     "split": "the chat template rewrites earlier turns of a conversation, so such conversations train as "
              "several examples, one for each point where it does (every trained turn as generated)",
 }
+_SAID: set[str] = set()  # notes already in this process's output
 _PROBE_CHAR = "\u00a4"  # a content no template strips, for finding where a message's own text starts
 
 
@@ -100,6 +102,13 @@ def probe(apply) -> Support:
                         "probe_think_zq"),
         system=shows([{"role": "system", "content": "probe_sys_zq"}, user], "probe_sys_zq"),
     )
+
+
+def say(notes) -> None:
+    """Each note on a default rendering once in the run output (preparation and evaluation both meet them)."""
+    for note in sorted(set(notes) - _SAID):
+        logging.getLogger("tunekit").info("data: %s", note)
+        _SAID.add(note)
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tunekit.data import records as data_mod
-from tunekit.data import mixture, split
+from tunekit.data import chat, mixture, split
 from tunekit.core import console, distributed
 from tunekit.training import methods
 from tunekit.evaluation import metrics
@@ -128,6 +128,7 @@ def rendered_examples(recipe: Recipe, tokenizer, records: list[data_mod.Record],
     renderer = mixture.Renderers(recipe.data, tokenizer)  # each record by its source's format and fields
     # unpaired preference data: only the completions labelled desirable are references
     rendered = [x for x in map(renderer.render, records) if x.desirable is not False]
+    chat.say(renderer.notes)
     if cfg.limit:
         rendered = rendered[: cfg.limit]
     if any(r.prompt is None for r in rendered):
