@@ -123,14 +123,15 @@ def test_recipe_run_logs_tool_call_scores_while_training_and_in_its_eval(tiny_mo
 # The README's tool-use figures: SmolLM2-135M-Instruct zero-shot and after recipes/smollm2_tools.yaml as shipped,
 # on the 40 held-out examples (28 that call a tool, 12 that should not)
 README = {"before": {"tool_call_valid_json": 10.71, "tool_call_name": 10.71, "tool_call_args": 0.0},
-          "after": {"tool_call_valid_json": 85.71, "tool_call_name": 60.71, "tool_call_args": 42.86}}
+          "after": {"tool_call_valid_json": 92.86, "tool_call_name": 85.71, "tool_call_args": 64.29}}
 
 
 @pytest.mark.slow
 @pytest.mark.full
 @NEEDS_SMOLLM2
 def test_real_model_learns_the_tool_calls(tmp_path):
-    """recipes/smollm2_tools.yaml as shipped, against `tunekit eval` of the base on the same 40 held-out examples:
+    """recipes/smollm2_tools.yaml as shipped (40 steps: 20 min on a 2-core CPU shared with other work, evals
+    included), against `tunekit eval` of the base on the same 40 held-out examples:
     the base rarely writes a call and never with the right arguments; the run calls the right function with the
     right arguments on most, and its scores are the README's (within a few examples: CPU threads and bf16
     support change low bits)."""
@@ -146,9 +147,9 @@ def test_real_model_learns_the_tool_calls(tmp_path):
         assert abs(base[key] - value) <= 8, (key, base, README)
     for key, value in README["after"].items():
         assert abs(tuned[key] - value) <= 12, (key, tuned, README)
-    assert tuned["tool_call_args"] >= base["tool_call_args"] + 30, (base, tuned)
+    assert tuned["tool_call_args"] >= base["tool_call_args"] + 45, (base, tuned)
     assert tuned["tool_call_valid_json"] >= base["tool_call_valid_json"] + 50, (base, tuned)
     assert tuned["tool_call_spurious"] <= base["tool_call_spurious"] + 10, (base, tuned)
     logged = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
     evals = [r for r in logged if "eval_tool_call_args" in r]
-    assert [r["step"] for r in evals] == [12, 24] and evals[-1]["eval_tool_call_args"] == tuned["tool_call_args"]
+    assert [r["step"] for r in evals] == [20, 40] and evals[-1]["eval_tool_call_args"] == tuned["tool_call_args"]
