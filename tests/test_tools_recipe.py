@@ -153,3 +153,18 @@ def test_real_model_learns_the_tool_calls(tmp_path):
     logged = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
     evals = [r for r in logged if "eval_tool_call_args" in r]
     assert [r["step"] for r in evals] == [20, 40] and evals[-1]["eval_tool_call_args"] == tuned["tool_call_args"]
+
+
+def test_readme_and_docs_quote_the_figures_the_full_test_checks():
+    """The README's and docs/data.md's tool-use rows are README above, which the full test holds the model to."""
+    rows = {"right function %": "tool_call_name", "right function and arguments %": "tool_call_args",
+            "tool call parsed %": "tool_call_valid_json"}
+    for page, wanted in (("README.md", 2), ("docs/data.md", 3)):
+        found = 0
+        for line in (ROOT / page).read_text().splitlines():
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if cells[0] in rows:
+                key = rows[cells[0]]
+                assert [float(cells[1]), float(cells[2])] == [README["before"][key], README["after"][key]], (page, line)
+                found += 1
+        assert found == wanted, page
