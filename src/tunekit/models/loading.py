@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from tunekit.config import deepspeed as dsconfig
 from tunekit.models import hub
+from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
@@ -77,15 +78,7 @@ def load_tokenizer(cfg: ModelConfig, directory: Path | None = None):
     spec = str(directory) if directory is not None else cfg.tokenizer or cfg.name_or_path
     key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
     location = spec if directory is not None else materialize(spec, cfg.revision, key)
-    try:
-        tok = AutoTokenizer.from_pretrained(location, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise hub.load_error(key, spec, e) from None
-    if not getattr(tok, "is_fast", False):
-        raise TunekitError(f"model.tokenizer: {spec!r} has no fast tokenizer; label masking needs character offsets")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token or tok.unk_token
-    return tok
+    return tokenizer_from_pretrained(location, key, spec, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
 
 
 def quantization_config(recipe: Recipe, precision: Precision,

@@ -14,8 +14,6 @@ from tunekit.models.sources import resolve_model
 
 def load(cfg: ModelConfig):
     """The recipe's fast tokenizer, its pad token set as training sets it."""
-    from transformers import AutoTokenizer
-
     spec = cfg.tokenizer or cfg.name_or_path
     key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
     source = resolve_model(spec, key)
@@ -25,6 +23,14 @@ def load(cfg: ModelConfig):
         location, kwargs["gguf_file"] = str(Path(source.location).parent), Path(source.location).name
     elif source.kind == "hub":
         hub.require(spec, cfg.revision, key)
+    return from_pretrained(location, key, spec, **kwargs)
+
+
+def from_pretrained(location: str, key: str, spec: str, **kwargs):
+    """AutoTokenizer.from_pretrained, as every tokenizer tunekit uses is loaded: a fast one (label masking
+    reads character offsets), with a pad token (the end-of-sequence token where it has none)."""
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as e:
