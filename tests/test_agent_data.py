@@ -156,3 +156,43 @@ def test_contamination_reads_tool_calls_as_the_answer():
     assert found.eval_exact == [] and found.overlapping == []
     found = contamination.of_records(train, [ending_at_call("Oslo", "Is Oslo warm now?")], cfg)
     assert found.eval_exact == [0] and found.overlapping == [1]
+
+
+def template_tokenizer(tiny_tokenizer, name: str):
+    import trl
+
+    tok = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+    return tok
+
+
+def test_system_text_on_a_template_without_a_system_role(tiny_tokenizer):
+    """Gemma 2's template refuses a system message: its text goes to the start of the first user turn, noted;
+    with no user turn to hold it, one line names the record."""
+    tok = template_tokenizer(tiny_tokenizer, "gemma")
+    r = renderer(tok, system_prompt="Be brief.")
+    [rendered] = r.examples(Record({"messages": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": "yo"}]}, "t line 1"))
+    assert "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>" in rendered.text and DEFAULTS["system"] in r.notes
+    assert trained_pieces(tok, rendered) == ["yo<end_of_turn>"]
+    from tunekit.core.errors import TunekitError
+
+    with pytest.raises(TunekitError, match="t line 2: a conversation without a user message"):
+        r.examples(Record({"messages": [{"role": "assistant", "content": "yo"}]}, "t line 2"))
+
+
+def test_empty_arguments_null_results_and_empty_call_lists(tiny_tokenizer):
+    record = conversation()
+    record["messages"][2]["tool_calls"] = [dict(CALL, function={"name": "get_weather", "arguments": ""})]
+    record["messages"][3]["content"] = None
+    record["messages"][4]["tool_calls"] = "[]"
+    [rendered] = renderer(tiny_tokenizer).examples(Record(record, "t line 1"))
+    assert '{"name": "get_weather", "arguments": {}}' in rendered.text and "<|im_start|>tool\nnull<|im_end|>" in rendered.text
+    assert trained_pieces(tiny_tokenizer, rendered)[1] == "It is 21 C.<|im_end|>"
+
+
+def test_a_tool_call_reference_leaves_out_default_rendered_reasoning(tiny_tokenizer):
+    record = conversation(reasoning="Paris, so the weather tool.")
+    record["messages"] = record["messages"][:3]
+    rendered = renderer(tiny_tokenizer).render(Record(record, "t line 1"))
+    assert rendered.reference == CALL_TEXT.removesuffix("<|im_end|>")

@@ -197,3 +197,14 @@ def test_two_processes_draw_the_same_mixture(tmp_path, tiny_model, files):
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert [m["used"] for m in record["data"]["mix"]] == [12, 12] and record["world_size"] == 2
     assert "data mix: 24 training examples per epoch" in res.stdout + res.stderr
+
+
+def test_a_source_keeps_only_its_own_field_names_through_a_saved_recipe(files):
+    """A source's `fields` replace only the keys it gives, also when the recipe is written out and read back
+    (run.json / recipe.yaml): data.fields' other keys still apply to it."""
+    cfg = DataConfig(format="chat", fields={"tools": "functions"},
+                     train=[{"path": str(files["a"]), "format": "alpaca"}, {"path": str(files["chat"]), **CHAT}])
+    again = DataConfig(**json.loads(json.dumps(cfg.model_dump(mode="json"))))
+    for c in (cfg, again):
+        chat_source = mixture.train_sources(c)[1].cfg.fields
+        assert (chat_source.messages, chat_source.tools) == ("conv", "functions")

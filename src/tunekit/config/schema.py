@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, create_model, model_validator
+from pydantic import Discriminator, Field, Tag, create_model, field_serializer, model_validator
 
 from tunekit.config.section import Section
 from tunekit.data.formats import FORMATS
+from tunekit.evaluation import metrics
 from tunekit.evaluation.metrics import METRICS
 from tunekit.training import methods
 
@@ -100,6 +101,11 @@ class DataSource(Section):
     count: int | None = Field(None, gt=0, description="data.train: a fixed number of examples from this source per "
                               "epoch (repeated when the source holds fewer). With neither weight nor count: all of "
                               "its records.")
+
+    @field_serializer("fields")
+    def _only_given(self, fields: FieldMap | None):
+        """The keys this source gives, not every default: they replace data.fields' keys when read back."""
+        return None if fields is None else fields.model_dump(exclude_unset=True)
 
     @model_validator(mode="after")
     def _one_size(self) -> "DataSource":
@@ -266,7 +272,7 @@ class EvalConfig(Section):
     batch_size: int = Field(8, gt=0, description="Prompts per generate() call.")
     max_new_tokens: int = Field(64, gt=0, description="Generation length cap.")
     metrics: list[Literal[tuple(METRICS)]] = Field(  # type: ignore[valid-type]  # names from the registry
-        default_factory=lambda: [n for n, m in METRICS.items() if m.default], description="Built-in metrics: "
+        default_factory=metrics.defaults, description="Built-in metrics: "
         + ", ".join(METRICS) + "; left out, every one but "
         + ", ".join(n for n, m in METRICS.items() if not m.default) + "."
     )

@@ -26,10 +26,11 @@ def extras(m: dict, f, role: str, where: str, earlier: list[dict]) -> dict:
         if role == "assistant":
             out["train"] = train
     calls = m.get(f.tool_calls)
-    if calls not in (None, []):
+    calls = [] if calls is None else [_call(c, f"{where} tool call {k}") for k, c in _listed(calls, f"{where} {f.tool_calls!r}")]
+    if calls:  # the key only where there are calls: Llama 3.1's template branches on its presence
         if role != "assistant":
             raise TunekitError(f"{where}: a {role} message carries {f.tool_calls!r}; only assistant messages call tools")
-        out["tool_calls"] = [_call(c, f"{where} tool call {k}") for k, c in _listed(calls, f"{where} {f.tool_calls!r}")]
+        out["tool_calls"] = calls
     reasoning = _reasoning(m, f, where)
     if reasoning:
         if role != "assistant":
@@ -62,7 +63,9 @@ def _call(c, where: str) -> dict:
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name:
         raise TunekitError(f"{where} has no function name (expected {{\"function\": {{\"name\": ..., \"arguments\": ...}}}})")
-    args = fn.get("arguments", fn.get("parameters", {}))
+    args = fn.get("arguments", fn.get("parameters"))
+    if args is None or (isinstance(args, str) and not args.strip()):  # a function called without arguments
+        args = {}
     if isinstance(args, str):
         args = _json(args, f"{where}: the arguments of {name!r}")
     if not isinstance(args, dict):
@@ -111,6 +114,13 @@ def _result_link(m: dict, where: str, earlier: list[dict]) -> dict:
     elif len(set(names)) == 1:
         out["name"] = names[0]
     return out
+
+
+def call_json(call: dict, sort_keys: bool = False) -> str:
+    """A normalised tool call as {"name": ..., "arguments": {...}} JSON: the default rendering writes it so, and
+    the contamination check compares calls by it (sort_keys: the same arguments in any order)."""
+    fn = call["function"]
+    return json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False, sort_keys=sort_keys)
 
 
 def tools(value, where: str) -> list[dict]:

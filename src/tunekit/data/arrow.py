@@ -39,8 +39,7 @@ DONE = "prepared.json"
 TRAIN_SET, EVAL_SET, EVAL_RECORDS = "train-set", "eval-set", "eval-records.jsonl"
 BATCH = 1000  # rows per map batch and per Arrow record batch
 PARALLEL_FROM = 20_000  # rows; below this, worker start-up costs more than it saves
-_CODE = [Path(__file__), Path(data_mod.__file__), Path(data_mod.__file__).with_name("formats.py"), Path(split.__file__),
-         Path(contamination.__file__), Path(mixture.__file__)]
+_CODE = sorted(Path(__file__).parent.glob("*.py"))  # the data package: parsing, rendering, spans, split, mix
 
 
 def _file_digest(path: Path) -> str:

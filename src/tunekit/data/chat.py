@@ -23,13 +23,14 @@ import logging
 from dataclasses import dataclass, field
 
 from tunekit.core.errors import TunekitError, first_line
+from tunekit.data import agent
 
 TOOLS_TEXT = ("You can call these functions, described as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
               "To call one, answer with <tool_call>\n{{\"name\": <function name>, \"arguments\": "
               "<arguments as a JSON object>}}\n</tool_call>")
 DEFAULTS = {
-    "tools": "the chat template does not render a tools list: it is written into the system message "
-             "(the first user message where the template has no system role) inside <tools> tags",
+    "tools": "the chat template does not render a tools list: it is written into the system message inside "
+             "<tools> tags",
     "tool_calls": "the chat template does not render tool calls: they are written into the assistant text as "
                   "<tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call>",
     "tool_role": "the chat template has no tool role: tool results are written as user turns inside "
@@ -38,6 +39,8 @@ DEFAULTS = {
                  "<think>\\n...\\n</think>",
     "dropped": "the chat template leaves out the text (and so the reasoning) of some assistant messages, as "
                "Llama 3.1's does for messages that call a tool: only what it writes trains",
+    "system": "the chat template has no system role: system text is written at the start of the first user "
+              "message",
     "split": "the chat template rewrites earlier turns of a conversation, so such conversations train as "
              "several examples, one for each point where it does (every trained turn as generated)",
 }
@@ -120,9 +123,8 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def call_text(calls: list[dict]) -> str:
-    """The default rendering of tool calls (also how a tool call is written for scoring)."""
-    return "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                                  ensure_ascii=False) + "\n</tool_call>" for c in calls)
+    """The default rendering of tool calls."""
+    return "\n".join(f"<tool_call>\n{agent.call_json(c)}\n</tool_call>" for c in calls)
 
 
 class Chat:
@@ -147,7 +149,7 @@ class Chat:
 
     # ------------------------------------------------------------ default renderings
 
-    def adapt(self, messages: list[dict], tools: list | None) -> tuple[list[dict], list | None, list[dict]]:
+    def adapt(self, messages: list[dict], tools: list | None, where: str) -> tuple[list[dict], list | None, list[dict]]:
         """Messages as the template will get them (default renderings applied, `train` keys removed), the
         tools to pass it, and per message what tunekit needs to know: trained, think block text."""
         out, meta = [], []
@@ -160,10 +162,13 @@ class Chat:
             meta.append(info)
         if tools and not self.support.tools:
             self.notes.add(DEFAULTS["tools"])
-            out = self._tools_in_text(out, tools)
+            out = self._tools_in_text(out, tools, where)
             if len(out) > len(meta):  # a system message was added for them
                 meta.insert(0, {"train": False, "role": "system", "calls": False})
             tools = None
+        if out[0]["role"] == "system" and not self.support.system:
+            self.notes.add(DEFAULTS["system"])
+            out, meta = self._first_user(out[1:], out[0]["content"], where), meta[1:]
         return out, tools, meta
 
     def _adapt_message(self, m: dict) -> tuple[dict, dict]:
@@ -187,15 +192,23 @@ class Chat:
             info["tool_turn"] = True
         return m, info
 
-    def _tools_in_text(self, messages: list[dict], tools: list) -> list[dict]:
+    def _tools_in_text(self, messages: list[dict], tools: list, where: str) -> list[dict]:
         block = TOOLS_TEXT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if messages[0]["role"] == "system":
             return [dict(messages[0], content=f"{messages[0]['content']}\n\n{block}")] + messages[1:]
         if self.support.system:
             return [{"role": "system", "content": block}] + messages
-        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        return self._first_user(messages, block, where)
+
+    @staticmethod
+    def _first_user(messages: list[dict], text: str, where: str) -> list[dict]:
+        """`text` put before the first user message (a template without a system role)."""
+        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first is None:
+            raise TunekitError(f"{where}: a conversation without a user message, on a chat template without a system role: "
+                               "there is no turn to hold the system text or tools; add a user message")
         messages = list(messages)
-        messages[first] = dict(messages[first], content=f"{block}\n\n{messages[first]['content']}")
+        messages[first] = dict(messages[first], content=f"{text}\n\n{messages[first]['content']}")
         return messages
 
     # ------------------------------------------------------------ spans
@@ -283,7 +296,8 @@ class Chat:
             return content[len(info["think"]):].lstrip() if info.get("think") else content
         start, tail = self.prelude(messages, tools, turn, where)
         own = turn.own
-        return own[start: len(own) - len(tail)].strip()
+        written = own[start: len(own) - len(tail)].strip()
+        return written[len(info["think"]):].lstrip() if info.get("think") and written.startswith(info["think"]) else written
 
     def roles(self, messages: list[dict], tools, text: str, where: str) -> list[tuple[int, int, str]]:
         """Character ranges of `text` by the message that wrote them ("template" for text no prefix

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
+from tunekit.data import agent
 from tunekit.data.formats import FORMATS, Parsed, Record
 
 DEFAULT_N = 13
@@ -212,8 +213,7 @@ def _said(message: dict) -> str:
     text = message.get("content") or ""
     if not calls:
         return text
-    written = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                   sort_keys=True) for c in calls)
+    written = "\n".join(agent.call_json(c, sort_keys=True) for c in calls)
     return f"{text}\n{written}" if text else written
 
 

@@ -142,7 +142,7 @@ def _content(m: dict, f, role: str, where: str) -> str:
         return "".join(p["text"] for p in value)
     if value is None and role == "assistant" and m.get(f.tool_calls):
         return ""
-    if role == "tool" and value is not None:
+    if role == "tool":  # any JSON value, null included
         return json.dumps(value, ensure_ascii=False)
     raise TunekitError(f"{where} must have a text field {f.content!r}")
 

@@ -235,5 +235,6 @@ def training_records(cfg: DataConfig, seed: int) -> tuple[list[Record], dict, di
     only to screen against; none is returned."""
     train, _, facts, found = split.training(cfg, seed)
     if not train:
-        raise TunekitError(f"data.train: {cfg.train} holds no examples")
+        raise TunekitError("data.train: no training record is left: the data holds none, or data.dedup / "
+                           "data.decontaminate dropped every one (set them to false to see the data)")
     return train, facts, found

@@ -194,17 +194,17 @@ class Renderer:
         """One line per default rendering used so far (templates without tool or reasoning support)."""
         return self.chat.notes if self.chat else set()
 
-    def _conversation(self, parsed) -> tuple[list[dict], list | None, list[dict]]:
+    def _conversation(self, parsed, where: str) -> tuple[list[dict], list | None, list[dict]]:
         messages = parsed.messages
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
-        return self.chat.adapt(messages, parsed.tools)
+        return self.chat.adapt(messages, parsed.tools, where)
 
     def examples(self, record: Record) -> list[Rendered]:
         parsed = self.format.parse(record, self.cfg.fields)
         if self.chat is None or parsed.text is not None:
             return [self._finish(self._plain(parsed), parsed, record.where)]
-        messages, tools, meta = self._conversation(parsed)
+        messages, tools, meta = self._conversation(parsed, record.where)
         out = []
         for piece in self.chat.pieces(messages, tools, meta, record.where):
             rendered = Rendered(piece.text, piece.spans, False)
@@ -217,7 +217,7 @@ class Renderer:
         parsed = self.format.parse(record, self.cfg.fields)
         if self.chat is None or parsed.text is not None:
             return self._finish(self._plain(parsed), parsed, record.where)
-        messages, tools, meta = self._conversation(parsed)
+        messages, tools, meta = self._conversation(parsed, record.where)
         last = max(i for i, info in enumerate(meta) if info["role"] == "assistant")
         turn = self.chat.turn(messages, tools, last, record.where)
         spans = self.chat.spans(messages, tools, turn, meta[last], record.where) if meta[last]["train"] else []

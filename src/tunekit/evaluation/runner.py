@@ -151,8 +151,11 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Reco
     started = time.perf_counter()
     scores, predictions = generation_scores(model, tokenizer, rendered, cfg)
     gen_seconds = time.perf_counter() - started
-    if "loss" in cfg.metrics:
-        examples, _ = data_mod.build_examples(rendered, tokenizer, recipe.data)
+    if "loss" in cfg.metrics:  # on the tokens training's eval loss reads: every trained turn of each record scored
+        renderer = mixture.Renderers(recipe.data, tokenizer)
+        scored = {r.where for r in rendered}
+        pieces = [x for record in records if record.where in scored for x in renderer.examples(record)]
+        examples, _ = data_mod.build_examples(pieces, tokenizer, recipe.data)
         if examples:
             loss = token_loss(model, tokenizer, examples, cfg.batch_size)
             scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))

@@ -46,7 +46,8 @@ class Parity:
 
 
 def parity_batch(recipe, tokenizer, n: int = 4):
-    """A few real examples from the run's own data, tokenized as in training."""
+    """A few real examples from the run's own data, each rendered as for generation (through its last assistant
+    message) and tokenized as in training."""
     records = split.held_out(recipe.data, recipe.training.seed) or list(itertools.islice(split.train_source(recipe.data), n))
     renderer = mixture.Renderers(recipe.data, tokenizer)  # each record by its source's format and fields
     examples, _ = data_mod.build_examples([renderer.render(r) for r in records[:n]], tokenizer, recipe.data)
