@@ -191,8 +191,8 @@ def test_empty_arguments_null_results_and_empty_call_lists(tiny_tokenizer):
     assert trained_pieces(tiny_tokenizer, rendered)[1] == "It is 21 C.<|im_end|>"
 
 
-def test_a_tool_call_reference_leaves_out_default_rendered_reasoning(tiny_tokenizer):
+def test_a_tool_call_reference_is_the_turn_as_written_reasoning_included(tiny_tokenizer):
     record = conversation(reasoning="Paris, so the weather tool.")
     record["messages"] = record["messages"][:3]
     rendered = renderer(tiny_tokenizer).render(Record(record, "t line 1"))
-    assert rendered.reference == CALL_TEXT.removesuffix("<|im_end|>")
+    assert rendered.reference == "<think>\nParis, so the weather tool.\n</think>\n\n" + CALL_TEXT.removesuffix("<|im_end|>")

@@ -296,8 +296,7 @@ class Chat:
             return content[len(info["think"]):].lstrip() if info.get("think") else content
         start, tail = self.prelude(messages, tools, turn, where)
         own = turn.own
-        written = own[start: len(own) - len(tail)].strip()
-        return written[len(info["think"]):].lstrip() if info.get("think") and written.startswith(info["think"]) else written
+        return own[start: len(own) - len(tail)].strip()  # reasoning written before the call included
 
     def roles(self, messages: list[dict], tools, text: str, where: str) -> list[tuple[int, int, str]]:
         """Character ranges of `text` by the message that wrote them ("template" for text no prefix
