@@ -136,6 +136,28 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
                           capture_output=True, text=True, timeout=timeout)
 
 
+_WATCHING = """
+import json, sys
+from tunekit.cli.main import main
+modules = json.loads(sys.argv.pop(1))
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps(sorted(m for m in modules if m in sys.modules)))
+sys.exit(code)
+"""
+
+
+def run_watching_imports(modules: tuple[str, ...], *args: str, env: dict | None = None, timeout: int = 300):
+    """A tunekit command in a fresh interpreter: (exit code, stdout, stderr, which of `modules` it imported)."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    res = subprocess.run([sys.executable, "-c", _WATCHING, json.dumps(modules), *args], cwd=ROOT, env=full_env,
+                         capture_output=True, text=True, timeout=timeout)
+    *out, loaded = res.stdout.rstrip("\n").split("\n") or ["[]"]
+    return res.returncode, "\n".join(out), res.stderr, json.loads(loaded)
+
+
 def launch(recipe_file, out, nproc: int = 2, *overrides: str, launcher: str = "torchrun", flags=(),
            timeout: int = 900):
     """`tunekit train` in `nproc` CPU processes (gloo) under torchrun or accelerate launch; must exit 0."""

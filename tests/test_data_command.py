@@ -7,41 +7,24 @@ from __future__ import annotations
 
 import html
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import reverse_rows, run_cli, run_watching_imports, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config.schema import DataConfig
 from tunekit.data import preview, split
 from tunekit.data.records import IGNORE, build_examples, tokenize_batch
 from tunekit.reporting import dataview
 
 NOT_LOADED = ("peft", "deepspeed", "bitsandbytes", "trl", "datasets")
-PROGRAM = f"""
-import json, sys
-from tunekit.cli.main import main
-try:
-    code = main(sys.argv[1:])
-except SystemExit as e:
-    code = e.code
-print(json.dumps(sorted(m for m in {NOT_LOADED!r} if m in sys.modules)))
-sys.exit(code)
-"""
 SETTINGS = [  # (template, mask_prompt, max_length)
     ("chat", True, 64), ("alpaca", True, 64), ("alpaca", False, 64), ("chat", True, 34), ("raw", True, 40)]
 
 
 def tunekit(*args: str):
     """(exit code, stdout less its last line, stderr, the modules of NOT_LOADED imported), in a fresh interpreter."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    res = subprocess.run([sys.executable, "-c", PROGRAM, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    *out, loaded = res.stdout.rstrip("\n").split("\n") or ["[]"]
-    return res.returncode, "\n".join(out), res.stderr, json.loads(loaded)
+    return run_watching_imports(NOT_LOADED, *args)
 
 
 def flags_of(segments: list[dict]) -> list[bool]:

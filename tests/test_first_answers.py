@@ -8,40 +8,23 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import ROOT, write_jsonl
+from conftest import run_watching_imports, write_jsonl
 from tunekit.core.errors import TunekitError
 
 HEAVY = ("torch", "transformers", "peft", "trl", "deepspeed", "datasets", "bitsandbytes")
 
-PROGRAM = f"""
-import json, sys
-from tunekit.cli.main import main
-try:
-    code = main(sys.argv[1:])
-except SystemExit as e:
-    code = e.code
-print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))
-sys.exit(code)
-"""
 
 GOOD = {"instruction": "Reverse the word.", "input": "cat", "output": "tac"}
 
 
 def tunekit(tmp: Path, *args: str):
     """(exit code, stdout without its last line, stderr, heavy modules imported) of one command."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf"), "PYTHONWARNINGS": "ignore"}
-    res = subprocess.run([sys.executable, "-c", PROGRAM, *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
-    *out, heavy = res.stdout.strip().splitlines() or ["[]"]
-    return res.returncode, "\n".join(out), res.stderr, json.loads(heavy)
+    return run_watching_imports(HEAVY, *args, env={"HF_HOME": str(tmp / "hf")}, timeout=120)
 
 
 @pytest.fixture(scope="module")
