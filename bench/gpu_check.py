@@ -3,7 +3,8 @@
 Each check runs tunekit's CLI as a user would, on the real SmolLM2-135M-Instruct (the packaged GGUF)
 with the shipped recipes and data: bf16 and fp16 LoRA, QLoRA with bitsandbytes' CUDA kernels, the
 flagship recipe's settings (QLoRA + ZeRO-2 + paged 8-bit AdamW + checkpointing + accumulation), QLoRA
-DPO (llama_dpo.yaml's settings), KTO, QLoRA ORPO, full fine-tuning with paged 8-bit AdamW, packing with SDPA and with
+DPO (llama_dpo.yaml's settings), KTO, QLoRA ORPO, QLoRA GRPO (llama_grpo.yaml's settings) and GRPO sampling with vLLM
+(when installed), full fine-tuning with paged 8-bit AdamW, packing with SDPA and with
 flash-attention (when installed), ZeRO-3, 2-process DDP and ZeRO-2 (when 2 GPUs are present), merge
 and eval. Prints one table and writes bench/gpu_check.json, then runs the throughput benchmark
 (bench/run.py) on the GPU into bench/results_gpu.json. Without a CUDA GPU it says so and exits 0.
@@ -67,6 +68,17 @@ CHECKS = [
           EVAL, expect_precision="bf16"),
     Check("orpo-qlora", "smollm2_orpo.yaml on a 4-bit nf4 base: ORPO, bf16, no reference", "smollm2_orpo.yaml",
           ["quantization.bits=4", *EVAL], merge=True, expect_precision="bf16"),
+    Check("grpo-qlora", "llama_grpo.yaml settings: QLoRA GRPO, bf16, accumulation 4, checkpointing, paged 8-bit AdamW, "
+          "KL to the adapter-off 4-bit base, seeded sampling (SmolLM2 and the extraction prompts swapped in)",
+          "llama_grpo.yaml",
+          [f"model.name_or_path={SMOLLM2}", "data.train=recipes/data/extract_train.jsonl", "data.format=alpaca",
+           "data.eval=recipes/data/extract_eval.jsonl", "data.max_length=96",
+           "training.max_steps=8", "training.warmup_steps=2", "training.eval_steps=4", "training.save_steps=4",
+           "training.learning_rate=5e-4", "grpo.max_completion_length=32",
+           'grpo.rewards=[{"reward": "chrf"}, {"reward": "length", "target": 24, "weight": 0.2}]', *EVAL,
+           "eval.max_new_tokens=32"], merge=True, expect_precision="bf16"),
+    Check("grpo-vllm", "smollm2_grpo.yaml sampling with vLLM colocated on the GPU (grpo.vllm)", "smollm2_grpo.yaml",
+          ["grpo.vllm=true", "training.max_steps=8", *EVAL], needs="vllm", expect_precision="bf16"),
     Check("full-paged8bit", "full fine-tuning, paged 8-bit AdamW", "smollm2_full.yaml",
           ["training.optimizer=paged_adamw_8bit", "training.max_steps=30", "eval=null"]),
     Check("packing-sdpa", "padding-free packing with SDPA attention", "smollm2_lora.yaml",
@@ -90,6 +102,8 @@ def missing(need: str) -> str | None:
 
     if need == "2gpu" and torch.cuda.device_count() < 2:
         return f"needs 2 GPUs ({torch.cuda.device_count()} present)"
+    if need == "vllm" and importlib.util.find_spec("vllm") is None:
+        return "vLLM not installed (pip install 'tunekit[vllm]')"
     if need == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
         return "flash-attn not installed (pip install flash-attn)"
     return None

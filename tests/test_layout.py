@@ -19,7 +19,7 @@ PACKAGE = Path(tunekit.__file__).parent
 # lowest first: a module may import from its own package and the packages before it
 PACKAGES = ["core", "config", "models", "data", "runs", "evaluation", "plan", "training", "export", "reporting",
             "cli"]
-REGISTRIES = ["data.formats", "evaluation.metrics", "models.sources", "training.methods"]
+REGISTRIES = ["data.formats", "evaluation.metrics", "evaluation.rewards", "models.sources", "training.methods"]
 SECTION = "config.section"  # the recipe section base class, which registered settings derive from
 
 

@@ -25,20 +25,20 @@ PACKAGE = Path(tunekit.__file__).parent
 
 def test_the_allowed_methods_and_sections_are_the_registry():
     allowed = typing.get_args(schema.TrainingConfig.model_fields["method"].annotation)
-    assert allowed == tuple(methods.METHODS) == ("sft", "dpo", "kto", "orpo")
+    assert allowed == tuple(methods.METHODS) == ("sft", "dpo", "kto", "orpo", "grpo")
     sections = {m.section for m in methods.METHODS.values() if m.section}
-    assert sections == {"dpo", "kto", "orpo"} and sections <= set(schema.Recipe.model_fields)
+    assert sections == {"dpo", "kto", "orpo", "grpo"} and sections <= set(schema.Recipe.model_fields)
     for m in methods.METHODS.values():
         assert m.name in schema.TrainingConfig.model_fields["method"].description
 
 
 def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_model):
     raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),
-                      tmp_path / "run", training={"method": "grpo"})
-    with pytest.raises(TunekitError, match="training.method: .*'sft', 'dpo', 'kto' or 'orpo'"):
+                      tmp_path / "run", training={"method": "ppo"})
+    with pytest.raises(TunekitError, match="training.method: .*'sft', 'dpo', 'kto', 'orpo' or 'grpo'"):
         recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw))
-    with pytest.raises(TunekitError, match="unknown method 'grpo'; registered: sft, dpo, kto, orpo"):
-        methods.get("grpo")
+    with pytest.raises(TunekitError, match="unknown method 'ppo'; registered: sft, dpo, kto, orpo, grpo"):
+        methods.get("ppo")
 
 
 FAKE = '''

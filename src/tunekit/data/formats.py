@@ -181,6 +181,14 @@ def unpaired_preference(record: Record, f) -> Parsed:
     return Parsed(messages=prompt + [{"role": "assistant", "content": completion}], desirable=bool(label))
 
 
+@register("prompt")
+def prompt_only(record: Record, f) -> Parsed:
+    """A prompt to answer (text, or chat messages ending before the answer) and an optional reference answer, as
+    GRPO trains on: its rewards score the model's own completions, against the reference where one is given."""
+    prompt = _prompt(record, f, "answer")
+    return Parsed(messages=prompt + [{"role": "assistant", "content": text(record, f.answer, "answer", required=False)}])
+
+
 def _prompt(record: Record, f, answers: str) -> list[dict]:
     """The prompt of a preference record: chat messages ending before the answer, else a prompt text."""
     if f.messages in record.values and record.values[f.messages] is not None:

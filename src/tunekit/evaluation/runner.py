@@ -159,13 +159,20 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Reco
         if examples:
             loss = token_loss(model, tokenizer, examples, cfg.batch_size)
             scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
-    # the training method's measures (preference accuracy and rewards on pairs, ...)
-    scores.update(methods.of(recipe).measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
+    # the training method's measures (preference accuracy and rewards on pairs, GRPO's rewards, ...)
+    method = methods.of(recipe)
+    scores.update(method.measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
+    more, extras = method.scores(recipe, tokenizer, records, rendered, predictions)
+    scores.update(more)
     scores["examples"] = len(rendered)
     scores["generation_seconds"] = round(gen_seconds, 2)
-    rows = [{"where": r.where, "prompt": r.prompt, "reference": r.reference, "prediction": p}
-            for r, p in zip(rendered, predictions)]
-    return scores, rows
+    return scores, prediction_rows(rendered, predictions, extras)
+
+
+def prediction_rows(rendered: list, predictions: list[str], extras: list[dict]) -> list[dict]:
+    """predictions.jsonl's rows: each held-out example, its generation and what the method adds (rewards)."""
+    return [{"where": r.where, "prompt": r.prompt, "reference": r.reference, "prediction": p, **extra}
+            for r, p, extra in zip(rendered, predictions, extras)]
 
 
 class DuringTraining:
@@ -173,16 +180,27 @@ class DuringTraining:
     the first `eval.limit` held-out examples, batched and split over the processes as `generate` does;
     the Trainer logs them beside eval_loss (SafeStateTrainer.evaluation_loop)."""
 
-    def __init__(self, recipe: Recipe, tokenizer, records: list[data_mod.Record]):
-        self.tokenizer = tokenizer
+    def __init__(self, recipe: Recipe, tokenizer, records: list[data_mod.Record], samples: Path | None = None):
+        self.recipe, self.tokenizer, self.records, self.samples = recipe, tokenizer, records, samples
         self.cfg = recipe.eval
         self.rendered = rendered_examples(recipe, tokenizer, records, recipe.eval)
+        self.rows: list[dict] = []  # the last evaluation's predictions.jsonl rows
 
     def __call__(self, model) -> dict:
         training = model.training
-        scores, _ = generation_scores(model, self.tokenizer, self.rendered, self.cfg)
+        scores, predictions = generation_scores(model, self.tokenizer, self.rendered, self.cfg)
         model.train(training)
+        more, extras = methods.of(self.recipe).scores(self.recipe, self.tokenizer, self.records, self.rendered,
+                                                       predictions)
+        scores.update(more)
+        self.rows = prediction_rows(self.rendered, predictions, extras)
         return {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+
+    def keep(self, step: int) -> None:
+        """The last evaluation's rows appended to `samples` (samples.jsonl, cut back on resume) with the step."""
+        if self.samples is not None:
+            with open(self.samples, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps({"step": step, **row}, ensure_ascii=False) + "\n" for row in self.rows)
 
 
 def default_out(target: Target) -> Path:

@@ -10,15 +10,19 @@ PREFERENCE_ROWS = [("preference_accuracy", "prefers chosen"), ("reward_accuracy"
                    ("reward_margin", "reward margin")]
 
 
-def table_rows() -> list[tuple[str, str]]:
-    return [row for metric in metrics.METRICS.values() for row in metric.rows] + PREFERENCE_ROWS + [("examples", "examples")]
+def table_rows(columns: list[dict] = ()) -> list[tuple[str, str]]:
+    """The rows shown, in order; GRPO's rewards (reward, reward/<name>) where the scores hold them."""
+    named = sorted({k for scores in columns for k in scores if k.startswith("reward/")})
+    rewards = [("reward", "reward (weighted sum)")] + [(k, f"reward {k.removeprefix('reward/')}") for k in named]
+    return ([row for metric in metrics.METRICS.values() for row in metric.rows] + PREFERENCE_ROWS + rewards
+            + [("examples", "examples")])
 
 
 def format_table(columns: list[tuple[str, dict]]) -> str:
     """Scores side by side; a last 'change' column when there are two."""
     headers = ["metric"] + [label for label, _ in columns] + (["change"] if len(columns) == 2 else [])
     rows = []
-    for key, name in table_rows():
+    for key, name in table_rows([scores for _, scores in columns]):
         values = [scores.get(key) for _, scores in columns]
         if all(v is None for v in values):
             continue

@@ -47,6 +47,7 @@ class Settings:
     accumulation: int = 1  # gradient accumulation steps
     sequences: int = 1  # sequences per example: 2 for DPO (chosen and rejected in one batch)
     extra_forwards: int = 0  # no-grad forwards over the batch: DPO's reference; KTO's KL, reference and reference KL
+    sampled: int = 0  # sequences sampled at once per device before the step (GRPO: micro-batch x accumulation)
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     utilization: float = 0.4
 
@@ -158,6 +159,24 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
     return kept, recomputed
 
 
+def kv_cache_bytes(cfg, s: Settings) -> float:
+    """The KV cache of sampling: keys and values of every layer for each sampled sequence at full length
+    (prompt + completion), in the compute dtype (transformers' dynamic cache)."""
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    elem = 4 if s.precision == "fp32" else 2
+    return 2 * cfg.num_hidden_layers * kv * elem * s.sampled * s.seq_len
+
+
+def sampling(parts: dict, cfg, s: Settings, c: Counts) -> float:
+    """GRPO's sampling before the step: its KV cache into `parts`; returns its FLOPs per micro-batch (one
+    forward's worth per sampled token, spread over the accumulation steps)."""
+    if not s.sampled:
+        return 0.0
+    parts["sampling: KV cache"] = kv_cache_bytes(cfg, s)
+    return 2 * c.total * s.sampled * s.seq_len / s.accumulation
+
+
 def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     """Bytes of the head + cross-entropy, every position trained (the worst case).
 
@@ -196,8 +215,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
         parts["weights (unquantized layers, fp32)"] = c.frozen_plain * 4
     elif not recipe.full_finetuning:
         parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
-    if s.extra_forwards and recipe.full_finetuning:
-        # DPO with full fine-tuning: a frozen copy of the model as the reference, in the training precision
+    if s.extra_forwards and recipe.full_finetuning:  # the reference: a frozen copy in the training precision
         parts[f"weights (frozen reference copy, {s.precision})"] = c.total * (4 if s.precision == "fp32" else 2)
     opt_key = f"optimizer ({s.optimizer})"
     if s.zero_stage > 0 and s.precision != "fp32":
@@ -256,10 +274,12 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     if s.gradient_checkpointing:
         flops += 2 * c.total * tokens  # the forward is run twice
     flops += s.extra_forwards * 2 * c.total * tokens
+    flops += sampling(parts, cfg, s, c)
     step = flops * 1.0 / (s.peak_tflops * 1e12 * s.utilization)
     phases = [(act_key, "logits and loss") + ((f"autocast copies of trained weights ({s.precision})",) if autocast else ())]
     if s.gradient_checkpointing:
         phases.append((act_key, "activations (one layer recomputed)"))
+    phases += [("sampling: KV cache",)] if s.sampled else []  # sampling ends before the step's forward
     if s.world_size == 1 and s.zero_stage == 0 and s.accumulation == 1:
         phases.append(tuple(k for k in ("gradients (fp32)", "gradient of the tied head, accumulating") if k in parts))
     return Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step, tuple(phases))
@@ -270,13 +290,12 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
     method = methods.of(recipe)
     ds = dsconfig.read(t.deepspeed) if t.deepspeed else {}
     zero = ds.get("zero_optimization") or {}
-    base = Settings(world_size=world_size, micro_batch=t.micro_batch_size, seq_len=recipe.data.max_length,
-                    precision=precision, gradient_checkpointing=t.gradient_checkpointing,
-                    zero_stage=dsconfig.zero_stage(ds),
+    shape = {"seq_len": recipe.data.max_length, **method.plan_settings(recipe)}
+    base = Settings(world_size=world_size, micro_batch=t.micro_batch_size, precision=precision,
+                    gradient_checkpointing=t.gradient_checkpointing, zero_stage=dsconfig.zero_stage(ds),
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
-                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps,
-                    sequences=method.sequences, extra_forwards=method.no_grad_forwards)
+                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps, **shape)
     return dataclasses.replace(base, **overrides)
 
 
@@ -328,6 +347,7 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         f"per device: world size {s.world_size}, micro-batch {s.micro_batch}"
         + (f" pairs ({s.micro_batch * s.sequences} sequences)" if s.sequences > 1 else "")
         + (f", {s.extra_forwards} no-grad forward(s) (reference, KL)" if s.extra_forwards else "")
+        + (f", {s.sampled} sequences sampled before each step" if s.sampled else "")
         + f" x {s.seq_len} tokens, "
         f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO stage {s.zero_stage}"
         + (", optimizer offload" if s.offload_optimizer else "") + (", parameter offload" if s.offload_params else ""),
@@ -338,9 +358,10 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         marks = "".join(f"[{i + 1}]" for i, phase in enumerate(plan.phases) if key in phase)
         lines.append(f"  {key + (' ' + marks if marks else ''):<{width}}  {value / GiB:9.3f} GiB")
     lines.append(f"  {'peak per device':<{width}}  {plan.peak / GiB:9.3f} GiB")
-    moments = ["the end of the forward pass", "a recomputed layer's backward", "the end of the backward pass"]
-    if not plan.settings.gradient_checkpointing:
-        moments.pop(1)
+    # in the order make() lists the phases
+    moments = (["the end of the forward pass"]
+               + (["a recomputed layer's backward"] if plan.settings.gradient_checkpointing else [])
+               + (["the sampling before the step"] if plan.settings.sampled else []) + ["the end of the backward pass"])
     if len(plan.phases) > 1:
         lines.append("  (peak = the unmarked parts + the largest of the groups live together: "
                      + ", ".join(f"[{i + 1}] at {m}" for i, m in enumerate(moments[:len(plan.phases)])) + ")")

@@ -23,7 +23,9 @@ REPORT_FILE = "report.html"
 SAMPLES = 8  # predictions shown per run
 # (key in loss_history.jsonl, plot title); throughput is derived from the log times
 CURVES = [("loss", "train loss"), ("eval_loss", "eval loss"), ("learning_rate", "learning rate"),
-          ("grad_norm", "gradient norm"), ("examples_per_s", "throughput (examples/s)")]
+          ("grad_norm", "gradient norm"), ("examples_per_s", "throughput (examples/s)"),
+          ("reward", "GRPO: mean reward (weighted sum)"), ("eval_reward", "GRPO: held-out reward (greedy)"),
+          ("kl", "GRPO: KL to the reference"), ("completions/mean_length", "GRPO: completion length")]
 SKIP = {"step", "epoch", "time", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
         "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
@@ -135,7 +137,8 @@ def _score(v) -> str:
 
 
 def runs_table(runs: list[dict]) -> str:
-    score_rows = [(k, name) for k, name in table_rows() if any(k in r["scores"] for r in runs)]
+    score_rows = [(k, name) for k, name in table_rows([r["scores"] for r in runs])
+                  if any(k in r["scores"] for r in runs)]
     headers = ["run", "status", "steps", "method", "base model", "train examples", "trained tokens",
                "eval examples", "best", "train loss", "eval loss"] + [html.escape(n) for _, n in score_rows] + \
               ["wall", "output"]
@@ -181,7 +184,7 @@ def before_after(baseline: dict, runs: list[dict]) -> str:
     headers = ["metric", "base (zero-shot)"] + [f"{html.escape(r['name'])}" for r in runs] + \
               [f"change ({html.escape(r['name'])})" for r in runs]
     rows = []
-    for key, name in table_rows():
+    for key, name in table_rows([baseline]):
         if key not in baseline or key == "examples":
             continue
         after = [r["scores"].get(key) for r in runs]
@@ -191,13 +194,18 @@ def before_after(baseline: dict, runs: list[dict]) -> str:
 
 
 def samples(run: dict) -> str:
+    """The held-out generations against their references; with GRPO, each one's rewards."""
     rows = []
     for p in run["predictions"]:
         ref, pred = marked_diff(p["reference"], p["prediction"])
         prompt = html.escape(p["prompt"][-300:])
-        rows.append([f"<pre>{prompt}</pre>", ref, pred])
-    return _table(["prompt (end)", "reference (missing words struck)", "prediction (added words marked)"],
-                  rows, "samples")
+        earned = ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k not in SAMPLE_KEYS and isinstance(v, (int, float)))
+        rows.append([f"<pre>{prompt}</pre>", ref, pred] + ([html.escape(earned)] if earned else []))
+    headers = ["prompt (end)", "reference (missing words struck)", "prediction (added words marked)"]
+    return _table(headers + (["rewards"] if rows and len(rows[0]) > 3 else []), rows, "samples")
+
+
+SAMPLE_KEYS = {"where", "prompt", "reference", "prediction", "step"}  # predictions.jsonl's own keys
 
 
 def training_examples(run: dict) -> str:

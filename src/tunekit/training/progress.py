@@ -20,6 +20,9 @@ log = logging.getLogger("tunekit")
 NAMES = {"loss": "loss", "grad_norm": "grad norm", "learning_rate": "lr", "epoch": "epoch",
          "train_loss": "train loss", "train_runtime": "time"}
 LEFT_OUT = {"total_flos"}  # and every *_per_second (steps and samples per second: tokens/s says it better)
+# GRPO's finer facts (TRL), kept in loss_history.jsonl and the trackers but too many for one line
+LEFT_OUT_PREFIXES = ("num_tokens", "completions/min_", "completions/max_", "completions/mean_terminated",
+                     "clip_ratio/", "frac_reward_zero_std", "step_time")
 WIDTH = 8  # a value's column: 5.8820, 5.00e-03, 0:00:04 and 1,234 fit, so lines with the same keys align
 
 
@@ -52,7 +55,8 @@ def log_line(logs: dict, step: int, max_steps: int, rates: list[tuple[str, str]]
     evaluation = any(k.startswith("eval_") for k in logs)
     head = "eval" if evaluation else "done" if "train_runtime" in logs else "step"
     shown = [("time" if k == "eval_runtime" else k.removeprefix("eval_") if evaluation else NAMES.get(k, k), k, v)
-             for k, v in logs.items() if k not in LEFT_OUT and not k.endswith("_per_second")]
+             for k, v in logs.items() if k not in LEFT_OUT and not k.endswith("_per_second")
+             and not k.removeprefix("eval_").startswith(LEFT_OUT_PREFIXES)]
     pairs = [(name, number(k, v)) for name, k, v in shown] + list(rates)
     return f"{head} {step:>{width}}/{max_steps}  " + fields(pairs)
 

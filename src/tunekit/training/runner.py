@@ -34,7 +34,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision, resolve_precision
 from tunekit.config.schema import Recipe
 from tunekit.config.loading import to_yaml
-from tunekit.runs.layout import ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, INITIAL_ADAPTER_DIR, MODEL_DIR, RECIPE_FILE, RunRecord
+from tunekit.runs.layout import ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, INITIAL_ADAPTER_DIR, MODEL_DIR, RECIPE_FILE, SAMPLES_FILE, RunRecord
 
 log = logging.getLogger("tunekit")
 
@@ -203,7 +203,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         write_run_files(recipe, run_dir, ds, record)
         preview.write_examples(run_dir / preview.EXAMPLES_FILE, preview.run_examples(bundle.train, tokenizer))
     inputs.callbacks = run_callbacks(recipe, run_dir)
-    inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None)
+    inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None, run_dir / SAMPLES_FILE)
     trainer, collate = method.make_trainer(inputs)
     progress.install(trainer, lambda: collate.real)
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
@@ -227,7 +227,8 @@ def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path 
         preflight.warn_if_disk_short(recipe, run_dir)
     else:
         log.info("resuming from %s", resume_from.name)
-        checkpoint_dir.truncate_history(run_dir / HISTORY_FILE, checkpoint_dir.step_of(resume_from))
+        for kept in (HISTORY_FILE, SAMPLES_FILE):
+            checkpoint_dir.truncate_history(run_dir / kept, checkpoint_dir.step_of(resume_from))
 
 
 def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: Path, fresh_main: bool) -> None:
@@ -286,13 +287,13 @@ def run_callbacks(recipe: Recipe, run_dir: Path) -> list:
             + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
 
 
-def generation_eval(recipe: Recipe, tokenizer, evaluates: bool):
+def generation_eval(recipe: Recipe, tokenizer, evaluates: bool, samples: Path | None = None):
     """BLEU/ROUGE/... at each evaluation during training, when the recipe has an eval section."""
     if not (evaluates and recipe.eval is not None and recipe.eval.during_training):
         return None
     from tunekit.evaluation.runner import DuringTraining, held_out_records
 
-    return DuringTraining(recipe, tokenizer, held_out_records(recipe))
+    return DuringTraining(recipe, tokenizer, held_out_records(recipe), samples)
 
 
 FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)

@@ -147,6 +147,8 @@ class GenerationEval:
             with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model:
                 scores = self.generation_eval(model)
             output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in scores.items()})
+            if self.is_world_process_zero():
+                self.generation_eval.keep(self.state.global_step)
         return output
 
 

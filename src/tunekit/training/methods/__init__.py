@@ -16,7 +16,7 @@ from __future__ import annotations
 from tunekit.training.methods.base import DEFAULT, METHODS, Method, TrainerInputs, check, check_others, get, names, of, register, renamed_sections
 
 # The built-in methods register themselves on import; a new method's module is imported here too.
-from tunekit.training.methods import sft, dpo, kto, orpo  # noqa: E402,F401,I001
+from tunekit.training.methods import sft, dpo, kto, orpo, grpo  # noqa: E402,F401,I001
 
 __all__ = ["DEFAULT", "METHODS", "Method", "TrainerInputs", "check", "check_others", "get", "names", "of", "register",
            "renamed_sections"]

@@ -39,7 +39,7 @@ class Method:
     data_formats: ClassVar[tuple[str, ...] | None] = None  # data.format values it trains on; None: any format
     #                                                        no other method owns
     data_description: ClassVar[str] = ""  # what those formats hold, for error messages
-    owns_formats: ClassVar[bool] = False  # no other method trains on its data_formats
+    owned_formats: ClassVar[tuple[str, ...]] = ()  # formats of its data_formats no other method trains on
     has_reference: ClassVar[bool] = False  # the loss compares the policy with a reference model
     # the training step, for `tunekit plan`: sequences per example (chosen and rejected in one batch) and
     # no-grad forwards over the batch (a reference model, a KL batch)
@@ -71,6 +71,10 @@ class Method:
             raise ValueError(f"training.method: {self.name} takes the base model as its reference, which lora.init="
                              f"{recipe.lora.init} rewrites; use lora.init: default")
 
+    def plan_settings(self, recipe) -> dict:
+        """The training step's shape for `tunekit plan` (fields of plan.estimate.Settings)."""
+        return {"sequences": self.sequences, "extra_forwards": self.no_grad_forwards}
+
     # ------------------------------------------------------------ training stages
 
     def build_data(self, recipe, tokenizer):
@@ -96,6 +100,11 @@ class Method:
     def measures(self, model, tokenizer, recipe, records: list, limit: int | None, batch_size: int) -> dict:
         """Scores beside the generation metrics in `tunekit eval` (preference accuracy, rewards, ...)."""
         return {}
+
+    def scores(self, recipe, tokenizer, records: list, rendered: list, predictions: list[str]) -> tuple[dict, list[dict]]:
+        """Scores of held-out generations beside the metrics (GRPO's rewards), and what each prediction adds to its
+        row in predictions.jsonl; `rendered` (data.Rendered) are the records' renderings the predictions answer."""
+        return {}, [{} for _ in predictions]
 
 
 METHODS: dict[str, Method] = {}
@@ -139,7 +148,7 @@ def check_others(recipe) -> None:
             raise ValueError(f"{other.section}: these settings belong to training.method {other.name}; set "
                              f"training.method: {other.name} or remove the {other.section} section")
         for fmt in recipe.data.formats():
-            if other.owns_formats and fmt in other.data_formats:
+            if fmt in other.owned_formats:
                 raise ValueError(f"data.format: {fmt} is training data for training.method {other.name}; "
                                  f"set training.method: {other.name} or use another format")
 

@@ -33,7 +33,7 @@ class Kto(PreferenceMethod):
     settings = KtoSettings
     data_formats = ("unpaired_preference",)
     data_description = "(prompt, completion, desirable or not) examples"
-    owns_formats = True
+    owned_formats = data_formats
     has_reference = True
     no_grad_forwards = 3  # its KL batch, the reference and the reference's KL
 

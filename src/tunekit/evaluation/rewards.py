@@ -1,0 +1,212 @@
+"""Rewards a program checks, for GRPO (training.method: grpo), as a registry: each scores one completion.
+
+A recipe names them in grpo.rewards, each with a weight; the run logs each one's mean and spread, and
+`tunekit eval` scores held-out generations with them. Kinds:
+- every metric of the metrics registry by its score key (exact_match, bleu, chrf, rouge1/rouge2/rougeL/rougeLsum),
+  scored against the record's reference answer and divided by 100 (so 0..1);
+- tool_calls: the tool_calls metric on one completion (0..1; see `tool_calls` below);
+- regex: 1 when the whole completion (stripped) matches `pattern`, else 0;
+- json: 1 when the completion (stripped, a ``` fence removed) is one JSON value, else 0;
+- length: 0 up to `target` completion tokens, falling linearly to -1 at grpo.max_completion_length;
+- function: a Python function `module:function` (only with grpo.trust_local_code), called with keywords prompt,
+  completion, reference, record (the raw record as a dict) and tokens; it returns a number.
+
+No model code: the registry is read by the recipe schema (names, checks) and called during training and eval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+import sys
+from typing import Any, Callable
+
+from tunekit.core.errors import TunekitError
+from tunekit.evaluation import metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One completion as a reward sees it."""
+
+    prompt: str
+    completion: str
+    reference: str  # the record's reference answer ("" when it has none)
+    tokens: int  # completion tokens
+    record: dict  # the raw record
+    where: str  # "file line N"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    name: str
+    make: Callable[[Any, int], Callable[[Sample], float]]  # (spec, max_completion_length) -> score of one sample
+    needs: tuple[str, ...]  # spec keys it requires
+    reference: bool  # scores against the reference answer
+    summary: str
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register(name: str, summary: str, needs: tuple[str, ...] = (), reference: bool = False):
+    def add(make):
+        KINDS[name] = Kind(name, make, needs, reference, summary)
+        return make
+    return add
+
+
+def names() -> str:
+    return ", ".join(KINDS)
+
+
+# ---------------------------------------------------------------- the metrics registry's scores
+
+def _metric_kind(metric: metrics.Metric, key: str, label: str) -> None:
+    def make(spec, max_len):
+        return lambda s: metric.score([s.completion], [s.reference])[key] / 100.0
+    register(key, f"{label} of the completion against the reference answer, / 100", reference=True)(make)
+
+
+for _metric in metrics.METRICS.values():
+    if _metric.score is not None and _metric.name != "tool_calls":
+        for _key, _label in _metric.rows:
+            _metric_kind(_metric, _key, _label)
+
+
+@register("tool_calls", "the tool_calls metric on one completion: when the reference calls tools, the mean of "
+          "parsed, right functions and right arguments (1/3 each); when it calls none, 1 unless the completion "
+          "calls one", reference=True)
+def _tool_calls(spec, max_len):
+    def score(s: Sample) -> float:
+        got = metrics.tool_calls([s.completion], [s.reference])
+        if got["tool_call_valid_json"] is None:
+            return 1.0 - got["tool_call_spurious"] / 100.0
+        return (got["tool_call_valid_json"] + got["tool_call_name"] + got["tool_call_args"]) / 300.0
+    return score
+
+
+@register("regex", "1 when the whole completion (stripped) matches `pattern` (Python re), else 0", needs=("pattern",))
+def _regex(spec, max_len):
+    pattern = re.compile(spec.pattern, re.DOTALL)
+    return lambda s: float(pattern.fullmatch(s.completion.strip()) is not None)
+
+
+_FENCE = re.compile(r"^```[\w-]*\n(.*)\n```$", re.DOTALL)
+
+
+@register("json", "1 when the completion (stripped, a ``` fence removed) is one JSON value, else 0")
+def _json(spec, max_len):
+    def score(s: Sample) -> float:
+        text = s.completion.strip()
+        fenced = _FENCE.match(text)
+        try:
+            json.loads(fenced.group(1) if fenced else text)
+        except ValueError:
+            return 0.0
+        return 1.0
+    return score
+
+
+@register("length", "a length penalty: 0 up to `target` completion tokens, then falling linearly to -1 at "
+          "grpo.max_completion_length")
+def _length(spec, max_len):
+    target = spec.target or 0
+    return lambda s: -min(1.0, max(0, s.tokens - target) / max(1, max_len - target))
+
+
+@register("function", "your Python function `module:function` (grpo.trust_local_code: true), called with keywords "
+          "prompt, completion, reference, record, tokens; returns a number", needs=("function",))
+def _function(spec, max_len):
+    module, _, name = spec.function.partition(":")
+    if os.getcwd() not in sys.path:  # `module` may sit beside the recipe, as a user runs it
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise TunekitError(f"grpo.rewards: cannot load {spec.function!r} ({e}); give module:function importable "
+                           "from the working directory or the Python path") from None
+    return lambda s: fn(prompt=s.prompt, completion=s.completion, reference=s.reference, record=s.record,
+                        tokens=s.tokens)
+
+
+# ---------------------------------------------------------------- recipe checks and scoring
+
+def check(spec, index: int) -> None:
+    """One grpo.rewards entry; raises ValueError with a one-line message."""
+    where = f"grpo.rewards[{index}]"
+    if spec.reward not in KINDS:
+        raise ValueError(f"{where}.reward: unknown reward {spec.reward!r}; choose from {names()}")
+    for key in KINDS[spec.reward].needs:
+        if getattr(spec, key) is None:
+            raise ValueError(f"{where}.{key}: reward {spec.reward} needs it")
+    if spec.pattern is not None:
+        try:
+            re.compile(spec.pattern)
+        except re.error as e:
+            raise ValueError(f"{where}.pattern: not a regular expression ({e})") from None
+    if spec.function is not None and not re.fullmatch(r"[\w.]+:\w+", spec.function):
+        raise ValueError(f"{where}.function: {spec.function!r} is not module:function")
+
+
+def label(spec, index: int, specs) -> str:
+    """The name a reward is logged under: its `name`, else its kind or its function's name (with its position
+    when that repeats)."""
+    if spec.name:
+        return spec.name
+    kind = spec.function.partition(":")[2] if spec.reward == "function" else spec.reward
+    repeats = sum(label(s, 0, ()) == kind for s in specs if not s.name) > 1
+    return f"{kind}_{index}" if repeats else kind
+
+
+class Reward:
+    """One recipe reward as TRL's GRPOTrainer calls it: a batch of completions in, one float each out. A reward
+    that raises, or returns anything but a finite number, stops the run in one line naming it and the example."""
+
+    def __init__(self, spec, index: int, specs, max_completion_length: int):
+        self.__name__ = label(spec, index, specs)  # TRL logs rewards/<__name__>/mean and /std
+        self.title = f"grpo.rewards[{index}] ({self.__name__})"
+        self.kind = KINDS[spec.reward]
+        self.one = self.kind.make(spec, max_completion_length)
+
+    def score(self, sample: Sample) -> float:
+        if self.kind.reference and not sample.reference:
+            raise TunekitError(f"{self.title}: {sample.where} has no reference answer to score against; give one "
+                               "(data.fields.answer for data.format: prompt) or use a reward without a reference")
+        try:
+            value = self.one(sample)
+        except TunekitError:
+            raise
+        except Exception as e:  # a user's function may raise anything
+            raise TunekitError(f"{self.title}: raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                               f"on {sample.where}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TunekitError(f"{self.title}: returned {value!r} on {sample.where}; a reward returns a finite number")
+        return float(value)
+
+    def __call__(self, prompts, completions, completion_ids=None, reference=None, where=None, record=None, **_):
+        n = len(completions)
+        return [self.score(Sample(prompts[i], completions[i], (reference or [""] * n)[i],
+                                  len(completion_ids[i]) if completion_ids is not None else 0,
+                                  json.loads(record[i]) if record else {}, (where or ["?"] * n)[i]))
+                for i in range(n)]
+
+
+def build(specs, max_completion_length: int) -> list[Reward]:
+    return [Reward(spec, i, specs, max_completion_length) for i, spec in enumerate(specs)]
+
+
+def mean_scores(rewards: list[Reward], weights: list[float], samples: list[Sample]) -> tuple[dict, list[dict]]:
+    """({reward: mean, reward/<name>: mean}, per-sample {name: value}) of held-out completions: the weighted sum
+    as GRPO trains on it, and each reward alone."""
+    per = [{r.__name__: r.score(s) for r in rewards} for s in samples]
+    for row in per:
+        row["reward"] = sum(w * row[r.__name__] for r, w in zip(rewards, weights))
+    n = max(len(per), 1)
+    scores = {"reward": sum(row["reward"] for row in per) / n}
+    scores.update({f"reward/{r.__name__}": sum(row[r.__name__] for row in per) / n for r in rewards})
+    return scores, per

@@ -1,0 +1,73 @@
+"""Seeded sampling for GRPO: each sampled token is a pure function of (training.seed, step, the sequence's place
+in the step's batch of completions, its position), whatever the number of processes or the micro-batch.
+
+TRL samples with transformers' generate(do_sample=True), which draws from the process's global random stream:
+the completions then depend on how the batch is split over processes and on everything that drew from the
+stream before, so a 2-process run cannot match a 1-process run, and a resumed run matches only if every draw
+is replayed. Here the logits go through the same temperature / top-k / top-p warpers, and the token is picked
+by the Gumbel-max trick (argmax of logits + Gumbel noise samples exactly from the softmax) with the noise drawn
+from a generator seeded per sequence and position; generate then runs greedy over those scores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+
+def _seed(*parts) -> int:
+    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def gumbel(seed: int, n: int) -> torch.Tensor:
+    """n standard Gumbel draws from a generator seeded with `seed` (on the CPU: the same on every device)."""
+    u = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16))).float()
+
+
+class SeededSampling(LogitsProcessor):
+    """Warped logits plus Gumbel noise keyed by (key..., row, position): greedy decoding over them samples."""
+
+    def __init__(self, key: tuple, rows: list[int], start: int, temperature: float, top_p: float, top_k: int):
+        self.key, self.rows, self.start = key, rows, start
+        self.warpers = ([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                        + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.float()
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        position = input_ids.shape[1] - self.start
+        noise = torch.stack([gumbel(_seed(*self.key, row, position), scores.shape[-1]) for row in self.rows])
+        return scores + noise.to(scores.device)
+
+
+def generate(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """Completion ids (through the first end-of-sequence token) for this process's prompts, sampled with
+    SeededSampling by the trainer's model (TRL's GRPOTrainer attributes)."""
+    from trl.models import unwrap_model_for_generation
+
+    acc, tok = trainer.accelerator, trainer.processing_class
+    width = max(map(len, prompt_ids))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=acc.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=acc.device)
+    mode = "train" if trainer.model.training else "eval"
+    # TRL hands each process a contiguous, equal slice of the step's batch of completions
+    rows = [acc.process_index * len(prompt_ids) + i for i in range(len(prompt_ids))]
+    sampler = SeededSampling((trainer.args.seed, mode, trainer.state.global_step), rows, width,
+                             trainer.temperature, trainer.top_p, trainer.top_k)
+    config = GenerationConfig(max_new_tokens=trainer.max_completion_length, do_sample=False,
+                              pad_token_id=tok.pad_token_id, eos_token_id=trainer.eos_token_ids, disable_compile=True)
+    with unwrap_model_for_generation(trainer.model_wrapped, acc,
+                                     gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model, \
+            torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                             logits_processor=LogitsProcessorList([sampler]))
+    completions = []
+    for row in out[:, width:].tolist():
+        ends = [i for i, t in enumerate(row) if t in trainer.eos_token_ids]
+        completions.append(row[:ends[0] + 1] if ends else row)
+    return completions
