@@ -296,3 +296,41 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, deepspeed):
     got, expected = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (tmp_path / "two", single))
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-2 * float(expected[k].abs().max()))
+
+
+def test_plan_counts_the_sampling_and_the_reference_forward(tmp_path, tiny_model):
+    from tunekit.plan import estimate as plan
+
+    base = grpo_raw(tiny_model, tmp_path, tmp_path / "run", gradient_accumulation_steps=2)
+    recipe = load(tmp_path, base)
+    with_kl = load(tmp_path, {**base, "grpo": {**base["grpo"], "beta": 0.1}})
+    cfg, model = plan.meta_model(recipe)
+    s = plan.settings_from(recipe, 1, "fp32")
+    assert (s.seq_len, s.sampled, s.extra_forwards) == (64 + 8, 16, 0)
+    assert plan.settings_from(with_kl, 1, "fp32").extra_forwards == 1
+    made = plan.make(recipe, s, cfg, model)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4 * 16 * 72
+    assert made.parts["sampling: KV cache"] == kv and ("sampling: KV cache",) in made.phases
+    quiet = plan.make(recipe, plan.settings_from(recipe, 1, "fp32", sampled=0), cfg, model)
+    assert made.flops_per_step == pytest.approx(quiet.flops_per_step + 2 * made.counts.total * 16 * 72 / 2)
+
+
+@pytest.mark.slow
+def test_grpo_continues_an_sft_run(tmp_path, tiny_model):
+    """model.adapter_from: SFT on the answers, then GRPO from that adapter; run.json names the run it started from
+    and, as for DPO, the reference (beta > 0) is the SFT model: the KL starts at 0 and grows."""
+    sft = grpo_raw(tiny_model, tmp_path, tmp_path / "sft", method="sft", max_steps=4)
+    sft["data"].update(format="prompt_completion")
+    sft.pop("grpo")
+    rows = [{"prompt": r["prompt"], "completion": r["answer"]} for r in prompts()]
+    sft["data"]["train"] = str(write_jsonl(tmp_path / "pc.jsonl", rows))
+    train.run(load(tmp_path, sft))
+    raw = grpo_raw(tiny_model, tmp_path, tmp_path / "grpo", max_steps=2, grpo_={"beta": 0.1})
+    raw["model"]["adapter_from"] = str(tmp_path / "sft")
+    train.run(load(tmp_path, raw))
+    start, end = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (tmp_path / "sft",
+                                                                                        tmp_path / "grpo"))
+    assert start.keys() == end.keys() and any(not torch.equal(start[k], end[k]) for k in start)
+    assert json.loads((tmp_path / "grpo" / "run.json").read_text())["adapter_from"]["training_method"] == "sft"
+    kl = [r["kl"] for r in history(tmp_path / "grpo") if "kl" in r and "eval_loss" not in r]
+    assert kl[0] == 0 < kl[1], kl

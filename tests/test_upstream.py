@@ -21,6 +21,7 @@ import pytest
 from tunekit.training.trainer import GenerationEval, SafeState, SafeStateTrainer
 from tunekit.training.methods.dpo import DpoTrainer
 from tunekit.training.methods.kto import KtoTrainer
+from tunekit.training.methods.grpo import GrpoTrainer
 from tunekit.training.methods.orpo import OrpoTrainer
 
 # ---------------------------------------------------------------- transformers' Trainer
@@ -60,11 +61,23 @@ TRL_HOOKS = [
     (OrpoTrainer, "ORPOTrainer", "concatenated_forward", "the SFT term over answer tokens: reads the chosen "
                                                               "logits (output 2) and replaces the nll (output 4)"),
     (OrpoTrainer, "ORPOTrainer", "get_batch_loss_metrics", "rescales the SFT term to the step's token mean"),
+    (GrpoTrainer, "GRPOTrainer", "_tokenize_prompts", "prompts come rendered by tunekit's renderer: tokenized with "
+                                                       "the special tokens `tunekit eval` uses, not TRL's defaults"),
+    (GrpoTrainer, "GRPOTrainer", "_generate_single_turn", "seeded sampling (training/sampling.py) on the "
+                                                           "transformers path; vLLM and TRL's other paths as TRL has them"),
+    (GrpoTrainer, "GRPOTrainer", "_generate_and_score_completions", "counts the sampled tokens for the throughput"),
 ]
 # (upstream class name, attribute, why) -- attributes of TRL's trainers that tunekit reads or sets
 TRL_ATTRIBUTES = [
     ("KTOTrainer", "calculate_KL", "KtoTrainer._prepare_dataset builds the KL pairs only when TRL computes KL"),
     ("ORPOTrainer", "loss_is_scaled_for_ga", "OrpoTrainer sets it False, as ORPOTrainer does, and relies on it"),
+    ("GRPOTrainer", "temperature", "sampling.generate warps the logits with the trainer's sampling settings"),
+    ("GRPOTrainer", "top_p", "the same"),
+    ("GRPOTrainer", "top_k", "the same"),
+    ("GRPOTrainer", "max_completion_length", "the same"),
+    ("GRPOTrainer", "eos_token_ids", "sampling.generate ends a completion at them, as TRL does"),
+    ("GRPOTrainer", "use_vllm", "GrpoTrainer leaves vLLM sampling to TRL"),
+    ("GRPOTrainer", "use_transformers_continuous_batching", "the same for continuous batching"),
 ]
 
 # ---------------------------------------------------------------- transformers' tracker callbacks (trackers.py)
@@ -106,6 +119,8 @@ OTHER_INTERNALS = [
     ("transformers.utils.logging", "set_tqdm_hook", "core/quiet.py hides the bars in quiet.HIDDEN_BARS through it "
                                                     "(their titles are checked in test_console.py)"),
     ("transformers.utils.logging", "EmptyTqdm", "the stand-in that hook returns for a hidden bar"),
+    ("trl.trainer.grpo_trainer", "create_model_from_path", "GrpoTrainer hands TRL tunekit's reference copy for full "
+                                                           "fine-tuning with a KL term through it"),
 ]
 
 
@@ -165,7 +180,7 @@ def test_the_helpers_report_what_is_missing():
 
 
 # ---------------------------------------------------------------- the checks
-TUNEKIT_TRAINERS = (SafeStateTrainer, DpoTrainer, KtoTrainer, OrpoTrainer)
+TUNEKIT_TRAINERS = (SafeStateTrainer, DpoTrainer, KtoTrainer, OrpoTrainer, GrpoTrainer)
 
 
 def test_the_private_trainer_methods_tunekit_overrides_still_exist_upstream():
@@ -200,7 +215,7 @@ def test_the_trl_methods_tunekit_overrides_still_exist_upstream():
 
 
 def test_the_trl_attributes_tunekit_reads_are_still_set():
-    by_name = {upstream_base(c).__name__: upstream_base(c) for c in (KtoTrainer, OrpoTrainer)}
+    by_name = {upstream_base(c).__name__: upstream_base(c) for c in (KtoTrainer, OrpoTrainer, GrpoTrainer)}
     for upstream_name, attribute, why in TRL_ATTRIBUTES:
         cls = by_name[upstream_name]
         # set in __init__ (a trainer needs a model to build) or on the class

@@ -139,7 +139,10 @@ class Grpo(Method):
 
             ref = models.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
             return {"ref_model": ref}, f"a frozen copy of the base model ({precision.name})"
-        return {}, "the base with the adapter switched off (no second copy)"
+        if start_adapter is not None:
+            return ({"reference_is_base": False},
+                    f"the base with the starting adapter (a frozen copy of {start_adapter})")
+        return {"reference_is_base": True}, "the base with the adapter switched off (no second copy)"
 
     def make_trainer(self, inputs: TrainerInputs):
         recipe, g = inputs.recipe, inputs.recipe.grpo
@@ -212,7 +215,8 @@ def build(recipe, tokenizer) -> PromptBundle:
         log.info(mixture.line(facts["mix"]))
     log.info(report["line"])
     rows, stats, special = prompt_rows(records, renderer, tokenizer, cfg.max_length)
-    log.info(stats.line("train prompts", cfg.max_length))
+    log.info("train prompts: %d, %d prompt tokens; %d dropped (the prompt alone fills data.max_length=%d)",
+             stats.examples, stats.tokens, stats.dropped_no_target, cfg.max_length)
     bundle = PromptBundle(datasets.Dataset.from_list(rows), None, stats, None, renderer.template, facts, report, special)
     if held:
         rows, bundle.eval_stats, _ = prompt_rows(held, renderer, tokenizer, cfg.max_length)
@@ -230,11 +234,13 @@ def trainer_class():
 
     from tunekit.data.records import CountingCollator
     from tunekit.training import sampling
+    from tunekit.training.methods.pairs import BaseReference
     from tunekit.training.trainer import GenerationEval, SafeState
 
-    class GrpoTrainer(SafeState, GenerationEval, GRPOTrainer):
+    class GrpoTrainer(SafeState, GenerationEval, BaseReference, GRPOTrainer):
         """GRPOTrainer with tunekit's checkpoints and generation metrics, sampling from the prompts as tunekit
-        renders them (already templated text, tokenized as `tunekit eval` tokenizes it)."""
+        renders them (already templated text, tokenized as `tunekit eval` tokenizes it) with seeded sampling;
+        the reference chosen as for DPO (pairs.BaseReference)."""
 
         def __init__(self, *args, add_special_tokens: bool = True, ref_model=None, **kwargs):
             self.add_special_tokens = add_special_tokens
@@ -255,10 +261,11 @@ def trainer_class():
                 self.tokens.computed += sum(m.numel() for m in masks)
             return out
 
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                                  has_tool_images=False):
             if self.use_vllm or self.use_transformers_continuous_batching or images or multimodal_fields:
-                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args,
-                                                     **kwargs)
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
             return sampling.generate(self, prompt_ids), None
 
         def _tokenize_prompts(self, prompts: list):
