@@ -5,6 +5,7 @@ line, resume and two processes equal to one)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -72,6 +73,8 @@ def history(run_dir):
     (lambda r: r["grpo"].update(rewards=[{"reward": "chrf", "name": "x"}, {"reward": "bleu", "name": "x"}]),
      r"grpo.rewards\[1\].name: 'x' is logged twice"),
     (lambda r: r["training"].update(micro_batch_size=6), r"must be a multiple of grpo.completions \(4\)"),
+    pytest.param(lambda r: r["grpo"].update(vllm=True), r"grpo.vllm: vLLM is not installed",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")),
     (lambda r: r["data"].update(format="text"), r"training.method: grpo trains on prompts"),
     (lambda r: r["training"].update(method="sft") or r.pop("grpo"), r"data.format: prompt is training data for "
                                                                        r"training.method grpo"),

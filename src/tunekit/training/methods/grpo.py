@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import logging
 from typing import Literal
@@ -24,6 +25,7 @@ from tunekit.config.section import Section
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import rewards as reward_kinds
 from tunekit.training.methods.base import Method, TrainerInputs, register
+from tunekit.training.methods.pairs import PairBundle, split_records
 
 log = logging.getLogger("tunekit")
 
@@ -100,6 +102,9 @@ class Grpo(Method):
             if spec.reward == "function" and not g.trust_local_code:
                 raise ValueError(f"grpo.rewards[{i}]: a function reward runs your Python code ({spec.function}); set "
                                  "grpo.trust_local_code: true to allow it")
+        if g.vllm and importlib.util.find_spec("vllm") is None:
+            raise ValueError("grpo.vllm: vLLM is not installed; pip install 'tunekit[vllm]' (on a CUDA machine) or set "
+                             "grpo.vllm: false")
         if (t.micro_batch_size * t.gradient_accumulation_steps) % g.completions:
             raise ValueError(f"training.micro_batch_size: GRPO batches count completions, and micro_batch_size x "
                              f"gradient_accumulation_steps ({t.micro_batch_size} x {t.gradient_accumulation_steps}) must "
@@ -169,15 +174,10 @@ class Grpo(Method):
 
 
 @dataclasses.dataclass
-class PromptBundle:
-    train: object  # datasets.Dataset: prompt, reference, where, record (JSON text)
-    eval: object | None
-    train_stats: object  # data.DataStats
-    eval_stats: object | None
-    template: str
-    split: dict
-    contamination: dict
-    add_special_tokens: bool  # whether tokenizing a prompt adds BOS etc. (False: the chat template wrote them)
+class PromptBundle(PairBundle):
+    """train / eval: datasets of prompt, reference, where, record (the raw record as JSON text)."""
+
+    add_special_tokens: bool = True  # whether tokenizing a prompt adds BOS etc. (False: the chat template wrote them)
 
 
 def prompt_rows(records: list, renderer, tokenizer, max_length: int):
@@ -205,15 +205,11 @@ def prompt_rows(records: list, renderer, tokenizer, max_length: int):
 def build(recipe, tokenizer) -> PromptBundle:
     import datasets
 
-    from tunekit.data import mixture, split
+    from tunekit.data import mixture
 
     cfg = recipe.data
     renderer = mixture.Renderers(cfg, tokenizer)
-    records, held, facts, report = split.training(cfg, recipe.training.seed)
-    log.info(split.line(facts))
-    if facts.get("mix"):
-        log.info(mixture.line(facts["mix"]))
-    log.info(report["line"])
+    records, held, facts, report = split_records(recipe)
     rows, stats, special = prompt_rows(records, renderer, tokenizer, cfg.max_length)
     log.info("train prompts: %d, %d prompt tokens; %d dropped (the prompt alone fills data.max_length=%d)",
              stats.examples, stats.tokens, stats.dropped_no_target, cfg.max_length)

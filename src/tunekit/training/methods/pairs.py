@@ -104,20 +104,28 @@ class PairBundle:
     contamination: dict  # tunekit.data.contamination.report
 
 
+def split_records(recipe) -> tuple[list, list, dict, dict]:
+    """data.split's training and held-out records, its facts and the contamination report, their lines logged."""
+    from tunekit.data import mixture, split
+
+    records, held, facts, report = split.training(recipe.data, recipe.training.seed)
+    log.info(split.line(facts))
+    if facts.get("mix"):
+        log.info(mixture.line(facts["mix"]))
+    log.info(report["line"])
+    return records, held, facts, report
+
+
 def build(recipe, tokenizer, tokenize=tokenize_pair, shuffle: bool = False, what: str = "train pairs") -> PairBundle:
     """The recipe's train (and held-out) examples, tokenized by `tokenize`; `shuffle`: the order drawn once
     here with the recipe's seed (for a trainer that samples in order)."""
     import datasets
 
-    from tunekit.data import mixture, split
+    from tunekit.data import mixture
 
     cfg = recipe.data
     renderer = mixture.Renderers(cfg, tokenizer)
-    records, held, facts, report = split.training(cfg, recipe.training.seed)
-    log.info(split.line(facts))
-    if facts.get("mix"):
-        log.info(mixture.line(facts["mix"]))
-    log.info(report["line"])
+    records, held, facts, report = split_records(recipe)
     train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length, tokenize)
     if shuffle:
         random.Random(recipe.training.seed).shuffle(train)
