@@ -130,6 +130,18 @@ def tiny_recipe(model: Path, train_file: Path, out: Path, **sections) -> dict:
     return recipe
 
 
+def base_and_tuned(model: str, recipe: Path, tmp_path: Path) -> tuple[dict, dict, Path]:
+    """`tunekit eval` of the base `model` on the recipe's held-out data, then the recipe trained as shipped:
+    (base scores, the run's end-of-training scores, its run directory)."""
+    base_out, run_dir = tmp_path / "base", tmp_path / "run"
+    res = run_cli("eval", model, "--recipe", str(recipe), "--out", str(base_out), timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_cli("train", str(recipe), "--set", f"output_dir={run_dir}", timeout=3600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    scores = [json.loads((d / "metrics.json").read_text())["scores"] for d in (base_out, run_dir / "eval")]
+    return scores[0], scores[1], run_dir
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 900):
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run([sys.executable, "-m", "tunekit", *args], cwd=cwd or ROOT, env=full_env,

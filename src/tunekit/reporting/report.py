@@ -47,7 +47,7 @@ def _throughput(rows: list[dict], batch: int) -> list[list[float]]:
     """Examples per second between consecutive training log lines (steps x effective batch / seconds),
     not counting the evaluations that ran in between."""
     train = [r for r in rows if "loss" in r and "time" in r]
-    evals = [(r["time"], r.get("eval_runtime", 0.0)) for r in rows if "eval_loss" in r and "time" in r]
+    evals = [(r["time"], r["eval_runtime"]) for r in rows if "eval_runtime" in r and "time" in r]
     points = []
     for a, b in zip(train, train[1:]):
         seconds = b["time"] - a["time"] - sum(t for when, t in evals if a["time"] < when <= b["time"])

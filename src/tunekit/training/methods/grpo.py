@@ -127,8 +127,10 @@ class Grpo(Method):
 
         g = recipe.grpo
         kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+        # whole groups per process and eval step, as many as the micro-batch holds
+        eval_batch = max(g.completions, args.per_device_train_batch_size // g.completions * g.completions)
         kwargs.update(
-            per_device_eval_batch_size=g.completions,  # one group per process and eval step
+            per_device_eval_batch_size=eval_batch,
             num_generations=g.completions, max_completion_length=g.max_completion_length,
             temperature=g.temperature, top_p=g.top_p, beta=g.beta, loss_type=g.loss_type, epsilon=g.epsilon,
             epsilon_high=g.epsilon_high, scale_rewards=g.scale_rewards, num_iterations=g.iterations,
@@ -263,6 +265,13 @@ def trainer_class():
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                      has_tool_images)
             return sampling.generate(self, prompt_ids), None
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            if self.generation_eval is None:
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            # the held-out prompts are scored by their greedy answers' rewards (evaluation.DuringTraining); TRL's
+            # pass would sample grpo.completions answers per prompt again, for a loss that says little
+            return None, None, None
 
         def _tokenize_prompts(self, prompts: list):
             # TRL tokenizes text prompts with the tokenizer's special tokens; a chat template has written them
