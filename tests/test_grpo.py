@@ -198,6 +198,7 @@ def lora_run(tmp_path_factory, tiny_model):
     return tmp / "run", res
 
 
+@pytest.mark.slow  # a training run
 def test_a_run_logs_each_reward_the_kl_and_completion_length(lora_run):
     run_dir, res = lora_run
     rows = [r for r in history(run_dir) if "loss" in r and "eval_loss" not in r]
@@ -213,6 +214,7 @@ def test_a_run_logs_each_reward_the_kl_and_completion_length(lora_run):
     assert [r["step"] for r in evals] == [2, 4] and all("eval_reward/vowels" in r for r in evals)
 
 
+@pytest.mark.slow  # a training run
 def test_lora_leaves_the_base_untouched_and_keeps_samples_with_their_rewards(lora_run, tiny_model):
     run_dir, _ = lora_run
     adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
@@ -232,6 +234,7 @@ def test_lora_leaves_the_base_untouched_and_keeps_samples_with_their_rewards(lor
     assert "GRPO: mean reward (weighted sum)" in page and "reward vowels" in page
 
 
+@pytest.mark.slow  # a training run
 def test_a_failing_reward_stops_the_run_in_one_line(tmp_path, tiny_model):
     (tmp_path / "myrewards.py").write_text(REWARD_MODULE)
     raw = grpo_raw(tiny_model, tmp_path, tmp_path / "run", rewards_=[{"reward": "function",
@@ -245,6 +248,7 @@ def test_a_failing_reward_stops_the_run_in_one_line(tmp_path, tiny_model):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.slow  # a training run
 def test_full_finetuning_with_a_kl_term_takes_a_frozen_copy_as_the_reference(tmp_path, tiny_model):
     raw = grpo_raw(tiny_model, tmp_path, tmp_path / "run", max_steps=2, grpo_={"beta": 0.1})
     raw["adapter"] = "none"
