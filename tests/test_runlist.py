@@ -54,6 +54,17 @@ def test_lists_every_run_with_status_steps_scores_wall_time_and_output(tmp_path,
     assert out.splitlines()[0].split() == ["run", "status", "steps", "eval_loss", "bleu", "rougeL", "wall", "output"]
 
 
+def test_tool_call_and_grpo_runs_show_their_own_scores(tmp_path, capsys):
+    make_run(tmp_path, "tools", scores={"chrf": 80.0, "tool_call_args": 64.29, "tool_call_name": 85.71})
+    make_run(tmp_path, "grpo", scores={"chrf": 41.12, "reward": 0.42, "reward/chrf": 0.42})
+    code, out, _ = runs(capsys, str(tmp_path), "--sort", "reward")
+    assert code == 0
+    assert out.splitlines()[0].split() == ["run", "status", "steps", "chrf", "tool_call_args", "reward", "wall",
+                                           "output"]
+    assert [line.split()[:6] for line in out.splitlines()[2:]] == [
+        ["grpo", "completed", "40", "41.12", "-", "0.42"], ["tools", "completed", "40", "80.00", "64.29", "-"]]
+
+
 def test_sort_puts_the_best_first_in_each_metric_direction(tmp_path, capsys):
     make_run(tmp_path, "a", scores={"bleu": 12.5, "eval_loss": 1.5})
     make_run(tmp_path, "b", scores={"bleu": 20.25, "eval_loss": 1.7})

@@ -19,7 +19,8 @@ from tunekit.runs.layout import CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, METRIC
 log = logging.getLogger("tunekit")
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
-SCORES = ("eval_loss", "bleu", "chrf", "rougeL", "exact_match")  # shown, in this order, when present
+# shown, in this order, when present: the tool-call metric's right-arguments share, GRPO's held-out mean reward
+SCORES = ("eval_loss", "bleu", "chrf", "rougeL", "exact_match", "tool_call_args", "reward")
 LOWER_IS_BETTER = {"eval_loss", "perplexity", "train_loss", "wall_s"}
 
 
