@@ -141,7 +141,7 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
     Checked against allocation traces (bench/RESULTS.md)."""
     h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
     heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or h // heads)
+    kv = kv_width(cfg)
     tokens = s.micro_batch * s.sequences * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
     per_token = 6 * h * 4 + (5 * h + 4 * kv + 4 * inter) * elem
@@ -162,10 +162,14 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
 def kv_cache_bytes(cfg, s: Settings) -> float:
     """The KV cache of sampling: keys and values of every layer for each sampled sequence at full length
     (prompt + completion), in the compute dtype (transformers' dynamic cache)."""
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     elem = 4 if s.precision == "fp32" else 2
-    return 2 * cfg.num_hidden_layers * kv * elem * s.sampled * s.seq_len
+    return 2 * cfg.num_hidden_layers * kv_width(cfg) * elem * s.sampled * s.seq_len
+
+
+def kv_width(cfg) -> int:
+    """Key (or value) width per token and layer: key-value heads x head dimension."""
+    heads = cfg.num_attention_heads
+    return getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
 
 
 def sampling(parts: dict, cfg, s: Settings, c: Counts) -> float:

@@ -63,13 +63,17 @@ class Method:
 
     def check(self, recipe) -> None:
         """Rules of this method on a validated recipe; raise ValueError with a one-line message."""
+        self.check_formats(recipe)
+        if self.has_reference and recipe.lora is not None and recipe.lora.init != "default":
+            raise ValueError(f"training.method: {self.name} takes the base model as its reference, which lora.init="
+                             f"{recipe.lora.init} rewrites; use lora.init: default")
+
+    def check_formats(self, recipe) -> None:
+        """Every data source's format is one this method trains on."""
         wrong = [f for f in recipe.data.formats() if self.data_formats is not None and f not in self.data_formats]
         if wrong:
             raise ValueError(f"training.method: {self.name} trains on {self.data_description}; set data.format "
                              f"(and each source's format): {' or '.join(self.data_formats)} (got {wrong[0]})")
-        if self.has_reference and recipe.lora is not None and recipe.lora.init != "default":
-            raise ValueError(f"training.method: {self.name} takes the base model as its reference, which lora.init="
-                             f"{recipe.lora.init} rewrites; use lora.init: default")
 
     def plan_settings(self, recipe) -> dict:
         """The training step's shape for `tunekit plan` (fields of plan.estimate.Settings)."""

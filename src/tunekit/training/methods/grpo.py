@@ -84,9 +84,7 @@ class Grpo(Method):
 
     def check(self, recipe) -> None:
         g, t = recipe.grpo, recipe.training
-        wrong = [f for f in recipe.data.formats() if f not in self.data_formats]
-        if wrong:
-            raise ValueError(f"training.method: grpo trains on {self.data_description}; got data.format {wrong[0]}")
+        self.check_formats(recipe)  # the reference rule below holds only with a KL term, so not Method.check
         if g.beta > 0 and recipe.lora is not None and recipe.lora.init != "default":
             raise ValueError(f"grpo.beta: the reference is the base model, which lora.init={recipe.lora.init} "
                              "rewrites; use lora.init: default or grpo.beta: 0")
