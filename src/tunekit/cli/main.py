@@ -296,6 +296,13 @@ def cmd_report(a) -> int:
     return 0
 
 
+def cmd_push(a) -> int:
+    from tunekit.export import push  # imports no torch: a LoRA run is merged (--what merged) only once all is checked
+
+    print(f"pushed to {push.push(a.target, a.repo, a.what, a.private, a.revision, a.force, a.baseline, a.base_model)}")
+    return 0
+
+
 def _validate_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
     p.add_argument("--world-size", type=positive_int, metavar="N",
@@ -358,6 +365,25 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing output")
 
 
+def _push_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", help="run directory, merged directory (tunekit merge) or .gguf file (tunekit export)")
+    p.add_argument("--repo", required=True, metavar="OWNER/NAME", help="the Hugging Face Hub model repo to push to")
+    p.add_argument("--what", choices=["adapter", "merged", "gguf"],
+                   help="adapter: a LoRA/QLoRA run's adapter; merged: the merged weights (a LoRA run is merged first, "
+                        "as tunekit merge does); gguf: the GGUF file tunekit export wrote and its Modelfile (default: "
+                        "adapter for a LoRA/QLoRA run, merged for a full fine-tuning run or merged directory, gguf for "
+                        "a .gguf file)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", metavar="BRANCH", help="commit to this branch (created from main when missing)")
+    p.add_argument("--force", action="store_true",
+                   help="push to a repo that exists: its files are replaced by this upload, in one commit")
+    p.add_argument("--baseline", metavar="EVAL_DIR",
+                   help="a `tunekit eval` of the base model (its --out directory): the card's before/after table")
+    p.add_argument("--base-model", metavar="OWNER/NAME",
+                   help="the base model's hub id, where the run names it by a local path or GGUF file: written in the "
+                        "card and the adapter's adapter_config.json")
+
+
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="run directory, merged directory, or base model (hub id, directory, GGUF)")
     p.add_argument("--recipe", help="recipe whose data and prompt settings a base-model target uses")
@@ -396,6 +422,8 @@ VERBS = {
     "merge": ("merge a run's adapter into its base and save deployable weights", _merge_args, cmd_merge),
     "export": ("write a GGUF file (llama.cpp, Ollama, LM Studio) checked against its source, and an Ollama "
                "Modelfile beside it; or a safetensors directory (--format safetensors)", _export_args, cmd_export),
+    "push": ("upload a run's adapter, merged weights or GGUF file to the Hugging Face Hub as one commit, with a "
+             "model card (recipe, data, eval before/after, contamination, training curves)", _push_args, cmd_push),
     "eval": ("generate on held-out data and score BLEU, chrF, ROUGE, exact match, loss", _eval_args, cmd_eval),
     "runs": ("list the runs under a directory: status, steps, scores, wall time, output", _runs_args, cmd_runs),
     "report": ("one self-contained HTML page: curves, scores, best step, predictions; several runs overlaid",

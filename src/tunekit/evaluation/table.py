@@ -4,6 +4,10 @@ the end-of-training eval, the demo and the report page all use these rows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from tunekit.core.errors import TunekitError
+from tunekit.core.jsonfiles import read_json
 from tunekit.evaluation import metrics
 
 PREFERENCE_ROWS = [("preference_accuracy", "prefers chosen"), ("reward_accuracy", "reward accuracy"),
@@ -16,6 +20,18 @@ def table_rows(columns: list[dict] = ()) -> list[tuple[str, str]]:
     rewards = [("reward", "reward (weighted sum)")] + [(k, f"reward {k.removeprefix('reward/')}") for k in named]
     return ([row for metric in metrics.METRICS.values() for row in metric.rows] + PREFERENCE_ROWS + rewards
             + [("examples", "examples")])
+
+
+def baseline_scores(path: Path, flag: str = "--baseline") -> dict:
+    """The scores of a `tunekit eval` of the base model (its --out directory, or its metrics.json): the
+    "before" beside a run's "after" (the report page's and the model card's before/after tables)."""
+    fix = "give the --out directory of a `tunekit eval` of the base model"
+    if not path.exists():
+        raise TunekitError(f"{flag} {path}: does not exist; {fix}")
+    file = path / "metrics.json" if path.is_dir() else path
+    if not file.is_file():
+        raise TunekitError(f"{flag} {path}: no metrics.json; {fix}")
+    return read_json(file, fix).get("scores", {})
 
 
 def format_table(columns: list[tuple[str, dict]]) -> str:

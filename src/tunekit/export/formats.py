@@ -169,19 +169,20 @@ class Safetensors(ExportFormat):
 
 
 def model_card(source: Source, model_dir: Path, dtype: str) -> str:
-    """The card of a model saved as it is: the source's own card where it has one (a merged model's), else
-    what is known of it."""
+    """The card of a model saved as it is: the source's own card where it has one (a merged model's), a full
+    fine-tuning run's card from the run, else what is known of it (export.card)."""
+    from tunekit.export import card
+
     own = model_dir / "README.md"
     if own.is_file():
         return own.read_text(encoding="utf-8")
-    facts = source.facts
-    lines = [f"# {facts.name}", "", f"Base model: `{facts.base_model}`  ", f"Weights: {dtype}, safetensors  "]
-    if facts.license:
-        lines.append(f"License: {facts.license}  ")
-    if facts.finetune:
-        lines.append(f"Fine-tuning: `{json.dumps(facts.finetune, sort_keys=True)}`  ")
-    lines += ["", "Load with `AutoModelForCausalLM.from_pretrained(this_dir)` and `AutoTokenizer.from_pretrained(this_dir)`."]
-    return "\n".join(lines) + "\n"
+    facts, weights = source.facts, f"{dtype}, safetensors"
+    if source.kind == "run":
+        return card.render(card.from_run(source.path, "merged", weights=weights, license=facts.license))
+    notes = [f"Fine-tuning: `{json.dumps(facts.finetune, sort_keys=True)}`"] if facts.finetune else []
+    return card.render(card.Card(name=facts.name, what="merged", base_model=facts.base_model, title=facts.name,
+                                 base_model_id=card.hub_id(facts.base_model), recipe=source.recipe,
+                                 license=facts.license, weights=weights, notes=notes))
 
 
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (Gguf(), Safetensors())}

@@ -25,10 +25,8 @@ from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
 from tunekit.models.info import model_config
 from tunekit.config.loading import load as load_recipe
-from tunekit.config.loading import to_yaml
-from tunekit.runs.layout import (ADAPTER_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, RECIPE_FILE, RunRecord,
-                                adapter_run)
-from tunekit.core.jsonfiles import read_json
+from tunekit.export import card
+from tunekit.runs.layout import ADAPTER_DIR, MERGED_MARKER, RECIPE_FILE, RunRecord, adapter_run
 from tunekit.runs.trained import quantization_as_trained
 
 log = logging.getLogger("tunekit")
@@ -102,20 +100,9 @@ def _default_dtype(recipe) -> str:
     return names.get(dtype, "fp32")
 
 
-def model_card(recipe, run_dir: Path, parity: Parity, dtype: str) -> str:
-    scores = ""
-    metrics_file = run_dir / EVAL_DIR / "metrics.json"
-    if metrics_file.is_file():
-        result = read_json(metrics_file, METRICS_FIX)
-        rows = [f"| {k} | {v:.2f} |" for k, v in result.get("scores", {}).items() if isinstance(v, float)]
-        scores = "\n## Evaluation (adapter run, held-out data)\n\n| metric | value |\n|---|---|\n" + "\n".join(rows) + "\n"
-    return (
-        f"# Merged model\n\nBase model: `{recipe.model.name_or_path}`  \nAdapter: {recipe.adapter_kind}, "
-        f"rank {recipe.lora.r}, alpha {recipe.lora.alpha}  \nWeights: {dtype}, safetensors  \n"
-        f"Merged from run `{run_dir}`; {parity.line()}.\n\n"
-        "Load with `AutoModelForCausalLM.from_pretrained(this_dir)` and `AutoTokenizer.from_pretrained(this_dir)`.\n"
-        f"{scores}\n## Recipe\n\n```yaml\n{to_yaml(recipe)}```\n"
-    )
+def model_card(run_dir: Path, parity: Parity, dtype: str) -> str:
+    return card.render(card.from_run(run_dir, "merged", weights=f"{dtype}, safetensors",
+                                     notes=[f"Merged from run `{run_dir}` in fp32; {parity.line()}"]))
 
 
 def merge(run_dir: Path, out: Path | None = None, dtype: str | None = None, force: bool = False,
@@ -153,6 +140,6 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
             "source_run": str(run_dir.resolve()), "base_model": recipe.model.name_or_path, "adapter": recipe.adapter_kind,
             "dtype": dtype, "parity": vars(parity), "tolerance": tolerance, "versions": outputs.versions(),
         })
-        (tmp / "README.md").write_text(model_card(recipe, run_dir, parity, dtype), encoding="utf-8")
+        (tmp / "README.md").write_text(model_card(run_dir, parity, dtype), encoding="utf-8")
     log.info("merged model written to %s (%s)", out, dtype)
     return out

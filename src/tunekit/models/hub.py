@@ -115,9 +115,9 @@ def _probe(repo: str, revision: str | None, key: str) -> None:
         if getattr(e.response, "status_code", None) == 401:
             raise TunekitError(f"{key}: the Hub rejected this machine's token while fetching {repo!r}; log in again "
                                f"(`hf auth login`, or set HF_TOKEN to a valid token)") from None
-        reason = _reason(e)
+        reason = network_reason(e)
     except Exception as e:  # no network, DNS failure, timeout: raised by whichever HTTP client
-        reason = _reason(e)  # huggingface_hub uses (httpx, httpx2 or requests, by version)
+        reason = network_reason(e)  # huggingface_hub uses (httpx, httpx2 or requests, by version)
     if _cached(repo, revision):
         log.info("the Hugging Face Hub is not reachable (%s); using the cached copy of %s, offline", reason, repo)
         go_offline()
@@ -142,7 +142,7 @@ def probe_dataset(repo: str, key: str | None = None) -> None:
         except (HfHubHTTPError, HFValidationError):
             return  # the Hub answered: `datasets` reports what it said
         except Exception as e:  # no network (see _probe)
-            why = f"the Hub is not reachable: {_reason(e)}"
+            why = f"the Hub is not reachable: {network_reason(e)}"
             go_offline()
     cached = _dataset_cached(repo)
     if key is not None and not cached:
@@ -186,7 +186,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return found
 
 
-def _reason(exc: BaseException) -> str:
+def network_reason(exc: BaseException) -> str:
     """The innermost message of a network error: 'Name or service not known', 'Connection refused'."""
     return first_line(_chain(exc)[-1]).removeprefix("[Errno -2] ").removeprefix("[Errno 111] ")[:120]
 

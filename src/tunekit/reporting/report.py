@@ -16,57 +16,16 @@ from tunekit.reporting import dataview
 from tunekit.reporting import listing as runlist
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json, read_jsonl
-from tunekit.runs.layout import EVAL_DIR, HISTORY_FILE, METRICS_FIX, RUN_FILE, RunRecord
-from tunekit.evaluation.table import table_rows
+from tunekit.runs import history
+from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RUN_FILE, RunRecord
+from tunekit.evaluation.table import baseline_scores, table_rows
 
 REPORT_FILE = "report.html"
 SAMPLES = 8  # predictions shown per run
-# (key in loss_history.jsonl, plot title); throughput is derived from the log times
-CURVES = [("loss", "train loss"), ("eval_loss", "eval loss"), ("learning_rate", "learning rate"),
-          ("grad_norm", "gradient norm"), ("examples_per_s", "throughput (examples/s)"),
-          ("reward", "GRPO: mean reward (weighted sum)"), ("eval_reward", "GRPO: held-out reward (greedy)"),
-          ("kl", "GRPO: KL to the reference"), ("completions/mean_length", "GRPO: completion length")]
-SKIP = {"step", "epoch", "time", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
-        "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
 
-HISTORY_FIX = "delete that line (or the whole file, for a report without curves) and run the command again"
 PREDICTIONS_FIX = "run the eval again, or delete the file for a report without predictions"
 EXAMPLES_FIX = f"delete {EXAMPLES_FILE} for a report without training examples"
-
-
-def _history(run_dir: Path) -> list[dict]:
-    """The logged lines that have a step (a cut last line, a kill's, is skipped: see read_jsonl)."""
-    path = run_dir / HISTORY_FILE
-    if not path.is_file():
-        return []
-    return [r for r in read_jsonl(path, HISTORY_FIX) if isinstance(r.get("step"), (int, float))]
-
-
-def _throughput(rows: list[dict], batch: int) -> list[list[float]]:
-    """Examples per second between consecutive training log lines (steps x effective batch / seconds),
-    not counting the evaluations that ran in between."""
-    train = [r for r in rows if "loss" in r and "time" in r]
-    evals = [(r["time"], r["eval_runtime"]) for r in rows if "eval_runtime" in r and "time" in r]
-    points = []
-    for a, b in zip(train, train[1:]):
-        seconds = b["time"] - a["time"] - sum(t for when, t in evals if a["time"] < when <= b["time"])
-        if seconds > 0 and b["step"] > a["step"]:
-            points.append([b["step"], (b["step"] - a["step"]) * batch / seconds])
-    return points
-
-
-def series(rows: list[dict], batch: int) -> dict[str, list[list[float]]]:
-    """Every numeric logged quantity as [step, value] points, plus the throughput."""
-    out: dict[str, list[list[float]]] = {}
-    for r in rows:
-        for k, v in r.items():
-            if k not in SKIP and isinstance(v, (int, float)) and not isinstance(v, bool):
-                out.setdefault(k, []).append([r["step"], v])
-    points = _throughput(rows, batch)
-    if points:
-        out["examples_per_s"] = points
-    return out
 
 
 def _predictions(run_dir: Path) -> list[dict]:
@@ -97,7 +56,7 @@ def load(run_dir: Path) -> dict:
     scores = read_json(metrics_file, METRICS_FIX).get("scores", {}) if metrics_file.is_file() else {}
     return {"name": run_dir.name, "path": str(run_dir), "status": row.status, "steps": row.steps,
             "wall": runlist._duration(row.wall_s), "output": row.output, "record": record,
-            "series": series(_history(run_dir), record.effective_batch or 1), "scores": scores,
+            "series": history.series(history.rows(run_dir), record.effective_batch or 1), "scores": scores,
             "predictions": _predictions(run_dir), "examples": _examples(run_dir)}
 
 
@@ -217,23 +176,11 @@ def training_examples(run: dict) -> str:
 
 
 def _baseline(path: Path | None) -> dict | None:
-    if path is None:
-        return None
-    fix = "give the --out directory of a `tunekit eval` of the base model"
-    if not path.exists():
-        raise TunekitError(f"--baseline {path}: does not exist; {fix}")
-    file = path / "metrics.json" if path.is_dir() else path
-    if not file.is_file():
-        raise TunekitError(f"--baseline {path}: no metrics.json; {fix}")
-    return read_json(file, fix).get("scores", {})
+    return baseline_scores(path) if path is not None else None
 
 
 def render(runs: list[dict], baseline: dict | None = None) -> str:
-    keys = {k for r in runs for k in r["series"]}
-    curves = [(k, t) for k, t in CURVES if k in keys]
-    metric_keys = sorted(k for k in keys if k.startswith("eval_") and k != "eval_loss")
-    curves += [(k, k.removeprefix("eval_") + " (eval)") for k in metric_keys]
-    curves += [(k, k) for k in sorted(keys - {k for k, _ in curves})]
+    curves = history.titled({k for r in runs for k in r["series"]})
     data = {"curves": curves, "runs": [{"name": r["name"], "series": r["series"],
                                         "best": (r["record"].best or {}).get("step")} for r in runs]}
     payload = json.dumps(data).replace("</", "<\\/")

@@ -1,0 +1,231 @@
+"""The model card (README.md) of what tunekit writes for others to load: `tunekit merge`'s directory, `tunekit
+export --format safetensors`'s and `tunekit push`'s upload. One home for cards: YAML front matter the
+Hugging Face Hub reads (base_model, library_name, tags, datasets, metrics, license, pipeline_tag), then the
+run it came from: base model, method, data sources and counts, the eval table (before/after given the base
+model's eval), the contamination report, the training curves (an SVG file beside the card), how to load it,
+the license, the tunekit version and the resolved recipe. Files only: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tunekit import __version__
+from tunekit.config.loading import load as load_recipe
+from tunekit.config.loading import to_yaml
+from tunekit.core.jsonfiles import read_json
+from tunekit.data.precheck import SUFFIXES
+from tunekit.evaluation.table import table_rows
+from tunekit.models.sources import looks_like_path, resolve_model
+from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RECIPE_FILE, RunRecord, is_run
+
+CURVES_FILE = "training_curves.svg"
+ADAPTERS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tuning"}
+TITLES = {"adapter": "LoRA adapter", "merged": "Merged model", "gguf": "GGUF model"}
+LIBRARY = {"adapter": "peft", "merged": "transformers", "gguf": None}  # the Hub tells GGUF files apart itself
+# the Hub's metric ids for the scores `tunekit eval` writes
+HUB_METRICS = {"bleu": "bleu", "chrf": "chrf", "rouge1": "rouge", "rougeL": "rouge", "exact_match": "exact_match",
+               "perplexity": "perplexity", "tool_call_args": "accuracy"}
+METHODS = {"sft": "supervised fine-tuning (SFT)", "dpo": "direct preference optimization (DPO)",
+           "kto": "Kahneman-Tversky optimization (KTO)", "orpo": "odds ratio preference optimization (ORPO)",
+           "grpo": "group relative policy optimization (GRPO)"}
+
+
+@dataclass
+class Card:
+    name: str  # the model's name: the run's, or the file's
+    what: str  # adapter | merged | gguf
+    base_model: str  # as the recipe (or the source) names it
+    base_model_id: str | None = None  # its hub id, for the front matter; None where it is only a local path
+    recipe: object | None = None  # the run's recipe
+    record: RunRecord | None = None  # the run's run.json
+    scores: dict | None = None  # the run's end-of-training eval (eval/metrics.json)
+    baseline: dict | None = None  # the base model's eval of the same held-out data: the "before" column
+    license: str | None = None
+    weights: str = ""  # what the files are, in a few words
+    notes: list[str] = field(default_factory=list)  # lines about how it was made (merge parity, GGUF check)
+    repo: str | None = None  # where it is loaded from: a hub id, else "this_dir"
+    curves: bool = False  # CURVES_FILE sits beside the card
+    title: str | None = None  # default: what it is and its name
+
+
+def hub_id(spec: str) -> str | None:
+    """`spec` where it names a hub model (owner/name), else None (a local directory or GGUF file)."""
+    try:
+        return spec if resolve_model(spec).kind == "hub" else None
+    except Exception:  # a local path that is gone: not a hub id either
+        return None
+
+
+def _hub_dataset(spec: str) -> bool:
+    return not looks_like_path(spec) and Path(spec).suffix.lower() not in SUFFIXES and not Path(spec).exists()
+
+
+def data_sources(recipe) -> list[str]:
+    """The training (and eval) data as the recipe names it: a file or hub name per source."""
+    out = []
+    for spec in (recipe.data.train, recipe.data.eval):
+        if spec is not None:
+            out += [spec] if isinstance(spec, str) else [s.path for s in spec]
+    return list(dict.fromkeys(out))
+
+
+def from_run(run_dir: Path, what: str, **fields) -> Card:
+    """A card for something made from the run in `run_dir` (its recipe, run.json and end-of-training eval)."""
+    from tunekit.export.license import license_of
+
+    recipe = load_recipe(run_dir / RECIPE_FILE)
+    metrics_file = run_dir / EVAL_DIR / "metrics.json"
+    scores = read_json(metrics_file, METRICS_FIX).get("scores") if metrics_file.is_file() else None
+    base = recipe.model.name_or_path
+    fields.setdefault("license", license_of(base))
+    fields.setdefault("base_model_id", hub_id(base))
+    return Card(name=run_dir.resolve().name, what=what, base_model=base, recipe=recipe,
+                record=RunRecord.load(run_dir) if is_run(run_dir) else None, scores=scores, **fields)
+
+
+def front_matter(card: Card) -> dict:
+    """The YAML header the Hub reads for its model page, search and filters."""
+    method = card.record.training_method if card.record else card.recipe.training.method if card.recipe else None
+    adapter = card.recipe.adapter_kind if card.recipe is not None else None
+    meta: dict = {}
+    if card.base_model_id:
+        meta["base_model"] = card.base_model_id
+    if LIBRARY[card.what]:
+        meta["library_name"] = LIBRARY[card.what]
+    if card.license:
+        meta["license"] = card.license
+    tags = ["tunekit", method, "full-fine-tuning" if adapter == "full" else adapter]
+    tags += ["gguf"] if card.what == "gguf" else []
+    meta["tags"] = list(dict.fromkeys(t for t in tags if t))
+    datasets = [s for s in data_sources(card.recipe) if _hub_dataset(s)] if card.recipe is not None else []
+    if datasets:
+        meta["datasets"] = datasets
+    found = list(dict.fromkeys(HUB_METRICS[k] for k in (card.scores or {}) if k in HUB_METRICS))
+    if found:
+        meta["metrics"] = found
+    meta["pipeline_tag"] = "text-generation"
+    return meta
+
+
+def render(card: Card) -> str:
+    header = yaml.safe_dump(front_matter(card), sort_keys=False, allow_unicode=True)
+    title = card.title or f"{TITLES[card.what]}: {card.name}"
+    parts = [f"---\n{header}---\n", f"# {title}\n", _summary(card)]
+    parts += [section for section in (_usage(card), _data(card), _evaluation(card), _contamination(card),
+                                      _curves(card), _recipe(card)) if section]
+    return "\n".join(parts)
+
+
+def _summary(card: Card) -> str:
+    local = not card.base_model_id and _local(card.base_model)
+    lines = [f"Base model: `{card.base_model}`" + (" (a local path where it was trained)" if local else "")]
+    if card.recipe is not None:
+        recipe, record = card.recipe, card.record
+        method = record.training_method if record else recipe.training.method
+        adapter = recipe.adapter_kind
+        how = f"{METHODS.get(method, method)}, {ADAPTERS.get(adapter, adapter)}"
+        if recipe.lora is not None and adapter != "full":
+            how += f" (rank {recipe.lora.r}, alpha {recipe.lora.alpha})"
+        lines.append(f"Method: {how}")
+        if record is not None:
+            lines.append(f"Training: {record.global_step} steps, {record.effective_batch} examples per step, "
+                         f"{record.precision.get('name')}; final train loss "
+                         + (f"{record.train_loss:.4f}" if record.train_loss is not None else "-"))
+    if card.weights:
+        lines.append(f"Weights: {card.weights}")
+    lines += card.notes
+    lines.append(f"License: {card.license or 'not stated by the base model; check its own terms'}")
+    lines.append(f"Made with tunekit {__version__}")
+    return "  \n".join(lines) + "\n"
+
+
+def _local(spec: str) -> bool:
+    return looks_like_path(spec) or spec.endswith(".gguf") or Path(spec).exists()
+
+
+def _usage(card: Card) -> str:
+    where = card.repo or "this_dir"
+    if card.what == "adapter":
+        code = (f'from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n'
+                f'model = AutoPeftModelForCausalLM.from_pretrained("{where}")\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{where}")')
+        if not card.base_model_id:
+            code += ("\n# the base model named in adapter_config.json is a local path: load your copy of it and\n"
+                     f'# PeftModel.from_pretrained(base, "{where}")')
+        return f"## How to load\n\n```python\n{code}\n```\n"
+    if card.what == "merged":
+        return ("## How to load\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                f'model = AutoModelForCausalLM.from_pretrained("{where}")\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{where}")\n```\n')
+    run = (f"ollama run hf.co/{card.repo}\nllama-cli -hf {card.repo}" if card.repo else
+           "ollama create NAME -f NAME.Modelfile\nllama-cli -m NAME.gguf")
+    return ("## How to run\n\nllama.cpp, Ollama and LM Studio read the GGUF file; the Ollama Modelfile beside it holds "
+            f"the chat template, stop tokens and greedy settings.\n\n```bash\n{run}\n```\n")
+
+
+def _data(card: Card) -> str:
+    if card.recipe is None:
+        return ""
+    lines = ["## Data", "", "Sources: " + ", ".join(f"`{s}`" for s in data_sources(card.recipe))]
+    data = (card.record.data or {}) if card.record else {}
+    split, train, held = data.get("split") or {}, data.get("train") or {}, data.get("eval") or {}
+    rows = [("records read", split.get("train_records_read")), ("training records", split.get("train")),
+            ("held out", f"{split.get('held_out')} ({split.get('held_out_from') or 'none'})" if split else None),
+            ("training examples", train.get("examples")), ("training tokens", train.get("tokens")),
+            ("trained tokens (labels)", train.get("trained_tokens")), ("eval examples", held.get("examples"))]
+    rows = [(k, v) for k, v in rows if v is not None]
+    if rows:
+        lines += ["", "| | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _score(v) -> str:
+    return "-" if v is None else (f"{v:d}" if isinstance(v, int) else f"{v:.2f}")
+
+
+def _evaluation(card: Card) -> str:
+    """The end-of-training scores; beside the base model's, with the change, when a baseline is given."""
+    if not card.scores:
+        return ""
+    after, before = card.scores, card.baseline
+    rows = [(k, name) for k, name in table_rows([after] + ([before] if before else [])) if k in after]
+    if before:
+        lines = ["| metric | base model (before) | this model (after) | change |", "|---|---|---|---|"]
+        for key, name in rows:
+            change = f"{after[key] - before[key]:+.2f}" if key in before and key != "examples" else ""
+            lines.append(f"| {name} | {_score(before.get(key))} | {_score(after[key])} | {change} |")
+        intro = "Greedy answers to the held-out examples, scored before (the base model) and after training."
+    else:
+        lines = ["| metric | this model |", "|---|---|"] + [f"| {name} | {_score(after[key])} |" for key, name in rows]
+        intro = ("Greedy answers to the held-out examples after training (no base model eval was given: "
+                 "`tunekit push --baseline EVAL_DIR` adds it).")
+    return "\n".join(["## Evaluation", "", intro, ""] + lines) + "\n"
+
+
+def _contamination(card: Card) -> str:
+    found = ((card.record.data or {}).get("contamination") or {}) if card.record else {}
+    if not found:
+        return ""
+    rows = [("training examples screened", found.get("train_examples")), ("eval examples", found.get("eval_examples")),
+            ("duplicate training examples", found.get("duplicates")),
+            ("eval examples sharing a prompt or answer with training", found.get("eval_exact")),
+            ("eval examples sharing an n-gram with training", found.get("eval_ngram")),
+            ("training examples dropped", found.get("dropped"))]
+    settings = (f"data.dedup {'on' if found.get('dedup') else 'off'}, data.decontaminate "
+                f"{'on' if found.get('decontaminate') else 'off'}")
+    return "\n".join(["## Contamination", "", f"Held-out data checked against the training data ({settings}).", "",
+                      "| | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows if v is not None]) + "\n"
+
+
+def _curves(card: Card) -> str:
+    return f"## Training curves\n\n![training curves]({CURVES_FILE})\n" if card.curves else ""
+
+
+def _recipe(card: Card) -> str:
+    if card.recipe is None:
+        return ""
+    return ("## Recipe\n\nThe recipe as trained, every default filled (`tunekit train`):\n\n"
+            f"```yaml\n{to_yaml(card.recipe)}```\n")

@@ -1,0 +1,393 @@
+"""`tunekit push TARGET --repo OWNER/NAME`: a run's LoRA adapter, its merged weights or a GGUF file, with a model
+card (export.card) and the training curves (runs.curves), to the Hugging Face Hub as ONE commit, so that the
+repo holds the whole upload or none of it.
+
+In this order: what can be told here (the target is a finished run, merged directory or GGUF file; --what
+matches what it holds; the repo id; a token; the baseline) before any network call and before any weight
+loads; then the Hub (the token is valid and may write; the repo exists only with --force) before anything is
+merged; then the files (a LoRA run's merge for --what merged, as `tunekit export --format safetensors` merges),
+and the one commit. Each way it fails is one line (TunekitError) naming what is wrong and what to do."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tunekit.config.loading import load as load_recipe
+from tunekit.core.errors import TunekitError, first_line
+from tunekit.core.jsonfiles import read_json
+from tunekit.evaluation.table import baseline_scores
+from tunekit.export import card as cards
+from tunekit.runs import curves, history
+from tunekit.runs.layout import (ADAPTER_DIR, MERGED_FIX, MERGED_MARKER, MODEL_DIR, RECIPE_FILE, RUN_FILE,
+                                 RunRecord, is_run)
+
+log = logging.getLogger("tunekit")
+
+WHATS = ("adapter", "merged", "gguf")
+PICKLES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
+# a merged directory's files that stay here: tunekit's marker (local paths), the recipe (in the card), its card
+KEPT_HERE = {MERGED_MARKER, RECIPE_FILE, "README.md"}
+TOKEN_FIX = ("set HF_TOKEN to a write token (https://huggingface.co/settings/tokens) or log in with "
+             "`hf auth login`")
+
+
+@dataclass
+class Upload:
+    what: str  # adapter | merged | gguf
+    target: Path
+    run: Path | None  # the run the card describes; None for a file or directory whose run is not here
+    files: dict[str, Path] = field(default_factory=dict)  # path in the repo -> local file
+    merge_run: Path | None = None  # a LoRA run merged on the fly (--what merged)
+    merged_dir: Path | None = None  # the merged directory uploaded: its tunekit.json and recipe
+
+    @property
+    def name(self) -> str:
+        """The run's name; a file's or directory's own where the run is not here."""
+        if self.run is not None:
+            return self.run.resolve().name
+        return self.target.stem if self.target.is_file() else self.target.resolve().name
+
+
+# ---------------------------------------------------------------- here, before any network call
+
+
+def _files(folder: Path, skip: set[str] = frozenset()) -> dict[str, Path]:
+    """Every file under `folder` (hidden ones and `skip` at its top left out) by its path inside it;
+    safetensors only: a pickle file is refused."""
+    found = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel in skip or any(part.startswith(".") for part in Path(rel).parts):
+            continue
+        if path.suffix in PICKLES:
+            raise TunekitError(f"{path}: a pickle file ({path.suffix}); tunekit pushes safetensors only: remove it")
+        found[rel] = path
+    return found
+
+
+def _gguf_files(gguf: Path) -> dict[str, Path]:
+    """The GGUF file and, where `tunekit export` wrote it, its Ollama Modelfile (FROM ./NAME.gguf)."""
+    modelfile = gguf.with_suffix(".Modelfile")
+    return {gguf.name: gguf, **({modelfile.name: modelfile} if modelfile.is_file() else {})}
+
+
+def _one_gguf(folder: Path) -> Path:
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise TunekitError(f"{folder}: no GGUF file here; write one with `tunekit export {folder}` first, or push "
+                           "--what adapter or --what merged")
+    if len(found) > 1:
+        raise TunekitError(f"{folder}: {len(found)} GGUF files ({', '.join(p.name for p in found)}); give the one "
+                           "to push as TARGET")
+    return found[0]
+
+
+def _run_of(folder: Path) -> Path | None:
+    """The run a file or merged directory in `folder` came from, where it is still here."""
+    if is_run(folder):
+        return folder
+    marker = folder / MERGED_MARKER
+    source = read_json(marker, MERGED_FIX).get("source_run") if marker.is_file() else None
+    return Path(source) if source and is_run(Path(source)) else None
+
+
+def _from_run(path: Path, what: str | None) -> Upload:
+    record = RunRecord.load(path)
+    if record.status != "completed":
+        raise TunekitError(f"{path}: the run did not complete (status {record.status!r}); nothing to push")
+    lora = not (path / MODEL_DIR).is_dir()
+    what = what or ("adapter" if lora else "merged")
+    if what == "gguf":
+        return Upload("gguf", path, path, _gguf_files(_one_gguf(path)))
+    if not lora:
+        if what == "adapter":
+            raise TunekitError(f"{path}: a full fine-tuning run has no adapter; push --what merged (its weights in "
+                               f"{MODEL_DIR}/) or --what gguf")
+        return Upload("merged", path, path, _files(path / MODEL_DIR, {"README.md"}))
+    adapter = path / ADAPTER_DIR
+    if not (adapter / "adapter_config.json").is_file() or not list(adapter.glob("*.safetensors")):
+        raise TunekitError(f"{adapter}: no adapter_config.json or adapter weights (safetensors); train the run again")
+    if what == "merged":
+        return Upload("merged", path, path, merge_run=path)
+    return Upload("adapter", path, path, _files(adapter, {"README.md"}))  # PEFT's own card: ours replaces it
+
+
+def resolve(target: str, what: str | None) -> Upload:
+    """What TARGET holds and which of it --what pushes (default: a LoRA run's adapter, a full fine-tuning run's
+    or merged directory's weights, a GGUF file)."""
+    path = Path(target).expanduser()
+    if not path.exists():
+        raise TunekitError(f"push target {target}: does not exist; give a run directory, a merged directory or a "
+                           ".gguf file")
+    if path.is_file():
+        with open(path, "rb") as f:
+            if path.suffix != ".gguf" or f.read(4) != b"GGUF":
+                raise TunekitError(f"push target {target}: not a GGUF file; give a run directory, a merged "
+                                   "directory or a .gguf file")
+        if what not in (None, "gguf"):
+            raise TunekitError(f"push target {target}: a GGUF file pushes as --what gguf, not {what}; for the "
+                               f"{what} give the run directory")
+        return Upload("gguf", path, _run_of(path.parent), _gguf_files(path), merged_dir=_merged(path.parent))
+    if is_run(path):
+        return _from_run(path, what)
+    if not (path / MERGED_MARKER).is_file():
+        raise TunekitError(f"push target {target}: not a tunekit run directory ({RUN_FILE}), merged directory "
+                           f"({MERGED_MARKER}) or .gguf file")
+    if what == "adapter":
+        raise TunekitError(f"push target {target}: a merged directory holds no adapter; push its run directory "
+                           "with --what adapter")
+    if what == "gguf":
+        return Upload("gguf", path, _run_of(path), _gguf_files(_one_gguf(path)), merged_dir=path)
+    files = {k: v for k, v in _files(path, KEPT_HERE).items() if not k.endswith((".gguf", ".Modelfile"))}
+    return Upload("merged", path, _run_of(path), files, merged_dir=path)
+
+
+def _merged(folder: Path) -> Path | None:
+    return folder if (folder / MERGED_MARKER).is_file() else None
+
+
+REPO_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
+
+
+def check_repo_id(repo: str, flag: str = "--repo") -> str:
+    """OWNER/NAME as the Hub takes it: letters, digits, '-', '_', '.', neither '--' nor '..', at most 96 each."""
+    parts = repo.split("/")
+    if len(parts) != 2 or not all(REPO_PART.fullmatch(p) and len(p) <= 96 and "--" not in p and ".." not in p
+                                  for p in parts):
+        raise TunekitError(f"{flag} {repo}: give OWNER/NAME, e.g. alice/smollm2-sft (letters, digits, '-', '_' and "
+                           "'.'; no '--' or '..')")
+    return repo
+
+
+def token() -> str:
+    """The token huggingface_hub would use (HF_TOKEN, else the one `hf auth login` stored), checked present."""
+    from huggingface_hub import constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise TunekitError("HF_HUB_OFFLINE=1 forbids uploading to the Hugging Face Hub; unset it to push")
+    found = get_token()
+    if not found:
+        raise TunekitError(f"no Hugging Face token here: {TOKEN_FIX}")
+    return found
+
+
+# ---------------------------------------------------------------- the card
+
+
+def _weights(upload: Upload, files: dict[str, Path]) -> str:
+    if upload.what == "adapter":
+        return "LoRA adapter, safetensors (adapter_model.safetensors)"
+    if upload.what == "gguf":
+        return "GGUF file `" + next(k for k in files if k.endswith(".gguf")) + "`" + (
+            " and its Ollama Modelfile" if any(k.endswith(".Modelfile") for k in files) else "")
+    config = files.get("config.json")
+    dtype = json.loads(config.read_text(encoding="utf-8")).get("dtype") if config else None
+    return f"{dtype}, safetensors" if dtype else "safetensors"
+
+
+def _notes(merged_dir: Path | None) -> list[str]:
+    """What `tunekit merge` recorded of the merge: its parity with the adapter model."""
+    marker = merged_dir / MERGED_MARKER if merged_dir is not None else None
+    parity = read_json(marker, MERGED_FIX).get("parity") if marker is not None and marker.is_file() else None
+    if not isinstance(parity, dict):
+        return []
+    return [f"Merged from the adapter in fp32; parity with the adapter model: max |logit diff| "
+            f"{parity.get('max_abs_diff', float('nan')):.2e}, top-1 agreement "
+            f"{100 * parity.get('top1_agreement', float('nan')):.2f}% over {parity.get('positions')} positions"]
+
+
+def _gguf_base(path: Path) -> str | None:
+    import gguf
+
+    field_ = gguf.GGUFReader(path).fields.get("general.base_model.0.name")
+    return field_.contents() if field_ is not None else None
+
+
+def card_for(upload: Upload, repo: str, base_id: str | None, baseline: dict | None) -> cards.Card:
+    """The card's facts: from the run where it is here, else the merged directory's recipe, else the GGUF file."""
+    from tunekit.export.license import license_of
+
+    fields = {"repo": repo, "baseline": baseline, "weights": _weights(upload, upload.files),
+              "notes": _notes(upload.merged_dir), **({"base_model_id": base_id} if base_id else {})}
+    if upload.run is not None:
+        return cards.from_run(upload.run, upload.what, **fields)
+    recipe_file = upload.merged_dir / RECIPE_FILE if upload.merged_dir is not None else None
+    recipe = load_recipe(recipe_file) if recipe_file is not None and recipe_file.is_file() else None
+    base = recipe.model.name_or_path if recipe is not None else _gguf_base(upload.target) or "not recorded"
+    fields.setdefault("base_model_id", cards.hub_id(base))
+    return cards.Card(name=upload.name, what=upload.what, base_model=base, recipe=recipe, license=license_of(base),
+                      **fields)
+
+
+# ---------------------------------------------------------------- the Hub
+
+
+class Hub:
+    """The calls push makes, each failure one line naming what is wrong and what to do."""
+
+    def __init__(self, token: str, repo: str):
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()  # one line per step here, and an error stays one line
+        self.api, self.repo, self.endpoint = HfApi(token=token), repo, constants.ENDPOINT
+
+    def error(self, doing: str, exc: Exception) -> TunekitError:
+        from tunekit.models.hub import network_reason
+
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status == 401:
+            return TunekitError(f"the Hugging Face Hub rejected the token (401 while {doing}); {TOKEN_FIX}")
+        if status == 403:
+            return TunekitError(f"the token here may not write to {self.repo} (403 while {doing}); use a write token "
+                                f"of {self.repo.split('/')[0]} or of a member of it")
+        if status is not None:
+            return TunekitError(f"the Hugging Face Hub answered {status} while {doing} ({first_line(exc)[:160]}); "
+                                "run the command again later")
+        return TunekitError(f"cannot reach the Hugging Face Hub at {self.endpoint} while {doing} "
+                            f"({network_reason(exc)}); check the network (and HF_ENDPOINT), then run the command again")
+
+    def call(self, doing: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise self.error(doing, e) from None
+
+    def info(self, repo: str, revision: str | None = None):
+        """The model repo's info (its files at `revision`), or None where it does not exist."""
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            return self.api.model_info(repo, revision=revision)
+        except RepositoryNotFoundError:
+            return None
+        except Exception as e:
+            raise self.error(f"looking up {repo}", e) from None
+
+    def check(self, private: bool, force: bool) -> bool:
+        """The token is valid and may write to the repo's owner; the repo is new, or --force. Whether it exists."""
+        who = self.call("checking the token", self.api.whoami)
+        if ((who.get("auth") or {}).get("accessToken") or {}).get("role") == "read":
+            raise TunekitError(f"the Hugging Face token here is read-only; {TOKEN_FIX} (with write access)")
+        owner, user = self.repo.split("/")[0], who.get("name")
+        if owner not in [user] + [o.get("name") for o in who.get("orgs") or []]:
+            raise TunekitError(f"--repo {self.repo}: the token here is {user}'s, who is not {owner} nor a member of "
+                               f"it; push to {user}/NAME, or use a token of {owner}")
+        info = self.info(self.repo)
+        if info is None:
+            return False
+        empty = not {s.rfilename for s in info.siblings or []} - {".gitattributes"}
+        if empty:  # as create_repo leaves it (or an upload that was interrupted): nothing in it to replace
+            log.info("%s exists and is empty: pushing into it", self.repo)
+        elif not force:
+            raise TunekitError(f"--repo {self.repo}: already exists on the Hub ({self.endpoint}/{self.repo}); pass "
+                               "--force to replace its files with this upload (one commit), or give another --repo")
+        if private and not info.private:
+            raise TunekitError(f"--private: {self.repo} exists and is public; make it private on the Hub first (its "
+                               "settings page), or push without --private")
+        return True
+
+    def license_of(self, model: str) -> str | None:
+        """A hub model's license as its card states it; None where it cannot be had."""
+        try:
+            data = self.api.model_info(model).card_data
+            return data.get("license") if data else None
+        except Exception:
+            return None
+
+    def commit(self, files: dict[str, Path | bytes], exists: bool, private: bool, revision: str | None,
+               message: str) -> str:
+        """Create the repo (and branch) where needed, then one commit: every file, and with --force the deletion
+        of the files this upload does not have. The Hub applies a commit whole or not at all."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        if not exists:
+            self.call(f"creating {self.repo}", self.api.create_repo, self.repo, private=private)
+        if revision and revision != "main":
+            self.call(f"creating branch {revision}", self.api.create_branch, self.repo, branch=revision, exist_ok=True)
+        remote = self.info(self.repo, revision) if exists else None
+        stale = sorted({s.rfilename for s in (remote.siblings or [])} - set(files) - {".gitattributes"}) if remote else []
+        operations = [CommitOperationAdd(path_in_repo=k, path_or_fileobj=str(v) if isinstance(v, Path) else v)
+                      for k, v in files.items()] + [CommitOperationDelete(path_in_repo=p) for p in stale]
+        try:
+            return self.api.create_commit(self.repo, operations=operations, commit_message=message,
+                                          revision=revision).commit_url
+        except Exception as e:
+            from tunekit.models.hub import network_reason
+
+            status = getattr(getattr(e, "response", None), "status_code", None)
+            if status in (401, 403):
+                raise self.error("uploading", e) from None
+            why = f"the Hub answered {status}" if status is not None else network_reason(e)
+            raise TunekitError(f"upload to {self.repo} interrupted ({why}); the repo holds none of it (the upload is "
+                               "one commit, not made): run the same command again") from None
+
+
+# ---------------------------------------------------------------- push
+
+
+def _adapter_config(path: Path, base_id: str) -> bytes:
+    """adapter_config.json naming the base model by its hub id, so that peft loads it from the Hub."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("base_model_name_or_path") == base_id:
+        return path.read_bytes()
+    return (json.dumps({**config, "base_model_name_or_path": base_id}, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _files_to_send(upload: Upload, card: cards.Card, staging: Path) -> dict[str, Path | bytes]:
+    """The files of the one commit: the weights (a LoRA run merged now, for --what merged), the card and curves."""
+    files: dict[str, Path | bytes] = dict(upload.files)
+    if upload.merge_run is not None:
+        from tunekit.export import merge  # torch: only now, every check done
+
+        upload.merged_dir = merge.merge(upload.merge_run, staging / "merged")
+        upload.files = _files(upload.merged_dir, KEPT_HERE)
+        files = dict(upload.files)
+        card.weights, card.notes = _weights(upload, upload.files), card.notes + _notes(upload.merged_dir)
+    if upload.what == "adapter" and card.base_model_id:
+        files["adapter_config.json"] = _adapter_config(upload.files["adapter_config.json"], card.base_model_id)
+    if upload.run is not None:
+        svg = curves.svg(history.series(history.rows(upload.run), RunRecord.load(upload.run).effective_batch or 1))
+        if svg is not None:
+            (staging / cards.CURVES_FILE).write_text(svg, encoding="utf-8")
+            files[cards.CURVES_FILE], card.curves = staging / cards.CURVES_FILE, True
+    (staging / "README.md").write_text(cards.render(card), encoding="utf-8")
+    files["README.md"] = staging / "README.md"
+    return files
+
+
+def push(target: str, repo: str, what: str | None = None, private: bool = False, revision: str | None = None,
+         force: bool = False, baseline: str | None = None, base_model: str | None = None) -> str:
+    """Push TARGET to hub repo `repo` as one commit; returns the repo's address."""
+    if what is not None and what not in WHATS:
+        raise TunekitError(f"--what {what}: choose one of {', '.join(WHATS)}")
+    upload = resolve(target, what)
+    check_repo_id(repo)
+    if base_model:
+        check_repo_id(base_model, "--base-model")
+    card = card_for(upload, repo, base_model, baseline_scores(Path(baseline), "--baseline") if baseline else None)
+    if upload.merge_run is not None:  # the base model the merge loads can be had here, before the Hub is asked
+        from tunekit.data import precheck
+
+        precheck.check_model(load_recipe(upload.merge_run / RECIPE_FILE).model)
+    hub = Hub(token(), repo)
+    exists = hub.check(private, force)
+    if card.license is None and card.base_model_id:
+        card.license = hub.license_of(card.base_model_id)
+    if not card.base_model_id:  # said once the checks passed: a refusal stays one line
+        log.warning("the base model %s is not a hub id: the card names it as given%s; --base-model OWNER/NAME "
+                    "names it by its hub id", card.base_model,
+                    " and adapter_config.json keeps the local path" if upload.what == "adapter" else "")
+    with tempfile.TemporaryDirectory(prefix=".push-", dir=upload.merge_run) as tmp:
+        files = _files_to_send(upload, card, Path(tmp))
+        size = sum(len(v) if isinstance(v, bytes) else v.stat().st_size for v in files.values())
+        log.info("pushing %s: %d files, %.1f MB, to %s%s as one commit", upload.what, len(files), size / 1e6, repo,
+                 f" (branch {revision})" if revision else "")
+        url = hub.commit(files, exists, private, revision, f"tunekit push: {upload.what} of {upload.name}")
+    log.info("pushed: %s", url)
+    return f"{hub.endpoint}/{repo}"
