@@ -15,6 +15,7 @@ import yaml
 from tunekit import __version__
 from tunekit.config.loading import load as load_recipe
 from tunekit.config.loading import to_yaml
+from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
 from tunekit.data.precheck import SUFFIXES
 from tunekit.evaluation.table import table_rows
@@ -28,9 +29,6 @@ LIBRARY = {"adapter": "peft", "merged": "transformers", "gguf": None}  # the Hub
 # the Hub's metric ids for the scores `tunekit eval` writes
 HUB_METRICS = {"bleu": "bleu", "chrf": "chrf", "rouge1": "rouge", "rougeL": "rouge", "exact_match": "exact_match",
                "perplexity": "perplexity", "tool_call_args": "accuracy"}
-METHODS = {"sft": "supervised fine-tuning (SFT)", "dpo": "direct preference optimization (DPO)",
-           "kto": "Kahneman-Tversky optimization (KTO)", "orpo": "odds ratio preference optimization (ORPO)",
-           "grpo": "group relative policy optimization (GRPO)"}
 
 
 @dataclass
@@ -126,7 +124,7 @@ def _summary(card: Card) -> str:
         recipe, record = card.recipe, card.record
         method = record.training_method if record else recipe.training.method
         adapter = recipe.adapter_kind
-        how = f"{METHODS.get(method, method)}, {ADAPTERS.get(adapter, adapter)}"
+        how = f"{method} ({_summary_of(method)}), {ADAPTERS.get(adapter, adapter)}"
         if recipe.lora is not None and adapter != "full":
             how += f" (rank {recipe.lora.r}, alpha {recipe.lora.alpha})"
         lines.append(f"Method: {how}")
@@ -140,6 +138,15 @@ def _summary(card: Card) -> str:
     lines.append(f"License: {card.license or 'not stated by the base model; check its own terms'}")
     lines.append(f"Made with tunekit {__version__}")
     return "  \n".join(lines) + "\n"
+
+
+def _summary_of(method: str) -> str:
+    from tunekit.training import methods  # the registry says what each method is
+
+    try:
+        return methods.get(method).summary
+    except TunekitError:  # a method this version does not know (a run of another version)
+        return "a training method this tunekit does not know"
 
 
 def _local(spec: str) -> bool:
