@@ -144,11 +144,14 @@ def test_a_run_is_merged_on_the_fly_and_its_facts_are_recorded(tmp_path, tiny_mo
 def test_other_architectures_are_refused_with_one_line(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)).save_pretrained(
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(
         tmp_path / "gpt2")
     res = run_cli("export", str(tmp_path / "gpt2"), "--out", str(tmp_path / "g.gguf"))
     assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert "supports Llama-architecture models" in res.stderr and "GPT2LMHeadModel" in res.stderr
+    assert "supports Llama 2/3, SmolLM2 (llama); Mistral (mistral); Qwen2/Qwen2.5 (qwen2)" in res.stderr
+    assert "Gemma 3 (text) (gemma3_text); Phi-3/Phi-3.5 (phi3); this one is GPT2LMHeadModel" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "g.gguf").exists()
 
 

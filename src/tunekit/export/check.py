@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunekit.export.architectures import architecture
 from tunekit.export.gguf import CHECK_TEXT, Quant
 
 # Text the read-back tokenizer must split exactly as the source one does: accents, CJK, emoji.
@@ -49,13 +50,20 @@ def prompts(recipe, tokenizer) -> dict:
 
 def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tunekit.export import merge
 
-    back = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
+    # the config read once and handed to both loads: transformers parses the whole file's metadata for each
+    # config it reads (~20 s for a 150k-token vocabulary and its merges)
+    config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    read_as = architecture(source_model.config, "export").read_back_as
+    if read_as and config.model_type != read_as:
+        config = AutoConfig.for_model(read_as, **{k: v for k, v in config.to_dict().items() if k != "model_type"})
+    back = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, config=config,
+                                                dtype=torch.float32)
     parity = merge.compare(merge.logits(source_model, batch), merge.logits(back, batch), batch["attention_mask"])
-    back_tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    back_tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, config=config)
     texts = [source_tokenizer.decode(row[mask.bool()]) for row, mask in
              zip(batch["input_ids"], batch["attention_mask"])] + TOKENIZER_PROBES
     mismatches = [t for t in texts if back_tok(t, add_special_tokens=False)["input_ids"] !=

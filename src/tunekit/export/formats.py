@@ -66,11 +66,11 @@ class Gguf(ExportFormat):
 
     def check(self, source: Source, out: Path, options: dict, target: str) -> None:
         from tunekit.export import source as export_source
-        from tunekit.export.gguf import check_architecture
+        from tunekit.export.architectures import architecture
 
         if not out.name.endswith(".gguf"):
             raise TunekitError(f"--out {out}: give a file name ending in .gguf")
-        check_architecture(export_source.config(source), target)
+        architecture(export_source.config(source), target)
 
     def write(self, source: Source, out: Path, options: dict, force: bool) -> Path:
         from tunekit.export import source as export_source

@@ -1,9 +1,9 @@
-"""The GGUF file llama.cpp, Ollama and LM Studio read, written from a loaded Llama-architecture model and its
-tokenizer. The `gguf` package writes it (GGUFWriter, the tensor-name map, numpy quantizers); what llama.cpp's
-converter (convert_hf_to_gguf.py) adds for Llama models is done here too: the q/k projection rows
-reordered for llama.cpp's rotary layout (transformers' GGUF reader undoes it), the vocabulary with token
-types, and the BPE pre-tokenizer named by the hash of a reference tokenization. Each quantization type
-carries the tolerance its read-back check (export.check) holds it to."""
+"""The GGUF file llama.cpp, Ollama and LM Studio read, written from a loaded model and its tokenizer. The
+`gguf` package writes it (GGUFWriter, the tensor-name map, numpy quantizers); what llama.cpp's converter
+(convert_hf_to_gguf.py) adds per family comes from the registry in export.architectures (q/k row order, norm
+shifts, the family's settings); the vocabulary is written with token types, and a byte-level BPE's
+pre-tokenizer is named by the hash of a reference tokenization. Each quantization type carries the
+tolerance its read-back check (export.check) holds it to."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
+from tunekit.export.architectures import Architecture, architecture, common_settings, rope_tensors
 
 if TYPE_CHECKING:
     from tunekit.export.source import Facts
@@ -24,9 +25,6 @@ if TYPE_CHECKING:
 # torch, numpy and gguf are imported where they are used: the CLI reads QUANTS for its --quant choices
 
 log = logging.getLogger("tunekit")
-
-# model types llama.cpp reads as "llama" (transformers' GGUF reader maps them back to LlamaForCausalLM)
-SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
 @dataclass(frozen=True)
 class Quant:
@@ -61,6 +59,7 @@ PRE_TOKENIZERS = {
     "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # SmolLM, SmolLM2
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
     "63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e": "tekken",  # Mistral Nemo
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5, Qwen2, Qwen2.5, Qwen3
 }
 
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
@@ -73,36 +72,41 @@ def permute_for_llama_cpp(weight: torch.Tensor, n_head: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def check_architecture(config, where: str) -> None:
-    if config.model_type not in SUPPORTED:
-        found = ", ".join(getattr(config, "architectures", None) or [config.model_type])
-        raise TunekitError(f"{where}: export --format gguf supports Llama-architecture models "
-                           f"({', '.join(SUPPORTED.values())}: Llama 2/3, SmolLM2, Mistral); this one is {found}")
-
-
-def _tensors(model, quant: Quant):
-    """(GGUF name, numpy data, raw ggml type or None) for every weight, q/k rows permuted, quantized."""
+def _weights(model, arch: Architecture):
+    """(GGUF name, fp32 numpy data) for every weight as llama.cpp's converter writes it for this family, and the
+    family's extra tensors (llama3 RoPE frequencies)."""
     import gguf
-    import numpy as np
 
     cfg = model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    qtype = getattr(gguf.GGMLQuantizationType, quant.ggml)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.gguf_arch), cfg.num_hidden_layers)
     for hf_name, param in model.named_parameters():  # tied output weights appear once, as the embedding
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
-            raise TunekitError(f"export: no GGUF name for tensor {hf_name}; the model is not a plain Llama")
+            raise TunekitError(f"export: no GGUF name for tensor {hf_name} of a {arch.families} model; "
+                               "the model has a layer its family does not")
+        w = param.detach().float()
+        if arch.permute_qk and hf_name.endswith("q_proj.weight"):
+            w = permute_for_llama_cpp(w, cfg.num_attention_heads)
+        elif arch.permute_qk and hf_name.endswith("k_proj.weight"):
+            w = permute_for_llama_cpp(w, cfg.num_key_value_heads)
+        elif arch.norm_shift and hf_name.endswith("norm.weight"):
+            w = w + arch.norm_shift
+        yield name, w.numpy()
+    yield from rope_tensors(cfg)
+
+
+def _tensors(model, quant: Quant, arch: Architecture):
+    """(GGUF name, numpy data, raw ggml type or None) for every weight, quantized."""
+    import gguf
+    import numpy as np
+
+    qtype = getattr(gguf.GGMLQuantizationType, quant.ggml)
+    for name, data in _weights(model, arch):
         # below 8 bits the embedding and output head stay at q8_0, as llama.cpp's quantizer keeps them higher
         # (the SmolLM2 Q4_1 file it made holds token_embd in Q8_0): 4-bit rows there cost most of the accuracy
         ttype = gguf.GGMLQuantizationType.Q8_0 if quant.ggml[1] in "45" and name.split(".")[0] in (
             "token_embd", "output") else qtype
         block = gguf.GGML_QUANT_SIZES[ttype][0]
-        w = param.detach().float()
-        if hf_name.endswith("q_proj.weight"):
-            w = permute_for_llama_cpp(w, cfg.num_attention_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            w = permute_for_llama_cpp(w, cfg.num_key_value_heads)
-        data = w.numpy()
         if data.ndim == 1 or quant.ggml == "F32" or data.shape[-1] % block:
             yield name, data.astype(np.float32), None  # norms (and rows that do not fill a block) stay fp32
         elif quant.ggml == "F16":
@@ -204,7 +208,8 @@ def write_gguf(model, tokenizer, path: Path, quant: Quant, facts: Facts) -> None
     import gguf
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = architecture(cfg, "export")
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.gguf_arch)])
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(facts.name)
     writer.add_base_model_count(1)
@@ -213,23 +218,13 @@ def write_gguf(model, tokenizer, path: Path, quant: Quant, facts: Facts) -> None
         writer.add_license(facts.license)
     if facts.finetune:
         writer.add_string("tunekit.finetune", json.dumps(facts.finetune, sort_keys=True))
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or getattr(cfg, "rope_theta", None)
-    if theta:
-        writer.add_rope_freq_base(float(theta))
+    common_settings(writer, cfg, "export")
+    arch.settings(writer, cfg)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(getattr(gguf.LlamaFileType, quant.file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _vocab(writer, tokenizer, cfg.vocab_size)
-    for name, data, raw in _tensors(model, quant):
+    for name, data, raw in _tensors(model, quant, arch):
         writer.add_tensor(name, data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
