@@ -225,3 +225,45 @@ def test_a_run_exports_as_a_safetensors_directory_equal_to_its_merged_model(tmp_
     batch = tok(["Reverse the words: red green blue", "東京"], return_tensors="pt", padding=True)
     torch.testing.assert_close(_logits(out, batch), _logits(merged, batch), atol=0, rtol=0)
     assert "# Merged model" in (out / "README.md").read_text() and list(out.glob("*.safetensors"))
+
+
+# ---------------------------------------------------------------- k-quants (llama.cpp's quantizer)
+
+
+def test_a_k_quant_without_llama_cpp_is_refused_before_any_weight_loads(tmp_path, tiny_model, monkeypatch):
+    import importlib.util
+
+    from tunekit.core.errors import TunekitError
+    from tunekit.export import formats
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    monkeypatch.setattr(formats.Gguf, "write", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(TunekitError, match=r"--quant q4_k_m: this k-quant is written by llama.cpp's quantizer, which is "
+                                           r"not installed; pip install 'llama-cpp-python==0.3.36'"):
+        export.export(str(tiny_model), "q4_k_m", tmp_path / "k.gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant,ktype", [("q6_k", "Q6_K"), ("q5_k_m", "Q5_K"), ("q4_k_m", "Q4_K")])
+def test_k_quants_are_written_by_llama_cpp_and_pass_their_tolerance(tmp_path, quant, ktype):
+    """A 256-wide tiny Llama, so that its rows are whole k-quant blocks (QK_K = 256) and llama.cpp uses the
+    k-quant types rather than its 32-block fallbacks. Needs llama-cpp-python (make export-check builds it)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make export-check builds it)")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tunekit.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "wide")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)).save_pretrained(tmp_path / "wide")
+    out = export.export(str(tmp_path / "wide"), quant, tmp_path / f"{quant}.gguf")
+    reader, meta = fields(out)
+    types = {t.tensor_type.name for t in reader.tensors}
+    assert ktype in types and "F32" in types  # norms stay f32
+    assert meta["general.architecture"] == "llama"
+    assert out.stat().st_size < 0.5 * (tmp_path / "wide" / "model.safetensors").stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{quant}.Modelfile", f"{quant}.gguf", "wide"]

@@ -59,7 +59,8 @@ class ExportFormat:
 class Gguf(ExportFormat):
     name = "gguf"
     help = "one GGUF file (llama.cpp, Ollama, LM Studio) checked against its source, and an Ollama Modelfile"
-    options = (Option("--quant", tuple(QUANTS), "q8_0", "weight type of the 2-D tensors (default q8_0); norms stay f32"),)
+    options = (Option("--quant", tuple(QUANTS), "q8_0", "weight type of the 2-D tensors (default q8_0; norms stay "
+                      "f32); the k-quants q6_k, q5_k_m, q4_k_m are written by llama.cpp (llama-cpp-python)"),)
 
     def default_out(self, source: Source, options: dict) -> Path:
         return source.home / f"{source.facts.name}-{options['quant']}.gguf"
@@ -70,6 +71,10 @@ class Gguf(ExportFormat):
 
         if not out.name.endswith(".gguf"):
             raise TunekitError(f"--out {out}: give a file name ending in .gguf")
+        if QUANTS[options["quant"]].llama_cpp:
+            from tunekit.export import llamacpp
+
+            llamacpp.require(f"--quant {options['quant']}")
         architecture(export_source.config(source), target)
 
     def write(self, source: Source, out: Path, options: dict, force: bool) -> Path:
