@@ -12,6 +12,7 @@ It also exports a tiny Llama with a Llama 2-style SentencePiece vocabulary (tune
 texts with transformers': the token scores tunekit writes are what llama.cpp merges by.
 
     python bench/export_check.py [--demo runs/demo] [--out bench/export_check.json] [--sentencepiece-only]
+                                 [--families-only]
 """
 
 from __future__ import annotations
@@ -65,18 +66,89 @@ def sentencepiece_check() -> dict:
     return {"texts": len(texts), "identical": len(texts) - len(differ), "differ": differ}
 
 
+FAMILY_PROMPT = "Name three rivers of Europe, and say which is longest."
+
+
+def _greedy_hf(model, ids: list[int], steps: int) -> list[int]:
+    import torch
+
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-steps:]
+
+
+def _greedy_llama_cpp(llm, ids: list[int], steps: int) -> list[int]:
+    import numpy as np
+
+    llm.reset()
+    llm.eval(ids)
+    out = []
+    for _ in range(steps):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return out
+
+
+def family_check(family: str, tmp: Path, steps: int = 16) -> dict:
+    """A tiny model of `family` with its real tokenizer, exported in f32 as `tunekit export` writes it: llama.cpp
+    tokenizes the probe texts and the chat-rendered prompt as transformers does, and its greedy ids from that
+    prompt equal the source model's."""
+    import torch
+    from llama_cpp import Llama
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.export import check as export_check
+    from tunekit.export import gguf as gguf_writer
+    from tunekit.export.source import Facts
+    from tunekit.models.families import build_family_model
+
+    tok = build_family_model(tmp / family, family)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp / family), dtype=torch.float32).eval()
+    gguf_file = tmp / f"{family}.gguf"
+    gguf_writer.write_gguf(model, tok, gguf_file, gguf_writer.QUANTS["f32"], Facts(f"tiny-{family}", family))
+    llm = Llama(model_path=str(gguf_file), n_ctx=512, n_threads=2, logits_all=True, verbose=False, seed=0)
+    prompt = tok.apply_chat_template([{"role": "user", "content": FAMILY_PROMPT}], add_generation_prompt=True,
+                                     tokenize=False)
+    texts = export_check.TOKENIZER_PROBES + [prompt]
+    differ = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=True)
+              != tok(t, add_special_tokens=False)["input_ids"]]
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ours, theirs = _greedy_hf(model, ids, steps), _greedy_llama_cpp(llm, ids, steps)
+    result = {"texts": len(texts), "tokenization_identical": len(texts) - len(differ), "differ": differ,
+              "greedy_ids_equal": ours == theirs, "transformers": ours, "llama_cpp": theirs}
+    print(f"export-check: {family}: llama.cpp tokenizes {result['tokenization_identical']}/{len(texts)} texts as "
+          f"transformers does; greedy ids {'equal' if ours == theirs else 'DIFFER'} over {steps} steps", flush=True)
+    return result
+
+
+def families_check() -> dict:
+    import tempfile
+
+    from tunekit.models.families import FAMILIES
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return {family: family_check(family, Path(tmp)) for family in FAMILIES}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", default=str(ROOT / "runs" / "demo"), help="the demo directory (make demo)")
     p.add_argument("--out", default=str(ROOT / "bench" / "export_check.json"))
     p.add_argument("--sentencepiece-only", action="store_true",
                    help="run only the SentencePiece check and update its entry in --out")
+    p.add_argument("--families-only", action="store_true",
+                   help="run only the model-family checks (Qwen2, Qwen3, Gemma 2/3, Mistral, Phi-3) and update --out")
     a = p.parse_args()
-    if a.sentencepiece_only:
+    if a.sentencepiece_only or a.families_only:
         ensure_binding()
         out = Path(a.out)
         result = json.loads(out.read_text()) if out.is_file() else {}
-        result["sentencepiece_vocabulary"] = sentencepiece_check()
+        if a.sentencepiece_only:
+            result["sentencepiece_vocabulary"] = sentencepiece_check()
+        if a.families_only:
+            result["families"] = families_check()
         out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         return 0
     demo = Path(a.demo)
@@ -111,7 +183,7 @@ def main() -> int:
         "llama_cpp_seconds": round(time.perf_counter() - started, 1),
         "binding": BINDING, "build_seconds": round(build_s, 1) if build_s is not None else "already installed",
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "first_examples": examples[:5],
-        "sentencepiece_vocabulary": sentencepiece_check(),
+        "sentencepiece_vocabulary": sentencepiece_check(), "families": families_check(),
     }
     Path(a.out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"export-check: {len(rows)} held-out prompts; llama.cpp tokenization identical on "

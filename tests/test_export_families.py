@@ -24,6 +24,8 @@ OWN_KEYS = {
     "phi3": {"phi3.rope.dimension_count": None},  # hidden / heads: Phi-3 rotates whole heads
     "qwen2": {},
 }
+# SentencePiece-style vocabularies: whether llama.cpp puts a space before the first word (Gemma: no)
+SPACE_PREFIX = {"gemma2": False, "gemma3": False, "phi3": True}
 GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "mistral": "llama",
              "phi3": "phi3"}
 
@@ -47,6 +49,7 @@ def test_each_family_exports_and_reads_back_with_its_logits_token_ids_and_chat_t
     assert meta["tokenizer.chat_template"] == tok.chat_template and tok.chat_template
     assert meta["tokenizer.ggml.eos_token_id"] == tok.eos_token_id
     assert meta.get("tokenizer.ggml.bos_token_id") == tok.bos_token_id
+    assert meta.get("tokenizer.ggml.add_space_prefix") == SPACE_PREFIX.get(family)
     for key, attr in OWN_KEYS[family].items():
         cfg = model.config
         assert meta[key] == pytest.approx(getattr(cfg, attr) if attr else cfg.hidden_size // cfg.num_attention_heads), key

@@ -202,13 +202,16 @@ def _sentencepiece_vocab(writer, tokenizer, vocab_size: int, spec: dict) -> None
         rank.setdefault(left + right, r)
     floor = len(merges) + 1
     scores = [-float(rank[t]) if t in rank else -float(floor + i) for i, t in enumerate(tokens)]
-    prepend = json.dumps(spec.get("pre_tokenizer")) + json.dumps(spec.get("normalizer"))
+    pre, normalizer = json.dumps(spec.get("pre_tokenizer")), json.dumps(spec.get("normalizer"))
+    # a space before the first word: Llama 2 / Mistral (Metaspace, prepend_scheme first) and Phi-3 (a Prepend
+    # normalizer) add one; Gemma (spaces replaced, nothing prepended) does not
+    prefix = '"Prepend"' in normalizer or ('"Metaspace"' in pre and '"prepend_scheme": "never"' not in pre)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    writer.add_add_space_prefix('"prepend_scheme": "never"' not in prepend)
+    writer.add_add_space_prefix(prefix)
 
 
 def write_gguf(model, tokenizer, path: Path, quant: Quant, facts: Facts) -> None:
