@@ -317,7 +317,7 @@ def test_links_commands_and_paths_in_the_docs_are_valid(path, at_root):
 def test_the_readme_is_one_screen_with_the_two_commands_and_links_into_the_docs():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "make demo" in text and "make test" in text
-    assert len(text.splitlines()) <= 60, "the README is one screen; topics belong in docs/"
+    assert len(text.splitlines()) <= 70, "the README is one screen; topics belong in docs/"
     linked = {(ROOT / m).resolve() for m in re.findall(r"\]\((docs/[^)#\s]+)", text)}
     topics = {p for p in DOCS.glob("*.md") if p.name != "index.md"}
     assert topics <= linked, f"README links none of: {sorted(_rel(p) for p in topics - linked)}"

@@ -267,3 +267,23 @@ def test_k_quants_are_written_by_llama_cpp_and_pass_their_tolerance(tmp_path, qu
     assert meta["general.architecture"] == "llama"
     assert out.stat().st_size < 0.5 * (tmp_path / "wide" / "model.safetensors").stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{quant}.Modelfile", f"{quant}.gguf", "wide"]
+
+
+def test_llama3_rope_travels_as_the_frequency_divisors_transformers_applies():
+    """llama.cpp takes Llama 3.1+'s RoPE scaling as a `rope_freqs` tensor of per-dimension divisors
+    (conversion/llama.py): default inverse frequencies / these = transformers' llama3 inverse frequencies."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tunekit.export.architectures import rope_tensors
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = LlamaConfig(hidden_size=2048, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=rope)
+    (name, divisors), = rope_tensors(cfg)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    default = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    assert name == "rope_freqs.weight" and divisors.shape == (32,)
+    torch.testing.assert_close(default / torch.tensor(divisors, dtype=torch.float64), scaled.double(), rtol=1e-5, atol=0)
+    assert divisors[0] == 1.0 and divisors[-1] == 32.0  # high frequencies kept, the lowest divided by the factor
+    assert list(rope_tensors(LlamaConfig(hidden_size=64, num_attention_heads=4))) == []
