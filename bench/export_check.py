@@ -26,8 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+from tunekit.export.llamacpp import PACKAGE as BINDING  # the pin the `llama-cpp` extra and --quant's refusal name
+
 ROOT = Path(__file__).resolve().parents[1]
-BINDING = "llama-cpp-python==0.3.36"
 
 
 def ensure_binding() -> float | None:

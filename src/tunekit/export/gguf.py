@@ -33,6 +33,7 @@ class Quant:
     min_top1: float  # top-1 agreement with the source model's logits at least this
     max_diff: float | None  # and max |logit diff| at most this (None: not bounded; 4/5-bit shift logits freely)
     llama_cpp: str | None = None  # written by llama.cpp's quantizer from an f32 file (export.llamacpp): this ftype
+    # (ggml and file_type then name the main type of llama.cpp's per-tensor mix; tunekit writes none of it itself)
 
 
 # The tolerances: f16/bf16 round each weight once (logits bounded too); 8-bit blocks keep the argmax almost
@@ -50,9 +51,9 @@ QUANTS = {
     # k-quants, the types llama.cpp, Ollama and LM Studio users pick, written by llama.cpp with its per-tensor mix.
     # SmolLM2-135M on the probe texts: q6_k 88.8%, q5_k_m 66.3%, q4_k_m 80.9% top-1 (its 576-wide rows are not
     # whole 256-blocks, so most tensors fall back to Q8_0 / Q5_1 / Q5_0; our own q5_0 gives 70.8% there)
-    "q6_k": Quant("F32", "ALL_F32", 0.85, None, "LLAMA_FTYPE_MOSTLY_Q6_K"),
-    "q5_k_m": Quant("F32", "ALL_F32", 0.6, None, "LLAMA_FTYPE_MOSTLY_Q5_K_M"),
-    "q4_k_m": Quant("F32", "ALL_F32", 0.6, None, "LLAMA_FTYPE_MOSTLY_Q4_K_M"),
+    "q6_k": Quant("Q6_K", "MOSTLY_Q6_K", 0.85, None, "LLAMA_FTYPE_MOSTLY_Q6_K"),
+    "q5_k_m": Quant("Q5_K", "MOSTLY_Q5_K_M", 0.6, None, "LLAMA_FTYPE_MOSTLY_Q5_K_M"),
+    "q4_k_m": Quant("Q4_K", "MOSTLY_Q4_K_M", 0.6, None, "LLAMA_FTYPE_MOSTLY_Q4_K_M"),
 }
 
 # llama.cpp names a BPE pre-tokenizer by sha256(str(tokenizer.encode(CHECK_TEXT))) (convert_hf_to_gguf.py,

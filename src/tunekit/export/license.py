@@ -17,10 +17,9 @@ def license_of(spec: str) -> str | None:
     except TunekitError:
         return None
     if source.kind == "gguf":
-        import gguf
+        from tunekit.models.info import gguf_keys
 
-        field = gguf.GGUFReader(source.location).fields.get("general.license")
-        return field.contents() if field is not None else None
+        return gguf_keys(Path(source.location), where=f"license of {spec}").get("general.license")
     card = Path(source.location) / "README.md"
     if source.kind == "dir" and card.is_file():
         found = re.search(r"^license:\s*(\S+)", card.read_text(encoding="utf-8", errors="replace"), re.M)

@@ -202,10 +202,10 @@ def _notes(merged_dir: Path | None) -> list[str]:
 
 
 def _gguf_base(path: Path) -> str | None:
-    import gguf
+    from tunekit.models.info import gguf_keys
 
-    field_ = gguf.GGUFReader(path).fields.get("general.base_model.0.name")
-    return field_.contents() if field_ is not None else None
+    return gguf_keys(path, lambda found: "general.base_model.0.name" in found, f"push target {path}").get(
+        "general.base_model.0.name")
 
 
 def card_for(upload: Upload, repo: str, base_id: str | None, baseline: dict | None) -> cards.Card:

@@ -156,11 +156,10 @@ def _gguf_value(f, kind: int):
     return None
 
 
-def gguf_header(path: Path) -> dict:
-    """A GGUF file's architecture, context window and hidden size, under the names transformers gives
-    them (model_type, max_position_embeddings, hidden_size), read from its header with the standard
-    library: only up to those keys, which GGUF writers put before the vocabulary."""
-    where = f"model.name_or_path: {path}"
+def gguf_keys(path: Path, done=lambda found: False, where: str | None = None) -> dict:
+    """The scalar and string keys of a GGUF file's header (arrays read as None), read with the standard library
+    up to where `done(found)` holds, else to the header's end."""
+    where = where or f"model.name_or_path: {path}"
     try:
         with path.open("rb") as f:
             magic, version, _, count = struct.unpack("<4sIQQ", f.read(24))
@@ -171,11 +170,22 @@ def gguf_header(path: Path) -> dict:
                 (size,) = struct.unpack("<Q", f.read(8))
                 key = f.read(size).decode("utf-8", "replace")
                 found[key] = _gguf_value(f, struct.unpack("<I", f.read(4))[0])
-                arch = found.get("general.architecture")
-                if arch and {f"{arch}.context_length", f"{arch}.embedding_length"} <= found.keys():
+                if done(found):
                     break
     except (struct.error, ValueError, MemoryError, OverflowError):
         raise TunekitError(f"{where}: its GGUF header is damaged or cut short") from None
+    return found
+
+
+def gguf_header(path: Path) -> dict:
+    """A GGUF file's architecture, context window and hidden size, under the names transformers gives
+    them (model_type, max_position_embeddings, hidden_size), read from its header with the standard
+    library: only up to those keys, which GGUF writers put before the vocabulary."""
+    def done(found: dict) -> bool:
+        arch = found.get("general.architecture")
+        return bool(arch) and {f"{arch}.context_length", f"{arch}.embedding_length"} <= found.keys()
+
+    found = gguf_keys(path, done)
     arch = found.get("general.architecture")
     names = {"model_type": arch, "max_position_embeddings": found.get(f"{arch}.context_length"),
              "hidden_size": found.get(f"{arch}.embedding_length")}
