@@ -202,6 +202,27 @@ class DataConfig(Section):
         return [(f"data.{which}[{i}]", s) for i, s in enumerate(value)] if isinstance(value, list) else []
 
 
+class FsdpConfig(Section):
+    """PyTorch FSDP2 (per-parameter sharding with `fully_shard`) through accelerate; the alternative to
+    training.deepspeed."""
+
+    reshard_after_forward: bool = Field(
+        True, description="true: parameters, gradients and optimizer state stay sharded across processes, each "
+        "layer gathered for its forward and again for its backward (like ZeRO-3); false: a layer's gathered "
+        "parameters are kept from its forward to its backward (less communication, more memory; like ZeRO-2).")
+    cpu_offload: bool = Field(False, description="Keep the sharded parameters, gradients and optimizer state in CPU "
+                              "memory; the optimizer step runs on the CPU.")
+    auto_wrap: bool = Field(True, description="Shard each decoder layer as its own unit (the model's "
+                            "_no_split_modules), so only one layer is gathered at a time; false shards the model "
+                            "as one unit.")
+    activation_checkpointing: bool = Field(
+        False, description="FSDP's activation checkpointing of each decoder layer (use it in place of "
+        "training.gradient_checkpointing under FSDP).")
+    reduce_dtype: Literal["float32", "param"] = Field(
+        "float32", description="Precision of the gradient reduction across processes: float32, or the dtype the "
+        "parameters compute in (training.precision; less traffic, less exact).")
+
+
 class TrainingConfig(Section):
     precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, else fp16 on GPU, else fp32.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
@@ -229,6 +250,8 @@ class TrainingConfig(Section):
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most this many checkpoints.")
     seed: int = Field(42, description="Seed for initialisation, data order and the eval split.")
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config, e.g. ds_configs/zero2.json.")
+    fsdp: FsdpConfig | None = Field(None, description="Shard the model with PyTorch FSDP2 instead of DeepSpeed "
+                                    "(`fsdp: {}` takes every default).")
     metric_for_best: str | None = Field(
         None, description="Keep the checkpoint with the best value of this evaluation metric (eval_loss, or with an "
         "eval section bleu, chrf, rouge1, rougeL, exact_match, ...): the run's final adapter/model is that one. "
@@ -254,6 +277,12 @@ class TrainingConfig(Section):
         if self.metric_for_best is None and (self.early_stopping_patience or self.greater_is_better is not None):
             raise ValueError("training.early_stopping_patience and training.greater_is_better need "
                              "training.metric_for_best, e.g. metric_for_best: eval_loss")
+        if self.deepspeed is not None and self.fsdp is not None:
+            raise ValueError("training.deepspeed and training.fsdp are both set; they are two ways of sharding "
+                             "the same state, keep one")
+        if self.fsdp is not None and self.fsdp.activation_checkpointing and self.gradient_checkpointing:
+            raise ValueError("training.gradient_checkpointing and training.fsdp.activation_checkpointing are both "
+                             "on; under FSDP keep training.fsdp.activation_checkpointing")
         if len(set(self.report_to)) != len(self.report_to):
             raise ValueError("training.report_to names a tracker twice; list each once")
         if self.metric_for_best and self.save_steps and self.save_steps != self.eval_steps:

@@ -104,30 +104,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare(deepspeed: bool) -> dict:
+def _as_one_process_group() -> None:
+    """The launcher's environment for a process started without one (a process group of one)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def prepare(deepspeed: bool, fsdp: bool = False) -> dict:
     """Extra TrainingArguments for this launch; sets up process-group state where the defaults fail.
 
     Without a GPU, accelerate and DeepSpeed assume one process when they fill "auto" batch sizes and
     ZeRO-3 init fails; creating the gloo process group ourselves and telling the Trainer to use that
-    state fixes both (measured on CPU, see the README's multi-process section)."""
+    state fixes both (measured on CPU, see the README's multi-process section). DeepSpeed and FSDP
+    always want a process group, even for a single process."""
     launch = current()
     extra: dict = {}
     if launch.cuda:
+        if fsdp:
+            _as_one_process_group()  # the Trainer refuses FSDP outside a launcher's environment
         return extra
     extra["use_cpu"] = True
     if launch.world_size > 1:
         extra["ddp_backend"] = "gloo"
-    if deepspeed:
-        # DeepSpeed always wants a process group, even for a single process.
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    if deepspeed or fsdp:
+        _as_one_process_group()
+        if deepspeed:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         from accelerate import PartialState
 
-        PartialState(backend="gloo")
+        PartialState(cpu=fsdp, backend="gloo")  # cpu: a CPU process group (MULTI_CPU) for FSDP to build on
         extra["ddp_backend"] = "gloo"
         extra["accelerator_config"] = {"use_configured_state": True}
     return extra

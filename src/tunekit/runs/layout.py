@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
+import yaml
+
 from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
@@ -156,17 +158,35 @@ def starting_adapter(recipe: Recipe) -> StartingAdapter | None:
 # ---------------------------------------------------------------- resume
 
 
-def check_resume(recipe: Recipe, run_dir: Path) -> Path | None:
+BATCH_SPLIT = ("micro_batch_size", "gradient_accumulation_steps")  # may change on resume; their product x world may not
+
+
+def check_resume(recipe: Recipe, run_dir: Path, world_size: int = 1) -> Path | None:
     """The checkpoint to resume from, or None when training finished and only the end-of-training
-    eval is left (a run stopped during it). The recipe must be the one the run started with."""
+    eval is left (a run stopped during it). The recipe must be the one the run started with, except for
+    how each optimizer step's examples are split (processes x micro-batch x accumulation), whose product
+    must stay the same: a run may resume on another number of processes."""
     outputs.require_dir(run_dir, "--resume: output_dir")
     saved = run_dir / RECIPE_FILE
     if not saved.is_file() or not (run_dir / RUN_FILE).is_file():
         raise TunekitError(f"--resume: {run_dir} is not a tunekit run directory; train without --resume")
-    if saved.read_text(encoding="utf-8") != to_yaml(recipe):
+    text = saved.read_text(encoding="utf-8")
+    before = (yaml.safe_load(text) or {}).get("training") or {}
+    as_saved = recipe.model_copy(update={"training": recipe.training.model_copy(
+        update={k: before[k] for k in BATCH_SPLIT if k in before})})
+    if text != to_yaml(as_saved):
         raise TunekitError(f"--resume: the recipe differs from {saved}, the one this run started with; "
                            "resume with the same recipe and overrides")
-    if RunRecord.load(run_dir).status == "completed":
+    record = RunRecord.load(run_dir)
+    t = recipe.training
+    now = world_size * t.micro_batch_size * t.gradient_accumulation_steps
+    if record.effective_batch and now != record.effective_batch:
+        raise TunekitError(
+            f"--resume: {world_size} process(es) x training.micro_batch_size {t.micro_batch_size} x "
+            f"training.gradient_accumulation_steps {t.gradient_accumulation_steps} = {now} examples per step, but "
+            f"the run trained with {record.effective_batch} ({record.world_size} process(es)); set "
+            "training.gradient_accumulation_steps (or micro_batch_size) so that the product is the same")
+    if record.status == "completed":
         if eval_pending(recipe, run_dir):
             return None
         raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")

@@ -20,6 +20,7 @@ from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.training import checkpoints
 from tunekit.core import distributed
 from tunekit.config import deepspeed as dsconfig
+from tunekit.config import fsdp as fsdpconfig
 from tunekit.training import methods
 from tunekit.models import info as modelinfo
 from tunekit.models import loading as models
@@ -82,7 +83,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
                                                                  if "eval_steps" in evaluation else {})}
         best = {"load_best_model_at_end": True, "metric_for_best_model": t.metric_for_best,
                 "greater_is_better": t.best_is_greater, "restore_callback_states_from_checkpoint": True}
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=str(run_dir / CHECKPOINTS_DIR),
         per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=t.micro_batch_size,
@@ -105,6 +106,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         seed=t.seed,
         data_seed=t.seed,
         deepspeed=ds,
+        **fsdpconfig.trainer_arguments(t.fsdp, precision.name),
         report_to="none",  # tracker callbacks come from trackers.callbacks, TensorBoard's aimed at the run dir
         run_name=run_dir.name,
         project="tunekit",
@@ -116,6 +118,9 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         **best,
         **(process_group or {}),
     )
+    if t.fsdp is not None:  # transformers passes no mixed-precision policy of its own to the FSDP plugin
+        args.fsdp_plugin_args["mixed_precision_policy"] = fsdpconfig.mixed_precision_policy(t.fsdp, precision.name)
+    return args
 
 
 def peak_memory_gb() -> dict:
@@ -160,7 +165,7 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
         outputs.require_dir(run_dir, "--resume: output_dir")  # before the lock, which would create its parent
     recipe = modelinfo.fit_max_length(recipe)
     with outputs.exclusive(run_dir) if launch.is_main else contextlib.nullcontext():
-        resume_from = rundir.check_resume(recipe, run_dir) if resume else None
+        resume_from = rundir.check_resume(recipe, run_dir, launch.world_size) if resume else None
         if resume and resume_from is None:
             log.info("training in %s completed before; only its end-of-training eval is left", run_dir)
             return TrainResult(run_dir, recipe, None)
@@ -184,6 +189,8 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     ds = deepspeed_config(recipe, precision, launch.world_size)
     if ds is not None:
         log.info("deepspeed: %s; %s", recipe.training.deepspeed, dsconfig.describe(ds))
+    if recipe.training.fsdp is not None:
+        log.info("fsdp: %s", fsdpconfig.describe(recipe.training.fsdp))
 
     # Tokenizer and data first: bad data fails here, before anything is written or loaded.
     tokenizer = models.load_tokenizer(recipe.model)
@@ -192,7 +199,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if launch.is_main:
         claim_run_dir(recipe, run_dir, force, resume_from)
 
-    process_group = distributed.prepare(deepspeed=ds is not None)  # may create the process group
+    process_group = distributed.prepare(deepspeed=ds is not None, fsdp=recipe.training.fsdp is not None)  # may create the process group
     args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
     args = method.trainer_config(args, recipe)
     inputs = methods.TrainerInputs(recipe, None, args, bundle, tokenizer, precision, False, "",

@@ -73,6 +73,12 @@ class SafeState:
         if self.is_deepspeed_enabled:
             # DeepSpeed saves optimizer shards (and its own scheduler) through the engine installed above.
             self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=self._is_peft())
+        elif self.is_fsdp_enabled:
+            from tunekit.training import fsdpstate
+
+            state = fsdpstate.optimizer_state(self.model, self.optimizer)  # every rank takes part
+            if self.args.should_save:
+                statefile.save(state, os.path.join(output_dir, OPTIMIZER))
         elif self.args.should_save:
             statefile.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER))
         if self.args.should_save and not self._uses_deepspeed_scheduler():
@@ -81,11 +87,25 @@ class SafeState:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        if not self.is_deepspeed_enabled:
+        if self.is_fsdp_enabled:
+            from tunekit.training import fsdpstate
+
+            fsdpstate.load_optimizer_state(self.model, self.optimizer,
+                                           statefile.load(os.path.join(checkpoint, OPTIMIZER)))
+        elif not self.is_deepspeed_enabled:
             device = self.args.device if self.args.world_size > 1 and self.args.device.type != "cpu" else "cpu"
             self.optimizer.load_state_dict(statefile.load(os.path.join(checkpoint, OPTIMIZER), device))
         if not self._uses_deepspeed_scheduler():
             self.lr_scheduler.load_state_dict(statefile.load(os.path.join(checkpoint, SCHEDULER)))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Under FSDP the checkpoint's weights are the Trainer's ordinary, gathered safetensors files; each
+        rank keeps its shard of them (the stock path reads only accelerate's FSDP files)."""
+        if not self.is_fsdp_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from tunekit.training import fsdpstate
+
+        fsdpstate.load_weights(self.model, resume_from_checkpoint)
 
     def _save_scaler(self, output_dir: str) -> None:
         scaler = getattr(self.accelerator, "scaler", None)
