@@ -280,8 +280,8 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deepspeed", [None, "ds_configs/zero2.json"])
-def test_two_processes_train_as_one_does(tmp_path, tiny_model, deepspeed):
+@pytest.mark.parametrize("sharding", [None, {"deepspeed": "ds_configs/zero2.json"}, {"fsdp": {}}])
+def test_two_processes_train_as_one_does(tmp_path, tiny_model, sharding):
     """2 processes with micro-batch 4 against one with micro-batch 8: the same prompts per step and, by seeded
     sampling, the same completions, so the same rewards and losses; the adapters agree to 1% of the largest
     weight (Adam divides by the root of tiny second moments, so summation order shows at that scale)."""
@@ -289,8 +289,7 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, deepspeed):
 
     single = tmp_path / "single"
     train.run(load(tmp_path, grpo_raw(tiny_model, tmp_path, single)))
-    raw = grpo_raw(tiny_model, tmp_path, tmp_path / "two", micro_batch_size=4,
-                   **({"deepspeed": deepspeed} if deepspeed else {}))
+    raw = grpo_raw(tiny_model, tmp_path, tmp_path / "two", micro_batch_size=4, **(sharding or {}))
     res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2

@@ -195,3 +195,75 @@ def test_zero3_run_merges_and_evaluates(recipe_file, tmp_path):
                  "--max-new-tokens", "4", "--out", str(tmp_path / "ev"))
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["scores"]["examples"] == 4
+
+
+# FSDP2 (training.fsdp) on the same data: the same guarantees as ZeRO. Tolerances as above (RTOL, WEIGHT_ATOL);
+# measured: losses and adapter identical to the DDP run (max weight difference 0.0).
+FSDP_LORA = ["training.fsdp={}", "training.save_steps=2", "training.save_total_limit=10"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2(recipe_file, tmp_path_factory):
+    """One two-process FSDP2 LoRA run with a checkpoint every 2 steps: (run directory, stderr)."""
+    out = tmp_path_factory.mktemp("fsdp2") / "run"
+    return out, launch(recipe_file, out, 2, *FSDP_LORA).stderr
+
+
+def test_fsdp2_equals_one_process_and_writes_no_pickles(fsdp2, single):
+    out, stderr = fsdp2
+    assert "fsdp: FSDP2, parameters, gradients and optimizer state sharded, one unit per decoder layer" in stderr
+    assert json.loads((out / "run.json").read_text())["world_size"] == 2
+    assert history(out)[-1] < history(out)[0] - 0.2
+    assert_same_run(single, out)
+    saved = {p.name for p in assert_no_pickles(out)}
+    assert {"optimizer.safetensors", "adapter_model.safetensors", "rng_state_1.safetensors"} <= saved
+
+
+def test_fsdp2_resumes_on_one_process_after_a_kill(fsdp2, recipe_file, tmp_path):
+    """Cut after checkpoint-2 of the two-process run and resumed by one process with twice the accumulation
+    (the same 16 examples per step): it ends where the uninterrupted run ends."""
+    full, _ = fsdp2
+    cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
+    res = run_cli("train", str(recipe_file), "--set", f"output_dir={cut}", *(a for o in FSDP_LORA for a in ("--set", o)),
+                  "--set", "training.gradient_accumulation_steps=2", "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from checkpoint-2" in res.stderr
+    assert "world size 1 x micro-batch 8 x accumulation 2 = 16 examples" in res.stderr
+    assert history(cut) == pytest.approx(history(full), rel=RTOL)
+    assert_same_run(full, cut)
+    # the same split on resume is required: a different number of examples per step is refused
+    res = run_cli("train", str(recipe_file), "--set", f"output_dir={cut}", *(a for o in FSDP_LORA for a in ("--set", o)),
+                  "--resume")
+    assert res.returncode == 2 and "= 8 examples per step, but the run trained with 16" in res.stderr
+
+
+@pytest.mark.parametrize("fsdp", ["{cpu_offload: true}",
+                                  "{reshard_after_forward: false, auto_wrap: false, activation_checkpointing: true}"])
+def test_fsdp2_full_finetuning_settings_equal_ddp(recipe_file, tmp_path, fsdp):
+    """Full fine-tuning under FSDP2 with CPU offload, and unsharded-after-forward, one unit, activation
+    checkpointing: every setting trains the same weights as plain DDP; the saved model is whole."""
+    runs = {}
+    for name, setting in (("ddp", "null"), ("fsdp", fsdp)):
+        runs[name] = tmp_path / name
+        launch(recipe_file, runs[name], 2, f"training.fsdp={setting}", "adapter=none", "lora=null",
+               "training.learning_rate=1e-3", "training.max_steps=3")
+    assert history(runs["fsdp"])[-1] < history(runs["fsdp"])[0]
+    assert_same_run(runs["ddp"], runs["fsdp"])
+
+
+def test_fsdp2_run_merges_and_evaluates_as_the_run_without_it(fsdp2, ddp, recipe_file, tmp_path):
+    out, _ = fsdp2
+    scores = {}
+    for name, run in (("fsdp", out), ("ddp", ddp)):
+        merged = run_cli("merge", str(run), "--out", str(tmp_path / name / "merged"))
+        assert merged.returncode == 0, merged.stderr[-2000:]
+        ev = run_cli("eval", str(run), "--data", str(recipe_file.parent / "train.jsonl"), "--limit", "4",
+                     "--max-new-tokens", "4", "--out", str(tmp_path / name / "eval"))
+        assert ev.returncode == 0, ev.stderr[-2000:]
+        scores[name] = {k: v for k, v in json.loads((tmp_path / name / "eval" / "metrics.json").read_text())["scores"]
+                        .items() if not k.endswith("_seconds")}  # all but the timing
+    a, b = (load_file(str(tmp_path / n / "merged" / "model.safetensors")) for n in ("fsdp", "ddp"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=WEIGHT_ATOL)
+    predictions = [(tmp_path / n / "eval" / "predictions.jsonl").read_text() for n in ("fsdp", "ddp")]
+    assert predictions[0] == predictions[1] and scores["fsdp"] == scores["ddp"]

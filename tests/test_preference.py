@@ -351,11 +351,13 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, deepspeed", [("dpo", None), ("dpo", "ds_configs/zero2.json"), ("orpo", None)])
-def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, deepspeed):
-    """2-process DDP (and ZeRO-2) with micro-batch 4 against one process with micro-batch 8: the same pairs per
-    step, so the same losses and adapter within float tolerance. (KTO is left out: its KL term pairs each
-    example with its micro-batch neighbours, so halving the micro-batch changes the loss by design.)"""
+@pytest.mark.parametrize("method, sharding", [("dpo", None), ("dpo", {"deepspeed": "ds_configs/zero2.json"}),
+                                             ("dpo", {"fsdp": {}}), ("orpo", None), ("orpo", {"fsdp": {}})])
+def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding):
+    """2-process DDP (and ZeRO-2, FSDP2) with micro-batch 4 against one process with micro-batch 8: the same pairs
+    per step, so the same losses and adapter within float tolerance. (KTO is left out: its KL term pairs each
+    example with its micro-batch neighbours, so halving the micro-batch changes the loss by design; it runs
+    under FSDP2 in test_kto_trains_under_fsdp2.)"""
     from conftest import launch
 
     data = write_jsonl(tmp_path / "p.jsonl", pairs())
@@ -363,9 +365,11 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, deepspeed
     raw = dpo_raw(tiny_model, data, single, max_steps=4, eval_steps=None, method=method)
     train.run(recipe_mod.load(write_recipe(tmp_path / "one.yaml", raw)))
     raw = dpo_raw(tiny_model, data, tmp_path / "two", max_steps=4, eval_steps=None, micro_batch_size=4,
-                  method=method, **({"deepspeed": deepspeed} if deepspeed else {}))
+                  method=method, **(sharding or {}))
     res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
-    assert ("deepspeed: " in res.stderr) == (tmp_path / "two" / "deepspeed.json").is_file() == bool(deepspeed)
+    deepspeed = "deepspeed" in (sharding or {})
+    assert ("deepspeed: " in res.stderr) == (tmp_path / "two" / "deepspeed.json").is_file() == deepspeed
+    assert ("fsdp: FSDP2" in res.stderr) == ("fsdp" in (sharding or {}))
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
     losses = [[json.loads(line)["loss"] for line in (d / "loss_history.jsonl").read_text().splitlines()
                if '"loss"' in line] for d in (single, tmp_path / "two")]
@@ -373,3 +377,20 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, deepspeed
     one, two = final_adapter(single), final_adapter(tmp_path / "two")
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_kto_trains_under_fsdp2(tmp_path, tiny_model):
+    """KTO under two FSDP2 processes: it trains (the loss falls) and its adapter is saved whole."""
+    from conftest import launch
+
+    raw = method_raw("kto", tiny_model, tmp_path, tmp_path / "two", max_steps=6, eval_steps=None, micro_batch_size=4,
+                     fsdp={})
+    res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
+    assert "fsdp: FSDP2" in res.stderr
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "two" / "loss_history.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert losses[-1] < losses[0]
+    adapter = final_adapter(tmp_path / "two")
+    base = {k: v for k, v in adapter.items() if "lora_A" in k}
+    assert base and all(v.shape[0] == 8 for v in base.values())  # rank 8, gathered from both shards

@@ -398,6 +398,18 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
 
 
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("torchrun_options_and_command", nargs="*", metavar="...",
+                   help="torchrun's options (--nnodes, --nproc-per-node, --node-rank, --rdzv-endpoint HOST:PORT, "
+                        "--rdzv-conf join_timeout=S, ...), then a tunekit command: train RECIPE [--set ...]")
+
+
+def cmd_launch(a) -> int:
+    from tunekit.cli import launch
+
+    return launch.main(a.torchrun_options_and_command)
+
+
 def _runs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default runs/)")
     p.add_argument("--sort", metavar="METRIC",
@@ -416,6 +428,8 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 VERBS = {
     "validate": ("check a recipe and print it with every default filled", _validate_args, cmd_validate),
     "train": ("train a recipe into its run directory", _train_args, cmd_train),
+    "launch": ("run a tunekit command in several processes on one or several nodes: torchrun's options and "
+               "rendezvous, launch failures in one line", _launch_args, cmd_launch),
     "plan": ("memory per device and time per step, before loading any weights", _plan_args, cmd_plan),
     "data": ("what training will see of the data: counts, tokens per role, lengths, examples with the trained "
              "tokens marked; loads the tokenizer only", _data_args, cmd_data),
@@ -460,7 +474,12 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:2]):
+        # torchrun's options pass through unparsed (argparse would claim them for `launch`)
+        args = argparse.Namespace(func=cmd_launch, verbose=False, torchrun_options_and_command=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return args.func(args)
