@@ -1,8 +1,14 @@
-"""tunekit plan: exact parameter counts, ZeRO arithmetic, 4-bit bytes, suggestions that help."""
+"""tunekit plan: exact parameter counts, ZeRO arithmetic, 4-bit bytes, suggestions that help; FSDP2's
+sharded and gathered terms (checked against torch's FSDPMemTracker) and the verdict of FSDP2 against ZeRO-3."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import bitsandbytes as bnb
 import pytest
@@ -57,7 +63,8 @@ def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
 def test_zero_stages_divide_the_right_parts(make_recipe):
     recipe = make_recipe("adapter=none", "lora=null")
     cfg, model = plan.meta_model(recipe)
-    base = plan.Settings(world_size=4, micro_batch=2, seq_len=64, precision="fp32")
+    # ZeRO-3 releasing each parameter after use (stage3_max_reuse_distance 0): the stages fall in order
+    base = plan.Settings(world_size=4, micro_batch=2, seq_len=64, precision="fp32", zero3_reuse=0)
     p0 = plan.make(recipe, base, cfg, model)
     opt, grads, weights = "optimizer (adamw_torch)", "gradients (fp32)", "weights (trainable, fp32)"
     p1 = plan.make(recipe, dataclasses.replace(base, zero_stage=1), cfg, model)
@@ -72,6 +79,12 @@ def test_zero_stages_divide_the_right_parts(make_recipe):
     assert opt not in off.parts and weights not in off.parts
     assert off.cpu_bytes == pytest.approx(p3.parts[opt] + p3.parts[weights], abs=2)
     assert p0.peak > p1.peak > p2.peak > p3.peak > off.peak
+    # ds_configs/zero3.json's 1e9: a model this small is used again within it, so every parameter over the
+    # persistence threshold (10 x hidden) stays gathered from forward to backward, as DeepSpeed does
+    shipped = plan.make(recipe, dataclasses.replace(base, zero_stage=3, zero3_reuse=10**9), cfg, model)
+    large = sum(p.numel() for p in model.parameters() if p.numel() >= 10 * cfg.hidden_size)
+    assert shipped.parts["ZeRO-3 gathered: head + parameters within max_reuse_distance"] == large * 4
+    assert shipped.peak > p3.peak
 
 
 def test_deepspeed_mixed_precision_keeps_fp32_masters_with_the_optimizer(make_recipe):
@@ -162,3 +175,246 @@ def test_dpo_plans_two_sequences_per_pair_a_reference_forward_and_the_stock_loss
     assert two.parts["logits and loss"] == pytest.approx(stock)  # TRL computes log-probs from full logits
     pair_tokens = 8 * 2 * 64  # micro-batch 8, max_length 64
     assert two.flops_per_step == pytest.approx(2 * one.flops_per_step + 2 * one.counts.total * pair_tokens)
+
+
+# ---------------------------------------------------------------- FSDP2 (training.fsdp) and ZeRO-3 beside it
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYER_ONLY = "FSDP2 gathered: a decoder layer + the next (prefetch)"
+HEAD_UNIT = "FSDP2 gathered: head unit (final norm, output head)"
+
+
+def mid_llama(layers: int = 8):
+    """A 150M-parameter Llama config (untied head): layers big enough to tell the sharding terms apart."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+                       num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
+
+
+def sharded_state(p) -> int:
+    return sum(v for k, v in p.parts.items() if k.startswith(("weights", "gradients (", "optimizer (")))
+
+
+def test_settings_read_training_fsdp_and_the_zero3_config(make_recipe):
+    s = plan.settings_from(make_recipe("training.fsdp={}"), 2, "bf16")
+    assert (s.fsdp, s.fsdp_reshard_after_forward, s.fsdp_offload, s.fsdp_auto_wrap, s.fsdp_reduce_dtype,
+            s.gradient_checkpointing, s.zero_stage) == (True, True, False, True, "float32", False, 0)
+    s = plan.settings_from(make_recipe("training.fsdp.reshard_after_forward=false", "training.fsdp.cpu_offload=true",
+                                       "training.fsdp.activation_checkpointing=true",
+                                       "training.fsdp.reduce_dtype=param"), 2, "bf16")
+    assert (s.fsdp, s.fsdp_reshard_after_forward, s.fsdp_offload, s.fsdp_reduce_dtype,
+            s.gradient_checkpointing) == (True, False, True, "param", True)  # the same recomputation
+    assert not plan.settings_from(make_recipe("training.fsdp.auto_wrap=false"), 2, "bf16").fsdp_auto_wrap
+    assert not plan.settings_from(make_recipe(), 2, "bf16").fsdp
+    # the ZeRO-3 that FSDP2 is compared with by default is ds_configs/zero3.json, read the way a recipe's is
+    zero3 = plan.settings_from(make_recipe(f"training.deepspeed={ROOT / 'ds_configs' / 'zero3.json'}"), 2, "bf16")
+    fields = [f.name for f in dataclasses.fields(plan.Settings) if f.name.startswith("zero3_")]
+    assert zero3.zero_stage == 3 and all(getattr(zero3, f) == getattr(plan.Settings(), f) for f in fields)
+    assert '"fsdp_offload": true' in plan.to_json(plan.make(make_recipe("training.fsdp.cpu_offload=true"),
+                                                           plan.Settings(fsdp=True, fsdp_offload=True)))
+
+
+def test_fsdp2_shards_every_parameter_one_over_the_world_size(make_recipe):
+    recipe = make_recipe("training.fsdp={}")  # LoRA: FSDP2 shards the frozen base too, unlike ZeRO-1/2
+    cfg, model = plan.meta_model(recipe, mid_llama())
+    one = plan.make(recipe, plan.Settings(world_size=1, precision="bf16", fsdp=True), cfg, model)
+    frozen, lora = "weights (frozen base, bf16)", "weights (trainable, fp32)"
+    assert one.parts[frozen] == one.counts.frozen_plain * 2 and one.parts[lora] == one.counts.trainable * 4
+    for n in (2, 4, 8):
+        p = plan.make(recipe, plan.Settings(world_size=n, precision="bf16", fsdp=True), cfg, model)
+        for key in (frozen, lora, "gradients (fp32)", "optimizer (adamw_torch)"):
+            assert p.parts[key] == pytest.approx(one.parts[key] / n, abs=1)
+        assert p.parts[HEAD_UNIT] == one.parts[HEAD_UNIT]  # what is gathered whole does not shrink
+    zero2 = plan.make(recipe, plan.Settings(world_size=8, precision="bf16", zero_stage=2), cfg, model)
+    assert zero2.parts[frozen] == one.parts[frozen]
+
+
+def test_fsdp2_gathers_whole_decoder_layers_and_without_auto_wrap_all_of_them(make_recipe):
+    recipe = make_recipe("adapter=none", "lora=null", "training.fsdp={}")
+    cfg, model = plan.meta_model(recipe, mid_llama())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 2  # gathered in bf16
+    head = sum(p.numel() for p in (*model.lm_head.parameters(), *model.model.norm.parameters())) * 2
+    s = plan.Settings(world_size=4, seq_len=256, precision="bf16", fsdp=True)
+    wrapped = plan.make(recipe, s, cfg, model)
+    assert wrapped.parts[LAYER_ONLY] == 2 * layer and wrapped.parts[HEAD_UNIT] == head
+    one_unit = plan.make(recipe, dataclasses.replace(s, fsdp_auto_wrap=False), cfg, model)
+    everything = one_unit.parts["FSDP2 gathered: every decoder layer (one unit) + head unit"]
+    assert everything == cfg.num_hidden_layers * layer + head
+    assert one_unit.peak >= sharded_state(one_unit) + everything and one_unit.peak > wrapped.peak
+    assert sharded_state(one_unit) == sharded_state(wrapped)
+
+
+def test_fsdp2_keeping_layers_gathered_to_backward_costs_more(make_recipe):
+    recipe = make_recipe("training.fsdp={}")
+    cfg, model = plan.meta_model(recipe, mid_llama())
+    s = plan.Settings(world_size=4, seq_len=256, precision="bf16", fsdp=True)
+    resharded = plan.make(recipe, s, cfg, model)
+    kept = plan.make(recipe, dataclasses.replace(s, fsdp_reshard_after_forward=False), cfg, model)
+    layers_and_embeddings = kept.parts["FSDP2 gathered: every decoder layer + embeddings (kept to backward)"]
+    assert layers_and_embeddings > resharded.parts[LAYER_ONLY] and kept.peak > resharded.peak
+    assert "layers kept gathered from forward to backward" in plan.report(recipe, kept, None, [])
+
+
+def test_fsdp2_cpu_offload_moves_the_sharded_state_to_cpu(make_recipe):
+    recipe = make_recipe("adapter=none", "lora=null", "training.fsdp={}")
+    cfg, model = plan.meta_model(recipe, mid_llama())
+    s = plan.Settings(world_size=4, seq_len=256, precision="bf16", fsdp=True)
+    on_device = plan.make(recipe, s, cfg, model)
+    off = plan.make(recipe, dataclasses.replace(s, fsdp_offload=True), cfg, model)
+    assert on_device.cpu_bytes == 0 and off.cpu_bytes == pytest.approx(sharded_state(on_device), abs=4)
+    assert sharded_state(off) == 0 and off.parts[LAYER_ONLY] == on_device.parts[LAYER_ONLY]  # gathered on device
+    assert off.peak == on_device.peak - sharded_state(on_device)
+
+
+def test_qlora_4bit_weights_under_fsdp2_and_zero3(make_recipe):
+    recipe = make_recipe("adapter=qlora", "quantization.double_quant=false")
+    cfg, model = plan.meta_model(recipe, mid_llama())
+    s = plan.Settings(world_size=4, seq_len=128, precision="bf16")
+    c = plan.count(recipe, model)
+    whole = plan.quantized_bytes(c.quantized, 4, False)
+    fsdp = plan.make(recipe, dataclasses.replace(s, fsdp=True), cfg, model)
+    zero3 = plan.make(recipe, dataclasses.replace(s, zero_stage=3), cfg, model)
+    # tunekit stores them as uint8 outside ZeRO-3: accelerate leaves them out of FSDP2's sharding
+    assert fsdp.parts[plan.QUANTIZED] == int(whole)
+    # ZeRO-3 divides the packed codes (stored in bf16), not the quantization constants
+    assert zero3.parts[plan.QUANTIZED] == int(whole - c.quantized / 2 + c.quantized / 2 / 4)
+
+
+def versus(line: str) -> tuple[float, float, str, float]:
+    """(FSDP2's peak, ZeRO-3's peak, the lower one named, the difference) from the report's line, in bytes."""
+    unit = {"GiB": 1024**3, "MiB": 1024**2, "KiB": 1024}
+    m = re.search(r"devices: ([\d.]+) (\w+) vs ([\d.]+) (\w+) per device.*: (FSDP2|ZeRO-3) needs ([\d.]+) (\w+) less",
+                  line)
+    assert m, line
+    return (float(m[1]) * unit[m[2]], float(m[3]) * unit[m[4]], m[5], float(m[6]) * unit[m[7]])
+
+
+@pytest.mark.parametrize("overrides, lower, reason", [
+    # a 150M model is used again within ZeRO-3's stage3_max_reuse_distance (1e9): it stays gathered
+    (["training.fsdp={}"], "FSDP2", "stage3_max_reuse_distance"),
+    # with accumulation the Trainer skips FSDP2's reduce-scatter until the last micro-batch
+    (["adapter=none", "lora=null", "training.gradient_accumulation_steps=4"], "ZeRO-3", "micro-batches"),
+])
+def test_the_report_says_whether_fsdp2_or_zero3_needs_less(make_recipe, overrides, lower, reason):
+    recipe = make_recipe(*overrides)
+    cfg, model = plan.meta_model(recipe, mid_llama())
+    alone = plan.make(recipe, plan.settings_from(recipe, 1, "bf16"), cfg, model)
+    assert alone.versus is None and "ZeRO-3 (" not in plan.report(recipe, alone, None, [])
+    p = plan.make(recipe, plan.settings_from(recipe, 2, "bf16"), cfg, model)
+    line = next(x for x in plan.report(recipe, p, None, []).splitlines() if x.startswith("FSDP2 ("))
+    assert "ZeRO-3 (ds_configs/zero3.json) on 2 devices" in line and reason in line
+    fsdp, zero3 = p.versus["fsdp"][1], p.versus["zero3"][1]
+    assert (fsdp is p) == (recipe.training.fsdp is not None)  # the recipe's own plan, where it uses one of them
+    f, z, named, diff = versus(line)
+    assert named == lower == ("FSDP2" if fsdp.peak < zero3.peak else "ZeRO-3")
+    assert f == pytest.approx(fsdp.peak, rel=0.01) and z == pytest.approx(zero3.peak, rel=0.01)
+    assert diff == pytest.approx(abs(fsdp.peak - zero3.peak), rel=0.01)
+    assert json.loads(plan.to_json(p))["versus"]["zero3"]["peak"] == zero3.peak
+
+
+def test_suggestions_offer_fsdp2_beside_zero_only_where_it_lowers_the_peak(make_recipe):
+    recipe = make_recipe("training.micro_batch_size=8", "data.max_length=512")
+    cfg, model = plan.meta_model(recipe)
+    s = plan.settings_from(recipe, 2, "fp32")
+    p = plan.make(recipe, s, cfg, model)
+    fixes = dict(plan.suggestions(recipe, p, p.peak // 2, cfg, model))
+    options = {label: st for label, _, st in plan.sharding_options(recipe, s)}
+    for label in ("training.fsdp: {}", "training.fsdp: {cpu_offload: true}"):
+        lowers = plan.make(recipe, options[label], cfg, model).peak < p.peak
+        assert (label in fixes) == lowers  # listed beside the ZeRO options exactly when it lowers the peak
+    assert all(fp.peak < p.peak for fp in fixes.values()) and any("fsdp" in label for label in fixes)
+    # beside a DeepSpeed config, FSDP2 replaces it; under FSDP2, ZeRO replaces that
+    zero2 = plan.sharding_options(recipe, dataclasses.replace(s, zero_stage=2))
+    assert "training.fsdp: {} (in place of training.deepspeed)" in [label for label, _, _ in zero2]
+    fsdp = [label for label, _, _ in plan.sharding_options(recipe, dataclasses.replace(s, fsdp=True))]
+    assert "deepspeed: ds_configs/zero3.json (in place of training.fsdp)" in fsdp
+    assert "training.fsdp.cpu_offload=true" in fsdp and "training.fsdp: {}" not in fsdp
+    assert all(not st.fsdp or (st.zero_stage == 0 and not st.offload_params)
+               for _, _, st in plan.sharding_options(recipe, dataclasses.replace(s, zero_stage=3)))
+    alone = [label for label, _, _ in plan.sharding_options(recipe, dataclasses.replace(s, world_size=1))]
+    assert not any("fsdp" in label for label in alone)
+
+
+# FSDP2 on one process with torch's fake process group of 4 (collectives do nothing, every buffer is allocated):
+# the model loaded as tunekit loads it, sharded by accelerate's fsdp2_prepare_model, two steps under torch's
+# FSDPMemTracker; prints the live bytes by kind at the peak and at the last decoder layer's backward peak.
+TRACKED_STEP = """
+import json, sys, torch, torch.distributed as dist
+from types import SimpleNamespace
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from tunekit.config import fsdp as fsdpconfig, loading as recipe_mod
+from tunekit.core.hardware import Precision
+from tunekit.models import loading as models
+
+path, cases = sys.argv[1], json.loads(sys.argv[2])
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+cpu, out = torch.device("cpu"), []
+for overrides in cases:
+    recipe = recipe_mod.load(path, overrides)
+    t, precision = recipe.training, recipe.training.precision
+    model = models.load_for_training(recipe, Precision(precision, "test"))
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=t.fsdp.reshard_after_forward, cpu_ram_efficient_loading=False,
+        auto_wrap_policy="transformer_based_wrap" if t.fsdp.auto_wrap else "no_wrap",
+        mixed_precision_policy=fsdpconfig.mixed_precision_policy(t.fsdp, precision))
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), is_main_process=True, device=cpu,
+                                  torch_device_mesh=None, mixed_precision="no" if precision == "fp32" else precision)
+    model = fsdp2_prepare_model(accelerator, model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randint(0, 100, (t.micro_batch_size, recipe.data.max_length))
+    tracker = FSDPMemTracker(model, opt)
+    tracker.track_inputs((x,))
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    with tracker:
+        for step in range(2):
+            for micro in range(t.gradient_accumulation_steps):  # as the Trainer: no_sync but for the last
+                model.set_requires_gradient_sync(micro == t.gradient_accumulation_steps - 1)
+                model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                tracker.reset_mod_stats()
+    stats = tracker.memory_tracking.get(layers[-1])
+    backward = stats.snapshots[_FSDPModState.PEAK_BW][-1][cpu] if stats is not None else None
+    out.append({"peak": tracker.get_tracker_snapshot("peak")[cpu], "layer_backward": backward})
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_terms_match_torchs_memory_tracker(make_recipe, tmp_path):
+    full = ["adapter=none", "lora=null"]
+    cases = [full + ["training.fsdp={}"], full + ["training.fsdp.reshard_after_forward=false"],
+             full + ["training.fsdp.auto_wrap=false"], ["training.fsdp={}", "training.precision=bf16"],
+             full + ["training.fsdp={}", "training.gradient_accumulation_steps=2"]]
+    make_recipe()
+    res = subprocess.run([sys.executable, "-c", TRACKED_STEP, str(tmp_path / "r.yaml"), json.dumps(cases)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tracked = json.loads(res.stdout.split("RESULT ", 1)[1])
+    planned = []
+    for overrides in cases:
+        recipe = make_recipe(*overrides)
+        planned.append(plan.make(recipe, plan.settings_from(recipe, 4, recipe.training.precision)))
+    for p, t in zip(planned, tracked):
+        weights = sum(v for k, v in p.parts.items() if k.startswith("weights"))
+        assert t["peak"]["Sharded Param"] == pytest.approx(weights, rel=0.01)
+        assert t["peak"]["OptState"] == pytest.approx(p.parts["optimizer (adamw_torch)"], rel=0.01)
+    plain, kept, one_unit, lora, accumulating = zip(planned, tracked)
+    for p, t in (plain, lora):  # the head unit at the loss; a layer and the next, prefetched, in its backward
+        assert t["peak"]["Unsharded Param"] == p.parts[HEAD_UNIT]
+        both = t["layer_backward"]["Unsharded Param"] + t["layer_backward"]["All Gather"]
+        assert both == pytest.approx(p.parts[LAYER_ONLY], rel=0.01)
+    p, t = kept
+    assert t["peak"]["Unsharded Param"] == p.parts["FSDP2 gathered: every decoder layer + embeddings (kept to "
+                                                   "backward) + head unit"]
+    assert t["layer_backward"]["Unsharded Param"] == p.parts["FSDP2 gathered: every decoder layer + embeddings "
+                                                             "(kept to backward)"]
+    p, t = one_unit
+    assert t["peak"]["Unsharded Param"] == p.parts["FSDP2 gathered: every decoder layer (one unit) + head unit"]
+    p, t = accumulating
+    assert t["peak"]["Unsharded Grad"] == p.parts["FSDP2: unsharded gradients over micro-batches (no_sync)"]

@@ -3,7 +3,8 @@
 Parameters are counted exactly on a model built on the meta device (no weights are read); bytes
 follow what tunekit actually loads: fp32 master weights for full fine-tuning, the frozen base in
 the training precision for LoRA, 4-bit codes plus quantization constants for QLoRA (with the layers
-left unquantized upcast to fp32, as prepare_model_for_kbit_training does)."""
+left unquantized upcast to fp32, as prepare_model_for_kbit_training does). Sharding (ZeRO, FSDP2) divides
+those parts; what FSDP2 and ZeRO-3 gather whole on a device, and when, is in plan.sharding."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from tunekit.config import deepspeed as dsconfig
 from tunekit.training import methods
 from tunekit.config.schema import Recipe
+from tunekit.plan import sharding
 from tunekit.plan.sizes import GiB, parse_size  # noqa: F401  (plan.parse_size: tests)
 
 QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
@@ -50,6 +52,18 @@ class Settings:
     sampled: int = 0  # sequences sampled at once per device before the step (GRPO: micro-batch x accumulation)
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     utilization: float = 0.4
+    fsdp: bool = False  # training.fsdp: FSDP2 in place of DeepSpeed
+    fsdp_reshard_after_forward: bool = True
+    fsdp_offload: bool = False
+    fsdp_auto_wrap: bool = True
+    fsdp_reduce_dtype: str = "float32"
+    # ZeRO-3's sizes in elements (None: "auto", filled from the hidden size); the defaults are ds_configs/zero3.json's
+    zero3_prefetch: int | None = None
+    zero3_persistence: int | None = None
+    zero3_max_live: int = 1_000_000_000
+    zero3_reuse: int = 1_000_000_000
+    zero3_reduce_bucket: int | None = None
+    zero3_contiguous_gradients: bool = True
 
 
 @dataclass
@@ -66,6 +80,10 @@ class Plan:
     # accumulation, gradients exist only from the backward pass to the optimizer step (the Trainer
     # frees them after it), when activations are gone.
     phases: tuple = ()
+    moments: tuple = ()  # when each phase is live, in words
+    categories: dict = field(default_factory=dict)  # sharding.GATHERED or GRADIENTS for the transient parts
+    # beside a sharded plan on several devices: {"fsdp": (label, Plan), "zero3": (label, Plan)}, this one among them
+    versus: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def peak(self) -> int:
@@ -107,13 +125,9 @@ def count(recipe: Recipe, model) -> Counts:
             seen.add(id(p))
             n = p.numel()
             total += n
-            if "lora_" in name or "modules_to_save" in name:
-                trainable += n
-            elif recipe.full_finetuning:
-                trainable += n
-            elif (recipe.quantization is not None and isinstance(module, torch.nn.Linear) and pname == "weight"
-                  and id(p) not in head):
-                quantized += n
+            kind = sharding.kind(recipe, name, module, pname, head, p)
+            trainable += n if kind == "trainable" else 0
+            quantized += n if kind == "quantized" else 0
     tied = 0
     inputs = model.get_input_embeddings()
     if recipe.full_finetuning and output is not None and inputs is not None and output.weight is inputs.weight:
@@ -194,8 +208,11 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     h, vocab = cfg.hidden_size, cfg.vocab_size
     tokens = s.micro_batch * s.sequences * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
-    # below fp32, a head stored in fp32 (QLoRA's unquantized layers, full fine-tuning) is cast for the matmul
-    head_cast = vocab * h * elem if elem != 4 and (recipe.quantization is not None or recipe.full_finetuning) else 0
+    # below fp32, a head stored in fp32 (QLoRA's unquantized layers, full fine-tuning) is cast for the matmul;
+    # FSDP2 and ZeRO-3 gather it in the compute dtype instead (their gathered head unit, sharding.py)
+    gathered = s.fsdp or s.zero_stage >= 3
+    head_cast = (vocab * h * elem if elem != 4 and not gathered
+                 and (recipe.quantization is not None or recipe.full_finetuning) else 0)
     if not chunked:
         return tokens * vocab * (elem + (4 if elem != 4 else 0) + 6) + head_cast
     from tunekit.models.losspath import chunk_rows
@@ -207,10 +224,8 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     return 2 * tokens * h * hidden_elem + rows * vocab * per_logit + head_grad + head_cast
 
 
-def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
-    if model is None:
-        cfg, model = meta_model(recipe)
-    c = count(recipe, model)
+def state_parts(recipe: Recipe, s: Settings, c: Counts) -> dict[str, float]:
+    """Weights, gradients and optimizer state on one device before any sharding."""
     w_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
     parts: dict[str, float] = {}
     q = recipe.quantization
@@ -228,48 +243,116 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
         parts["gradients (fp32)"] = c.trainable * 4
         parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
         parts["master weights (fp32, in the optimizer)"] = c.trainable * 4
-    else:  # tunekit without DeepSpeed trains fp32 weights and autocasts: they are the master copy
+    else:  # without DeepSpeed tunekit trains fp32 weights (FSDP2 shards them; autocast or its policy casts)
         parts["weights (trainable, fp32)"] = c.trainable * 4
         parts["gradients (fp32)"] = c.trainable * 4
         parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
-    kept, recomputed = activation_bytes(cfg, s, recipe)
-    from tunekit.models.losspath import unsupported_reason
+    return parts
 
-    # the method's trainer may take log-probabilities from the full logits (TRL's): the stock path
-    chunked = (recipe.training.chunked_loss and methods.of(recipe).chunked_loss
-               and unsupported_reason(model) is None)
-    logits = loss_path_bytes(cfg, s, recipe, chunked)
-    act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
-    parts[act_key] = kept
-    parts["logits and loss"] = logits
-    if s.gradient_checkpointing:
-        parts["activations (one layer recomputed)"] = recomputed
-    autocast = s.precision != "fp32" and s.zero_stage == 0
-    if autocast:  # mixed precision keeps a 16-bit copy of each fp32 trained weight for its backward
-        parts[f"autocast copies of trained weights ({s.precision})"] = c.trainable * 2
-    if c.tied_trainable_head:
-        # The shared embedding/head matrix gets two fp32 gradient contributions (head, embedding
-        # lookup) that exist side by side with its .grad before they are summed (measured).
-        parts["gradient of the tied head, accumulating"] = 2 * c.tied_trainable_head * 4
 
+QUANTIZED = "weights (quantized, incl. constants)"
+
+
+def shard(parts: dict, recipe: Recipe, s: Settings, c: Counts) -> float:
+    """Divide what ZeRO or FSDP2 shards by the world size, in place, and take out what offload moves to
+    CPU RAM; returns those bytes. Sharding divides a quantized weight's packed codes, not its constants
+    (quant_state, no parameter); FSDP2 shards no uint8-stored 4-bit weights (sharding.py)."""
     n = s.world_size
+    optimizer_side = [k for k in parts if k.startswith(("optimizer (", "master weights"))]
+    weights = [k for k in parts if k.startswith("weights") and not (s.fsdp and k == QUANTIZED)]
+    codes = c.quantized * recipe.quantization.bits / 8 if recipe.quantization is not None else 0
+    split = {QUANTIZED: codes / n} if QUANTIZED in weights else {}  # the sharded share of a part
+    if s.fsdp:
+        sharded = optimizer_side + ["gradients (fp32)"] + weights
+        for key in sharded:
+            parts[key] /= n
+        return sum(parts.pop(key) for key in sharded) if s.fsdp_offload else 0.0
     cpu = 0.0
-    master = "master weights (fp32, in the optimizer)"
-    optimizer_side = [k for k in (opt_key, master) if k in parts]
     if s.zero_stage >= 1:
         for key in optimizer_side:
             parts[key] /= n
     if s.zero_stage >= 2:
         parts["gradients (fp32)"] /= n
     if s.zero_stage >= 3:
-        for key in [k for k in parts if k.startswith("weights")]:
-            parts[key] /= n
+        for key in weights:
+            parts[key] = parts[key] - codes + split[key] if key in split else parts[key] / n
     if s.offload_optimizer and s.zero_stage >= 1:
         for key in optimizer_side:
             cpu += parts.pop(key)
     if s.offload_params and s.zero_stage >= 3:
-        for key in [k for k in parts if k.startswith("weights")]:
-            cpu += parts.pop(key)
+        for key in weights:
+            moved = split.get(key, parts[key])
+            cpu += moved
+            parts[key] -= moved
+            if not parts[key]:
+                parts.pop(key)
+    return cpu
+
+
+def transient_terms(recipe: Recipe, s: Settings, cfg, model) -> list[sharding.Term]:
+    """FSDP2's or ZeRO-3's gathered parameters and gradient buffers (none without either)."""
+    if not (s.fsdp or s.zero_stage >= 3):
+        return []
+    elem = 4 if s.precision == "fp32" else 2
+    ps = sharding.params(recipe, model)
+    bits = recipe.quantization.bits if recipe.quantization is not None else 4
+    if s.fsdp:
+        return sharding.fsdp_terms(ps, s, elem, bits)
+    return sharding.zero3_terms(recipe, ps, s, elem, bits, cfg.hidden_size)
+
+
+def phase_groups(s: Settings, parts: dict, act_key: str, autocast_key: str | None,
+                 terms: list[sharding.Term]) -> tuple[tuple, tuple]:
+    """(moments, phases): the groups of parts live together, each with when, in words."""
+    def at(when):
+        return tuple(t.key for t in terms if when in t.when)
+
+    groups = [("the end of the forward pass", (act_key, "logits and loss") + ((autocast_key,) if autocast_key else ())
+               + at("forward"))]
+    backward = (("activations (one layer recomputed)",) if s.gradient_checkpointing else ()) + at("backward")
+    if backward:
+        groups.append(("a recomputed layer's backward" if s.gradient_checkpointing else "a layer's backward",
+                       (act_key,) + backward))
+    if s.sampled:  # sampling ends before the step's forward
+        groups.append(("the sampling before the step", ("sampling: KV cache",) + at("sampling")))
+    end = at("end")
+    if s.world_size == 1 and s.zero_stage == 0 and s.accumulation == 1:
+        end = tuple(k for k in ("gradients (fp32)", "gradient of the tied head, accumulating") if k in parts) + end
+    if end:
+        groups.append(("the end of the backward pass", end))
+    return tuple(m for m, _ in groups), tuple(keys for _, keys in groups)
+
+
+def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True) -> Plan:
+    """The plan for settings `s`; with `versus`, a sharded plan on several devices (or one that could be)
+    also gets FSDP2's and ZeRO-3's peaks for the same recipe (Plan.versus)."""
+    if model is None:
+        cfg, model = meta_model(recipe)
+    c = count(recipe, model)
+    parts = state_parts(recipe, s, c)
+    kept, recomputed = activation_bytes(cfg, s, recipe)
+    from tunekit.models.losspath import unsupported_reason
+
+    # the method's trainer may take log-probabilities from the full logits (TRL's): the stock path
+    chunked = (recipe.training.chunked_loss and methods.of(recipe).chunked_loss
+               and unsupported_reason(model) is None)
+    act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
+    parts[act_key] = kept
+    parts["logits and loss"] = loss_path_bytes(cfg, s, recipe, chunked)
+    if s.gradient_checkpointing:
+        parts["activations (one layer recomputed)"] = recomputed
+    autocast_key = None
+    if s.precision != "fp32" and s.zero_stage == 0 and not s.fsdp:
+        # mixed precision keeps a 16-bit copy of each fp32 trained weight for its backward
+        autocast_key = f"autocast copies of trained weights ({s.precision})"
+        parts[autocast_key] = c.trainable * 2
+    if c.tied_trainable_head:
+        # The shared embedding/head matrix gets two fp32 gradient contributions (head, embedding
+        # lookup) that exist side by side with its .grad before they are summed (measured).
+        parts["gradient of the tied head, accumulating"] = 2 * c.tied_trainable_head * 4
+    cpu = shard(parts, recipe, s, c)
+    terms = transient_terms(recipe, s, cfg, model)
+    parts.update({t.key: t.bytes for t in terms})
 
     tokens = s.micro_batch * s.sequences * s.seq_len
     # forward 2*P*T; backward 2*P*T for activation gradients, plus 2*P*T for weight gradients of what trains
@@ -280,13 +363,42 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None) -> Plan:
     flops += s.extra_forwards * 2 * c.total * tokens
     flops += sampling(parts, cfg, s, c)
     step = flops * 1.0 / (s.peak_tflops * 1e12 * s.utilization)
-    phases = [(act_key, "logits and loss") + ((f"autocast copies of trained weights ({s.precision})",) if autocast else ())]
-    if s.gradient_checkpointing:
-        phases.append((act_key, "activations (one layer recomputed)"))
-    phases += [("sampling: KV cache",)] if s.sampled else []  # sampling ends before the step's forward
-    if s.world_size == 1 and s.zero_stage == 0 and s.accumulation == 1:
-        phases.append(tuple(k for k in ("gradients (fp32)", "gradient of the tied head, accumulating") if k in parts))
-    return Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step, tuple(phases))
+    moments, phases = phase_groups(s, parts, act_key, autocast_key, terms)
+    plan = Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step, phases, moments,
+                {t.key: t.category for t in terms})
+    if versus and s.world_size > 1:
+        plan.versus = fsdp_versus_zero3(recipe, plan, cfg, model)
+    return plan
+
+
+def fsdp_versus_zero3(recipe: Recipe, plan: Plan, cfg, model) -> dict:
+    """This recipe under FSDP2 and under ZeRO-3: {"fsdp": (label, Plan), "zero3": (label, Plan)}, the plan
+    itself for the one it uses; the other with the same offload (ZeRO-3's of parameters and optimizer
+    state, FSDP2's cpu_offload), ZeRO-3 as ds_configs/zero3.json (or zero3_offload.json) has it."""
+    s = plan.settings
+    offload = s.fsdp_offload if s.fsdp else s.offload_params or s.offload_optimizer
+    plain = dataclasses.replace(s, fsdp=False, zero_stage=0, offload_optimizer=False, offload_params=False)
+    if s.fsdp:
+        fsdp = ("training.fsdp", plan)
+    else:
+        label = "training.fsdp: {cpu_offload: true}" if offload else "training.fsdp: {}"
+        fsdp = (label, make(recipe, dataclasses.replace(plain, fsdp=True, fsdp_offload=offload), cfg, model, False))
+    if s.zero_stage == 3:
+        zero3 = (short_path(recipe.training.deepspeed) if recipe.training.deepspeed else "ZeRO stage 3", plan)
+    else:
+        label = f"ds_configs/zero3{'_offload' if offload else ''}.json"
+        zero3 = (label, make(recipe, dataclasses.replace(plain, zero_stage=3, offload_optimizer=offload,
+                                                         offload_params=offload), cfg, model, False))
+    return {"fsdp": fsdp, "zero3": zero3}
+
+
+def short_path(path: str) -> str:
+    from pathlib import Path
+
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:
@@ -295,12 +407,45 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
     ds = dsconfig.read(t.deepspeed) if t.deepspeed else {}
     zero = ds.get("zero_optimization") or {}
     shape = {"seq_len": recipe.data.max_length, **method.plan_settings(recipe)}
+    fsdp = {}
+    if t.fsdp is not None:  # FSDP's activation checkpointing recomputes each decoder layer, as gradient checkpointing
+        fsdp = {"fsdp": True, "fsdp_reshard_after_forward": t.fsdp.reshard_after_forward,
+                "fsdp_offload": t.fsdp.cpu_offload, "fsdp_auto_wrap": t.fsdp.auto_wrap,
+                "fsdp_reduce_dtype": t.fsdp.reduce_dtype}
+    stage = dsconfig.zero_stage(ds)
     base = Settings(world_size=world_size, micro_batch=t.micro_batch_size, precision=precision,
-                    gradient_checkpointing=t.gradient_checkpointing, zero_stage=dsconfig.zero_stage(ds),
+                    gradient_checkpointing=t.gradient_checkpointing or bool(t.fsdp and t.fsdp.activation_checkpointing),
+                    zero_stage=stage,
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
-                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps, **shape)
+                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps, **shape, **fsdp,
+                    **(sharding.zero3_settings(zero) if stage == 3 else {}))
     return dataclasses.replace(base, **overrides)
+
+
+def sharding_options(recipe: Recipe, s: Settings) -> list[tuple[str, Recipe, Settings]]:
+    """ZeRO stages and FSDP2 on several devices, each in place of the other where the recipe has it."""
+    options = []
+    plain = dataclasses.replace(s, fsdp=False, zero_stage=0, offload_optimizer=False, offload_params=False)
+    if s.world_size > 1:
+        swap = " (in place of training.fsdp)" if s.fsdp else ""
+        for stage in (1, 2, 3):
+            if (s.fsdp or s.zero_stage < stage) and not (stage == 3 and recipe.quantization is not None):
+                options.append((f"deepspeed: ds_configs/zero{stage}.json{swap}", recipe,
+                                dataclasses.replace(plain if s.fsdp else s, zero_stage=stage)))
+        swap = " (in place of training.deepspeed)" if s.zero_stage else ""
+        if not s.fsdp:
+            options.append(("training.fsdp: {}" + swap, recipe, dataclasses.replace(plain, fsdp=True)))
+        if not s.fsdp_offload:
+            label = "training.fsdp.cpu_offload=true" if s.fsdp else "training.fsdp: {cpu_offload: true}" + swap
+            options.append((label, recipe, dataclasses.replace(s if s.fsdp else plain, fsdp=True, fsdp_offload=True)))
+    if not s.offload_optimizer:
+        stage = max(s.zero_stage, 2)
+        options.append((f"deepspeed: ds_configs/zero{stage if stage == 2 else 3}_offload.json"
+                        + (" (in place of training.fsdp)" if s.fsdp else ""), recipe,
+                        dataclasses.replace(plain if s.fsdp else s, zero_stage=stage, offload_optimizer=True,
+                                            offload_params=stage == 3)))
+    return options
 
 
 def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tuple[str, Plan]]:
@@ -308,7 +453,9 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
     s = plan.settings
     options: list[tuple[str, Recipe, Settings]] = []
     if not s.gradient_checkpointing:
-        options.append(("training.gradient_checkpointing=true", recipe,
+        # FSDP's activation checkpointing wraps the units auto_wrap makes
+        options.append(("training.fsdp.activation_checkpointing=true" if s.fsdp and s.fsdp_auto_wrap
+                        else "training.gradient_checkpointing=true", recipe,
                         dataclasses.replace(s, gradient_checkpointing=True)))
     if s.micro_batch > 1:
         half = max(1, s.micro_batch // 2)
@@ -324,23 +471,94 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
         from tunekit.config.schema import LoraConfig
 
         options.append(("adapter=lora", recipe.model_copy(update={"adapter": "lora", "lora": LoraConfig()}), s))
-    if s.world_size > 1:
-        for stage in (1, 2, 3):
-            if s.zero_stage < stage and not (stage == 3 and recipe.quantization is not None):
-                options.append((f"deepspeed: ds_configs/zero{stage}.json", recipe,
-                                dataclasses.replace(s, zero_stage=stage)))
-    if not s.offload_optimizer:
-        stage = max(s.zero_stage, 2)
-        options.append((f"deepspeed: ds_configs/zero{stage if stage == 2 else 3}_offload.json", recipe,
-                        dataclasses.replace(s, zero_stage=stage, offload_optimizer=True,
-                                            offload_params=stage == 3)))
+    options += sharding_options(recipe, s)
     out = []
     for label, r, st in options:
         m = model if r.adapter_kind == recipe.adapter_kind else None
-        p = make(r, st, cfg, m) if m is not None else make(r, st)
+        p = make(r, st, cfg, m, versus=False) if m is not None else make(r, st, versus=False)
         if p.peak < plan.peak:
             out.append((label, p))
     return sorted(out, key=lambda lp: lp[1].peak)
+
+
+def sharding_words(s: Settings) -> str:
+    if s.fsdp:
+        words = ["parameters resharded after forward" if s.fsdp_reshard_after_forward
+                 else "layers kept gathered from forward to backward",
+                 "one unit per decoder layer" if s.fsdp_auto_wrap else "one unit for every decoder layer"]
+        words += ["CPU offload"] if s.fsdp_offload else []
+        words += [f"gradients reduced in {'fp32' if s.fsdp_reduce_dtype == 'float32' else s.precision}"]
+        return f"FSDP2 ({', '.join(words)})"
+    return (f"ZeRO stage {s.zero_stage}" + (", optimizer offload" if s.offload_optimizer else "")
+            + (", parameter offload" if s.offload_params else ""))
+
+
+STATE = "weights, gradients and optimizer state"
+
+
+def at_peak(plan: Plan) -> dict[str, float]:
+    """Bytes by category at the plan's peak: the parts live all step plus its largest phase."""
+    phased = {k for phase in plan.phases for k in phase}
+    largest = max(plan.phases, key=lambda ph: sum(plan.parts[k] for k in ph), default=())
+    out: dict[str, float] = {}
+    for key, value in plan.parts.items():
+        if key not in phased or key in largest:
+            category = plan.categories.get(key) or (STATE if key.startswith(
+                ("weights", "gradients (", "optimizer (", "master weights")) else "activations and the rest")
+            out[category] = out.get(category, 0) + value
+    return out
+
+
+def why(category: str, fsdp_more: bool, s: Settings, quantized: bool) -> str:
+    """The mechanism behind the larger share of `category`, in words (`s`: the FSDP2 plan's settings)."""
+    if category == sharding.GATHERED:
+        if not fsdp_more:
+            return ("ZeRO-3 keeps the parameters it uses again within stage3_max_reuse_distance gathered from "
+                    "forward to backward, beside its prefetch bucket and the parameters under its persistence "
+                    "threshold")
+        if s.fsdp_auto_wrap and s.fsdp_reshard_after_forward:
+            return "FSDP2 gathers a whole decoder layer and prefetches the next; ZeRO-3 fetches module by module"
+        return "FSDP2 keeps every decoder layer gathered from forward to backward"
+    if category == sharding.GRADIENTS:
+        if fsdp_more and s.accumulation > 1:
+            return ("FSDP2 keeps unsharded gradients over the micro-batches of an accumulation step (the Trainer "
+                    "reduce-scatters after the last)")
+        return ("FSDP2 reduce-scatters a whole layer's gradients at once" if fsdp_more
+                else "ZeRO-3 keeps a reduce bucket of reduce_bucket_size elements")
+    if category == STATE:
+        if fsdp_more:
+            return ("FSDP2 keeps the uint8-stored 4-bit weights whole on every device" if quantized
+                    else "the sharded state differs")
+        if s.fsdp_offload:
+            return "FSDP2's cpu_offload moves the sharded gradients to CPU RAM too"
+        return "ZeRO-3 keeps 16-bit trained weights beside their fp32 masters; FSDP2 shards the fp32 weights alone"
+    return "activations and the loss differ"
+
+
+def size_words(n: float) -> str:
+    """Bytes in the unit that suits them: GiB from 1 GiB, MiB from 1 MiB, else KiB."""
+    for unit, name in ((GiB, "GiB"), (2**20, "MiB")):
+        if abs(n) >= unit:
+            return f"{n / unit:.2f} {name}"
+    return f"{n / 1024:.1f} KiB"
+
+
+def versus_line(plan: Plan) -> str:
+    """FSDP2's and ZeRO-3's peaks per device for this recipe, which is lower, by how much and why."""
+    (f_label, f), (z_label, z) = plan.versus["fsdp"], plan.versus["zero3"]
+    line = (f"FSDP2 ({f_label}) vs ZeRO-3 ({z_label}) on {plan.settings.world_size} devices: "
+            f"{size_words(f.peak)} vs {size_words(z.peak)} per device")
+    if f.cpu_bytes or z.cpu_bytes:
+        line += f" ({size_words(f.cpu_bytes)} vs {size_words(z.cpu_bytes)} offloaded to CPU RAM)"
+    diff = z.peak - f.peak
+    if abs(diff) <= 0.001 * max(f.peak, z.peak):
+        return line + ": the same within 0.1%"
+    fc, zc = at_peak(f), at_peak(z)
+    shares = sorted(((fc.get(k, 0), zc.get(k, 0), k) for k in {*fc, *zc}), key=lambda t: -abs(t[0] - t[1]))
+    shares = [t for t in shares if abs(t[0] - t[1]) >= 0.05 * abs(diff)]
+    detail = "; ".join(f"{k} {size_words(a)} vs {size_words(b)}" for a, b, k in shares)
+    return (line + f": {'FSDP2' if diff > 0 else 'ZeRO-3'} needs {size_words(abs(diff))} less ({detail}: "
+            f"{why(shares[0][2], shares[0][0] > shares[0][1], f.settings, plan.counts.quantized > 0)})")
 
 
 def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str, Plan]]) -> str:
@@ -353,8 +571,7 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         + (f", {s.extra_forwards} no-grad forward(s) (reference, KL)" if s.extra_forwards else "")
         + (f", {s.sampled} sequences sampled before each step" if s.sampled else "")
         + f" x {s.seq_len} tokens, "
-        f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, ZeRO stage {s.zero_stage}"
-        + (", optimizer offload" if s.offload_optimizer else "") + (", parameter offload" if s.offload_params else ""),
+        f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, {sharding_words(s)}",
         "",
     ]
     width = max(len(k) for k in plan.parts) + 6
@@ -362,15 +579,13 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         marks = "".join(f"[{i + 1}]" for i, phase in enumerate(plan.phases) if key in phase)
         lines.append(f"  {key + (' ' + marks if marks else ''):<{width}}  {value / GiB:9.3f} GiB")
     lines.append(f"  {'peak per device':<{width}}  {plan.peak / GiB:9.3f} GiB")
-    # in the order make() lists the phases
-    moments = (["the end of the forward pass"]
-               + (["a recomputed layer's backward"] if plan.settings.gradient_checkpointing else [])
-               + (["the sampling before the step"] if plan.settings.sampled else []) + ["the end of the backward pass"])
     if len(plan.phases) > 1:
         lines.append("  (peak = the unmarked parts + the largest of the groups live together: "
-                     + ", ".join(f"[{i + 1}] at {m}" for i, m in enumerate(moments[:len(plan.phases)])) + ")")
+                     + ", ".join(f"[{i + 1}] at {m}" for i, m in enumerate(plan.moments)) + ")")
     if plan.cpu_bytes:
         lines.append(f"  {'offloaded to CPU RAM':<{width}}  {plan.cpu_bytes / GiB:9.3f} GiB")
+    if plan.versus:
+        lines += ["", versus_line(plan)]
     lines += ["", f"training FLOPs per step per device: {plan.flops_per_step:.3e} "
               f"({'6' if recipe.full_finetuning else '~4'} x parameters x tokens"
               + (", +2 x for recomputation" if s.gradient_checkpointing else "") + ")",
@@ -389,6 +604,9 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
 
 
 def to_json(plan: Plan) -> str:
+    versus = {name: {"label": label, "peak": p.peak, "cpu_bytes": p.cpu_bytes}
+              for name, (label, p) in (plan.versus or {}).items()}
     return json.dumps({"settings": dataclasses.asdict(plan.settings), "counts": dataclasses.asdict(plan.counts),
-                       "parts": plan.parts, "phases": plan.phases, "peak": plan.peak, "cpu_bytes": plan.cpu_bytes,
-                       "flops_per_step": plan.flops_per_step, "step_seconds": plan.step_seconds}, indent=2)
+                       "parts": plan.parts, "phases": plan.phases, "moments": plan.moments, "peak": plan.peak,
+                       "cpu_bytes": plan.cpu_bytes, "flops_per_step": plan.flops_per_step,
+                       "step_seconds": plan.step_seconds, "versus": versus or None}, indent=2)
