@@ -272,13 +272,26 @@ def test_qlora_4bit_weights_under_fsdp2_and_zero3(make_recipe):
     cfg, model = plan.meta_model(recipe, mid_llama())
     s = plan.Settings(world_size=4, seq_len=128, precision="bf16")
     c = plan.count(recipe, model)
-    whole = plan.quantized_bytes(c.quantized, 4, False)
+    whole, codes = plan.quantized_bytes(c.quantized, 4, False), c.quantized / 2
     fsdp = plan.make(recipe, dataclasses.replace(s, fsdp=True), cfg, model)
     zero3 = plan.make(recipe, dataclasses.replace(s, zero_stage=3), cfg, model)
-    # tunekit stores them as uint8 outside ZeRO-3: accelerate leaves them out of FSDP2's sharding
-    assert fsdp.parts[plan.QUANTIZED] == int(whole)
-    # ZeRO-3 divides the packed codes (stored in bf16), not the quantization constants
-    assert zero3.parts[plan.QUANTIZED] == int(whole - c.quantized / 2 + c.quantized / 2 / 4)
+    # tunekit stores the packed codes in bf16 under both (the same bytes as uint8): both divide them, not the
+    # quantization constants
+    constants = whole - codes
+    assert fsdp.parts[plan.QUANTIZED] == zero3.parts[plan.QUANTIZED] == int(constants + codes / 4)
+    # FSDP2 gathers a decoder layer with its packed codes, and prefetches the next
+    layer = model.base_model.model.model.layers[0]
+    packed = sum(m.weight.numel() for name, m in layer.named_modules() if name.endswith("base_layer"))
+    rest = sum(p.numel() for p in layer.parameters()) - packed
+    assert fsdp.parts[LAYER_ONLY] == 2 * (packed / 2 + rest * 2)
+    # offload moves the share of the codes to CPU RAM; the constants stay on the device
+    fsdp_off = plan.make(recipe, dataclasses.replace(s, fsdp=True, fsdp_offload=True), cfg, model)
+    zero3_off = plan.make(recipe, dataclasses.replace(s, zero_stage=3, offload_params=True, offload_optimizer=True),
+                          cfg, model)
+    for on, off in ((fsdp, fsdp_off), (zero3, zero3_off)):
+        assert off.parts[plan.QUANTIZED] == int(constants)
+        assert off.cpu_bytes >= codes / 4 and off.peak < on.peak
+    assert fsdp_off.cpu_bytes == pytest.approx(sharded_state(fsdp) - constants, abs=8)
 
 
 def versus(line: str) -> tuple[float, float, str, float]:
@@ -390,7 +403,8 @@ def test_fsdp2_terms_match_torchs_memory_tracker(make_recipe, tmp_path):
     full = ["adapter=none", "lora=null"]
     cases = [full + ["training.fsdp={}"], full + ["training.fsdp.reshard_after_forward=false"],
              full + ["training.fsdp.auto_wrap=false"], ["training.fsdp={}", "training.precision=bf16"],
-             full + ["training.fsdp={}", "training.gradient_accumulation_steps=2"]]
+             full + ["training.fsdp={}", "training.gradient_accumulation_steps=2"],
+             ["adapter=qlora", "training.fsdp={}", "training.precision=bf16"]]
     make_recipe()
     res = subprocess.run([sys.executable, "-c", TRACKED_STEP, str(tmp_path / "r.yaml"), json.dumps(cases)],
                          capture_output=True, text=True, timeout=600)
@@ -401,11 +415,14 @@ def test_fsdp2_terms_match_torchs_memory_tracker(make_recipe, tmp_path):
         recipe = make_recipe(*overrides)
         planned.append(plan.make(recipe, plan.settings_from(recipe, 4, recipe.training.precision)))
     for p, t in zip(planned, tracked):
-        weights = sum(v for k, v in p.parts.items() if k.startswith("weights"))
+        # 4-bit constants are no parameter (bitsandbytes' quant_state): all but them is sharded
+        q = p.counts.quantized
+        constants = plan.quantized_bytes(q, 4, True) - q / 2 if q else 0
+        weights = sum(v for k, v in p.parts.items() if k.startswith("weights")) - constants
         assert t["peak"]["Sharded Param"] == pytest.approx(weights, rel=0.01)
         assert t["peak"]["OptState"] == pytest.approx(p.parts["optimizer (adamw_torch)"], rel=0.01)
-    plain, kept, one_unit, lora, accumulating = zip(planned, tracked)
-    for p, t in (plain, lora):  # the head unit at the loss; a layer and the next, prefetched, in its backward
+    plain, kept, one_unit, lora, accumulating, qlora = zip(planned, tracked)
+    for p, t in (plain, lora, qlora):  # the head unit at the loss; a layer and the next, prefetched, in its backward
         assert t["peak"]["Unsharded Param"] == p.parts[HEAD_UNIT]
         both = t["layer_backward"]["Unsharded Param"] + t["layer_backward"]["All Gather"]
         assert both == pytest.approx(p.parts[LAYER_ONLY], rel=0.01)

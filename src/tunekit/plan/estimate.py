@@ -255,37 +255,35 @@ QUANTIZED = "weights (quantized, incl. constants)"
 
 def shard(parts: dict, recipe: Recipe, s: Settings, c: Counts) -> float:
     """Divide what ZeRO or FSDP2 shards by the world size, in place, and take out what offload moves to
-    CPU RAM; returns those bytes. Sharding divides a quantized weight's packed codes, not its constants
-    (quant_state, no parameter); FSDP2 shards no uint8-stored 4-bit weights (sharding.py)."""
+    CPU RAM; returns those bytes. FSDP2 shards what ZeRO-3 does (weights, gradients, optimizer state). A
+    quantized weight is sharded as its packed codes, not its constants (quant_state, no parameter): under
+    both, tunekit stores the codes in the compute dtype, the same bytes (sharding.py)."""
     n = s.world_size
+    stage = 3 if s.fsdp else s.zero_stage
     optimizer_side = [k for k in parts if k.startswith(("optimizer (", "master weights"))]
-    weights = [k for k in parts if k.startswith("weights") and not (s.fsdp and k == QUANTIZED)]
+    weights = [k for k in parts if k.startswith("weights")]
     codes = c.quantized * recipe.quantization.bits / 8 if recipe.quantization is not None else 0
-    split = {QUANTIZED: codes / n} if QUANTIZED in weights else {}  # the sharded share of a part
-    if s.fsdp:
-        sharded = optimizer_side + ["gradients (fp32)"] + weights
-        for key in sharded:
-            parts[key] /= n
-        return sum(parts.pop(key) for key in sharded) if s.fsdp_offload else 0.0
-    cpu = 0.0
-    if s.zero_stage >= 1:
+    split = {QUANTIZED: codes / n} if QUANTIZED in parts else {}  # the sharded share of a part
+    if stage >= 1:
         for key in optimizer_side:
             parts[key] /= n
-    if s.zero_stage >= 2:
+    if stage >= 2:
         parts["gradients (fp32)"] /= n
-    if s.zero_stage >= 3:
+    if stage >= 3:
         for key in weights:
             parts[key] = parts[key] - codes + split[key] if key in split else parts[key] / n
-    if s.offload_optimizer and s.zero_stage >= 1:
-        for key in optimizer_side:
-            cpu += parts.pop(key)
-    if s.offload_params and s.zero_stage >= 3:
-        for key in weights:
-            moved = split.get(key, parts[key])
-            cpu += moved
-            parts[key] -= moved
-            if not parts[key]:
-                parts.pop(key)
+    if s.fsdp:  # cpu_offload moves every sharded part, gradients too
+        moved = optimizer_side + weights + ["gradients (fp32)"] if s.fsdp_offload else []
+    else:
+        moved = ((optimizer_side if s.offload_optimizer and stage >= 1 else [])
+                 + (weights if s.offload_params and stage >= 3 else []))
+    cpu = 0.0
+    for key in moved:
+        share = split.get(key, parts[key])
+        cpu += share
+        parts[key] -= share
+        if not parts[key]:
+            parts.pop(key)
     return cpu
 
 
@@ -509,7 +507,7 @@ def at_peak(plan: Plan) -> dict[str, float]:
     return out
 
 
-def why(category: str, fsdp_more: bool, s: Settings, quantized: bool) -> str:
+def why(category: str, fsdp_more: bool, s: Settings) -> str:
     """The mechanism behind the larger share of `category`, in words (`s`: the FSDP2 plan's settings)."""
     if category == sharding.GATHERED:
         if not fsdp_more:
@@ -527,8 +525,7 @@ def why(category: str, fsdp_more: bool, s: Settings, quantized: bool) -> str:
                 else "ZeRO-3 keeps a reduce bucket of reduce_bucket_size elements")
     if category == STATE:
         if fsdp_more:
-            return ("FSDP2 keeps the uint8-stored 4-bit weights whole on every device" if quantized
-                    else "the sharded state differs")
+            return "the sharded state differs"
         if s.fsdp_offload:
             return "FSDP2's cpu_offload moves the sharded gradients to CPU RAM too"
         return "ZeRO-3 keeps 16-bit trained weights beside their fp32 masters; FSDP2 shards the fp32 weights alone"
@@ -558,7 +555,7 @@ def versus_line(plan: Plan) -> str:
     shares = [t for t in shares if abs(t[0] - t[1]) >= 0.05 * abs(diff)]
     detail = "; ".join(f"{k} {size_words(a)} vs {size_words(b)}" for a, b, k in shares)
     return (line + f": {'FSDP2' if diff > 0 else 'ZeRO-3'} needs {size_words(abs(diff))} less ({detail}: "
-            f"{why(shares[0][2], shares[0][0] > shares[0][1], f.settings, plan.counts.quantized > 0)})")
+            f"{why(shares[0][2], shares[0][0] > shares[0][1], f.settings)})")
 
 
 def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str, Plan]]) -> str:

@@ -31,8 +31,12 @@ against torch's FSDPMemTracker):
   under accelerate's no_sync,
   which for FSDP2 is set_requires_gradient_sync(False): gradients accumulate unsharded, in reduce_dtype
   (FSDPParam.to_accumulated_grad_if_needed), on every device.
-- accelerate leaves packed 4-bit weights stored as uint8 out of sharding (ignored_params: whole on every
-  device); tunekit stores them in the compute dtype only under ZeRO-3 (models.loading.load_for_training).
+- quantized weights are sharded as any other parameter: under FSDP2, as under ZeRO-3, tunekit stores the
+  packed 4-bit codes in the compute dtype (bnb_4bit_quant_storage; models.loading.load_for_training), a
+  floating-point parameter (accelerate leaves uint8-stored ones out of sharding, whole on every device). The
+  storage dtype only reinterprets the packed bytes (the stored tensor has fewer elements), so a device holds
+  1/world of the codes and gathers a unit's codes in the same bytes (param_dtype is their own dtype: no
+  cast). Their quantization constants (quant_state) are no parameter: whole on every device.
 - CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory; gathered
   units are on the device.
 
@@ -111,12 +115,10 @@ def params(recipe, model) -> list[Param]:
     return out
 
 
-def gathered_bytes(p: Param, elem: int, quant_bits: int, quant_gathered: bool) -> float:
-    """Bytes of `p` gathered whole: the compute dtype, packed codes for quantized weights (none where they
-    are not sharded, being whole already)."""
-    if p.kind != "quantized":
-        return p.numel * elem
-    return (p.numel * quant_bits / 8) if quant_gathered else 0.0
+def gathered_bytes(p: Param, elem: int, quant_bits: int) -> float:
+    """Bytes of `p` gathered whole: the compute dtype, or a quantized weight's packed codes (stored in the
+    compute dtype under FSDP2 and ZeRO-3: the bytes of the packing, whatever the dtype)."""
+    return p.numel * quant_bits / 8 if p.kind == "quantized" else p.numel * elem
 
 
 def by_layer(ps: list[Param], size) -> list[float]:
@@ -130,10 +132,10 @@ def by_layer(ps: list[Param], size) -> list[float]:
 def fsdp_terms(ps: list[Param], s, elem: int, quant_bits: int) -> list[Term]:
     """FSDP2's gathered units and unsharded gradients per device (see the module's docstring)."""
     reduce = 4 if (s.fsdp_reduce_dtype == "float32" or elem == 4) else elem
-    gathered = by_layer(ps, lambda p: gathered_bytes(p, elem, quant_bits, False))
+    gathered = by_layer(ps, lambda p: gathered_bytes(p, elem, quant_bits))
     trained = by_layer(ps, lambda p: p.numel if p.kind == "trainable" else 0)
-    head = sum(gathered_bytes(p, elem, quant_bits, False) for p in ps if p.unit == "head")
-    embed = sum(gathered_bytes(p, elem, quant_bits, False) for p in ps if p.unit == "embed")
+    head = sum(gathered_bytes(p, elem, quant_bits) for p in ps if p.unit == "head")
+    embed = sum(gathered_bytes(p, elem, quant_bits) for p in ps if p.unit == "embed")
     terms = []
     if not s.fsdp_auto_wrap or not s.fsdp_reshard_after_forward:
         # the root unit (every decoder layer without auto_wrap) is kept too; the embeddings' unit follows
@@ -188,7 +190,7 @@ def reused(ps: list[Param], sizes: list[float], reuse: int, factor: int) -> list
 def zero3_terms(recipe, ps: list[Param], s, elem: int, quant_bits: int, hidden_size: int) -> list[Term]:
     """ZeRO-3's persistent and gathered parameters and its gradient buffers per device (see above)."""
     z = zero3_numbers(recipe, s, hidden_size)
-    nbytes = [gathered_bytes(p, elem, quant_bits, True) for p in ps]
+    nbytes = [gathered_bytes(p, elem, quant_bits) for p in ps]
     numel = [b / elem for b in nbytes]  # DeepSpeed counts the elements of the stored tensor
     persistent = [n < z["stage3_param_persistence_threshold"] for n in numel]
     kept = reused(ps, numel, s.zero3_reuse, 3 if s.gradient_checkpointing else 2)
@@ -197,7 +199,7 @@ def zero3_terms(recipe, ps: list[Param], s, elem: int, quant_bits: int, hidden_s
     largest = max((n for n, p in zip(numel, ps) if p.unit == "layer"), default=0)
     prefetch = min(max(z["stage3_prefetch_bucket_size"], largest), s.zero3_max_live)
     # a recomputed layer's parameters are used again by its backward at once: the whole layer stays gathered
-    in_use = max(by_layer(ps, lambda p: gathered_bytes(p, elem, quant_bits, True)), default=0) / elem \
+    in_use = max(by_layer(ps, lambda p: gathered_bytes(p, elem, quant_bits)), default=0) / elem \
         if s.gradient_checkpointing else largest
     largest_trained = max((p.numel for p in ps if p.kind == "trainable" and p.unit == "layer"), default=0)
     bucket = z["reduce_bucket_size"] if s.zero3_contiguous_gradients else 0
