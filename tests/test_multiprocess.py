@@ -4,6 +4,7 @@ without offload, LoRA and full fine-tuning, and equivalence with a single proces
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -98,7 +99,7 @@ def test_accelerate_launch_runs_two_processes(recipe_file, ddp, tmp_path):
 
 
 # zero2 and zero3 without offload: LoRA in test_zero2_equals_ddp and test_zero3_run_merges_and_evaluates, QLoRA in
-# test_qlora_under_zero3_equals_qlora_under_ddp, full fine-tuning in the ZeRO-3 resume test below (and every
+# test_qlora_under_zero3_and_fsdp2_equals_qlora_under_ddp, full fine-tuning in the ZeRO-3 resume test below (and every
 # shipped recipe on the real model in test_shipped_recipes.py); here the other configs, with weight checks
 @pytest.mark.parametrize("config", ["zero1", "zero2_offload", "zero3_offload"])
 @pytest.mark.parametrize("adapter", ["lora", "none"])
@@ -126,17 +127,17 @@ def test_zero_stages_train_lora_and_full_finetuning(recipe_file, tmp_path, tiny_
         assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter_weights.items())
 
 
-def test_qlora_under_zero3_equals_qlora_under_ddp(recipe_file, tmp_path):
-    """ZeRO-3 needs the packed 4-bit weights stored in the dtype of the other weights; the quantized
+@pytest.mark.parametrize("sharding", ["training.deepspeed=ds_configs/zero3.json", "training.fsdp={}"])
+def test_qlora_under_zero3_and_fsdp2_equals_qlora_under_ddp(recipe_file, tmp_path, sharding):
+    """ZeRO-3 and FSDP2 need the packed 4-bit weights stored in the dtype of the other weights; the quantized
     values, and so the training, are the same as with DDP's uint8 storage."""
-    runs = {}
-    for name, ds in (("ddp", "null"), ("zero3", "ds_configs/zero3.json")):
-        runs[name] = tmp_path / name
-        launch(recipe_file, runs[name], 2, "adapter=qlora", f"training.deepspeed={ds}", "training.max_steps=4")
-    info = json.loads((runs["zero3"] / "run.json").read_text())
+    runs = {"ddp": tmp_path / "ddp", "sharded": tmp_path / "sharded"}
+    launch(recipe_file, runs["ddp"], 2, "adapter=qlora", "training.max_steps=4")
+    launch(recipe_file, runs["sharded"], 2, "adapter=qlora", sharding, "training.max_steps=4")
+    info = json.loads((runs["sharded"] / "run.json").read_text())
     assert info["parameters"] == json.loads((runs["ddp"] / "run.json").read_text())["parameters"]
-    assert history(runs["zero3"])[-1] < history(runs["zero3"])[0]
-    assert_same_run(runs["ddp"], runs["zero3"])
+    assert history(runs["sharded"])[-1] < history(runs["sharded"])[0]
+    assert_same_run(runs["ddp"], runs["sharded"])
 
 
 def test_chunked_loss_under_zero2_equals_the_stock_loss(recipe_file, zero2, tmp_path):
@@ -212,6 +213,8 @@ def fsdp2(recipe_file, tmp_path_factory):
 def test_fsdp2_equals_one_process_and_writes_no_pickles(fsdp2, single):
     out, stderr = fsdp2
     assert "fsdp: FSDP2, parameters, gradients and optimizer state sharded, one unit per decoder layer" in stderr
+    units = int(re.search(r"fsdp: (\d+) units sharded over 2 processes", stderr).group(1))
+    assert units >= 3  # at least the 2 decoder layers and the root: FSDP ran
     assert json.loads((out / "run.json").read_text())["world_size"] == 2
     assert history(out)[-1] < history(out)[0] - 0.2
     assert_same_run(single, out)
@@ -237,16 +240,19 @@ def test_fsdp2_resumes_on_one_process_after_a_kill(fsdp2, recipe_file, tmp_path)
     assert res.returncode == 2 and "= 8 examples per step, but the run trained with 16" in res.stderr
 
 
-@pytest.mark.parametrize("fsdp", ["{cpu_offload: true}",
-                                  "{reshard_after_forward: false, auto_wrap: false, activation_checkpointing: true}"])
+@pytest.mark.parametrize("fsdp", ["{auto_wrap: false, cpu_offload: true}",
+                                  "{reshard_after_forward: false, activation_checkpointing: true}"])
 def test_fsdp2_full_finetuning_settings_equal_ddp(recipe_file, tmp_path, fsdp):
-    """Full fine-tuning under FSDP2 with CPU offload, and unsharded-after-forward, one unit, activation
-    checkpointing: every setting trains the same weights as plain DDP; the saved model is whole."""
+    """Full fine-tuning under FSDP2 as one unit, and with parameters kept gathered from forward to backward and
+    activation checkpointing: each trains the same weights as plain DDP; the saved model is whole. (CPU offload
+    needs a GPU to offload from: on CPU processes it is skipped, and said; make gpu-check runs it.)"""
     runs = {}
     for name, setting in (("ddp", "null"), ("fsdp", fsdp)):
         runs[name] = tmp_path / name
-        launch(recipe_file, runs[name], 2, f"training.fsdp={setting}", "adapter=none", "lora=null",
-               "training.learning_rate=1e-3", "training.max_steps=3")
+        stderr = launch(recipe_file, runs[name], 2, f"training.fsdp={setting}", "adapter=none", "lora=null",
+                        "training.learning_rate=1e-3", "training.max_steps=3").stderr
+    assert ("cpu_offload skipped: no GPU" in stderr) == ("cpu_offload" in fsdp)
+    assert re.search(r"fsdp: \d+ units sharded over 2 processes", stderr)
     assert history(runs["fsdp"])[-1] < history(runs["fsdp"])[0]
     assert_same_run(runs["ddp"], runs["fsdp"])
 

@@ -67,10 +67,10 @@ def check_port(host: str, port: int) -> None:
 
 
 def _first_failure(err) -> str:
-    """`rank R (host H) exited with code C` for the first rank that failed."""
+    """`rank R on this node (H) ended with exit code C` for the first of this node's ranks that failed."""
     rank, failure = min(err.failures.items())
     what = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
-    return f"rank {rank} on {failure.hostname} ended with {what}"
+    return f"rank {rank} on this node ({socket.gethostname()}) ended with {what}"
 
 
 def main(argv: list[str]) -> int:

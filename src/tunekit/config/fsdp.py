@@ -11,8 +11,9 @@ from tunekit.config.schema import FsdpConfig
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def trainer_arguments(fsdp: FsdpConfig | None, precision: str) -> dict:
-    """TrainingArguments keys for FSDP2 (empty without training.fsdp)."""
+def trainer_arguments(fsdp: FsdpConfig | None, cuda: bool) -> dict:
+    """TrainingArguments keys for FSDP2 (empty without training.fsdp). Without a GPU the sharded state already
+    lives in CPU memory, and FSDP2's offload policy needs a GPU to offload from: cpu_offload is left off."""
     if fsdp is None:
         return {}
     return {
@@ -20,7 +21,7 @@ def trainer_arguments(fsdp: FsdpConfig | None, precision: str) -> dict:
         "fsdp_config": {
             "version": 2,
             "reshard_after_forward": fsdp.reshard_after_forward,
-            "cpu_offload": fsdp.cpu_offload,
+            "cpu_offload": fsdp.cpu_offload and cuda,
             # TRANSFORMER_BASED_WRAP without class names wraps the model's _no_split_modules (its decoder layer)
             "auto_wrap_policy": "TRANSFORMER_BASED_WRAP" if fsdp.auto_wrap else "NO_WRAP",
             "activation_checkpointing": fsdp.activation_checkpointing,
@@ -40,13 +41,13 @@ def mixed_precision_policy(fsdp: FsdpConfig, precision: str) -> dict | None:
     return {"param_dtype": compute, "reduce_dtype": reduce, "output_dtype": compute}
 
 
-def describe(fsdp: FsdpConfig) -> str:
+def describe(fsdp: FsdpConfig, cuda: bool) -> str:
     parts = ["FSDP2", "parameters, gradients and optimizer state sharded" + (
         "" if fsdp.reshard_after_forward else " (a layer's parameters kept gathered from forward to backward)")]
     if fsdp.auto_wrap:
         parts.append("one unit per decoder layer")
     if fsdp.cpu_offload:
-        parts.append("offloaded to CPU")
+        parts.append("offloaded to CPU" if cuda else "cpu_offload skipped: no GPU, the state is in CPU memory already")
     if fsdp.activation_checkpointing:
         parts.append("activation checkpointing")
     return ", ".join(parts)

@@ -280,6 +280,9 @@ class TrainingConfig(Section):
         if self.deepspeed is not None and self.fsdp is not None:
             raise ValueError("training.deepspeed and training.fsdp are both set; they are two ways of sharding "
                              "the same state, keep one")
+        if self.fsdp is not None and self.fsdp.activation_checkpointing and not self.fsdp.auto_wrap:
+            raise ValueError("training.fsdp.activation_checkpointing checkpoints each decoder layer, the units "
+                             "auto_wrap makes; set training.fsdp.auto_wrap: true, or use training.gradient_checkpointing")
         if self.fsdp is not None and self.fsdp.activation_checkpointing and self.gradient_checkpointing:
             raise ValueError("training.gradient_checkpointing and training.fsdp.activation_checkpointing are both "
                              "on; under FSDP keep training.fsdp.activation_checkpointing")

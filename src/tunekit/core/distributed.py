@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from tunekit.core.errors import TunekitError
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -47,6 +49,39 @@ def gather_objects(obj) -> list:
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, obj)
     return parts
+
+
+def check_same_everywhere(facts: dict[str, str], hints: dict[str, str]) -> None:
+    """Every process runs with the same `facts` (tunekit version, recipe, ...) as rank 0; checked once the process
+    group is up, before training starts, so that nodes installed or configured apart fail at once and alike."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return
+    everyone = gather_objects({**facts, "host": socket.gethostname()})
+    first = everyone[0]
+    for other, theirs in enumerate(everyone):
+        for key in facts:
+            if theirs[key] != first[key]:
+                raise TunekitError(f"rank {other} (host {theirs['host']}) has {key} {theirs[key]} but rank 0 (host "
+                                   f"{first['host']}) has {first[key]}; {hints[key]}")
+
+
+def check_launcher(fsdp: bool) -> None:
+    """The recipe decides the sharding: an accelerate FSDP launch config without training.fsdp is refused
+    (accelerate would shard the model on GPUs, and silently not on CPU processes)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp:
+        raise TunekitError("accelerate launch was given an FSDP config (distributed_type: FSDP) but the recipe has no "
+                           "training.fsdp; add `fsdp: {}` under training, or launch with "
+                           "ds_configs/accelerate/multi_process.yaml")
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because another process went away (gloo or NCCL)."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
+        mark in text for mark in ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL")))
 
 
 def accelerate_cpu_request() -> int | None:

@@ -158,10 +158,12 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
 def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path | None = None):
     """Base model (quantized for QLoRA) with a fresh LoRA adapter (or `start_adapter`, trainable), or the
     full model."""
-    # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype: the packed
-    # 4-bit weights must be stored in the dtype of the other weights (peft's QLoRA + ZeRO-3 recipe)
+    # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype, and FSDP2 shards only
+    # floating-point parameters (accelerate leaves uint8 ones out, whole on every device): the packed 4-bit
+    # weights are stored in the dtype of the other weights (peft's QLoRA + ZeRO-3 / FSDP recipe)
     zero3 = recipe.training.deepspeed and dsconfig.zero_stage(dsconfig.read(recipe.training.deepspeed)) == 3
-    quant = quantization_config(recipe, precision, precision.dtype if zero3 else torch.uint8)
+    sharded = zero3 or recipe.training.fsdp is not None
+    quant = quantization_config(recipe, precision, precision.dtype if sharded else torch.uint8)
     # Full fine-tuning keeps fp32 master weights (mixed precision autocasts the matmuls);
     # a frozen base is stored in the training precision to halve its memory.
     weights = torch.float32 if recipe.full_finetuning else precision.dtype

@@ -10,13 +10,22 @@ them gathered); only the optimizer state needs this module's writer."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+from transformers import TrainerCallback
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+log = logging.getLogger("tunekit")
+
 WEIGHT_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json")
+
+
+def model_state(model) -> dict:
+    """The whole model's weights under their parameter names, on rank 0 (empty elsewhere); a collective."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def optimizer_state(model, optimizer) -> dict:
@@ -56,3 +65,15 @@ def load_weights(model, checkpoint: str | Path) -> None:
         saved = load_file(str(path))
     full = _model_keys(model, saved)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+class ReportUnits(TrainerCallback):
+    """Says, once the model is prepared, how many FSDP units it was sharded into: what ran, not what was asked."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+        if not units:
+            raise RuntimeError("training.fsdp: the model was not sharded")
+        log.info("fsdp: %d units sharded over %d processes", len(units), args.world_size)

@@ -106,7 +106,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         seed=t.seed,
         data_seed=t.seed,
         deepspeed=ds,
-        **fsdpconfig.trainer_arguments(t.fsdp, precision.name),
+        **fsdpconfig.trainer_arguments(t.fsdp, distributed.current().cuda),
         report_to="none",  # tracker callbacks come from trackers.callbacks, TensorBoard's aimed at the run dir
         run_name=run_dir.name,
         project="tunekit",
@@ -190,18 +190,24 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if ds is not None:
         log.info("deepspeed: %s; %s", recipe.training.deepspeed, dsconfig.describe(ds))
     if recipe.training.fsdp is not None:
-        log.info("fsdp: %s", fsdpconfig.describe(recipe.training.fsdp))
+        log.info("fsdp: %s", fsdpconfig.describe(recipe.training.fsdp, launch.cuda))
 
     # Tokenizer and data first: bad data fails here, before anything is written or loaded.
     tokenizer = models.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
     bundle = load_data(recipe, method, tokenizer)
-    if launch.is_main:
-        claim_run_dir(recipe, run_dir, force, resume_from)
+    if launch.is_main and resume_from is None:
+        # before the process group: the estimate builds the model from its config, which under a ZeRO-3
+        # config would be a collective that only this process joins
+        preflight.warn_if_disk_short(recipe, run_dir)
 
-    process_group = distributed.prepare(deepspeed=ds is not None, fsdp=recipe.training.fsdp is not None)  # may create the process group
+    distributed.check_launcher(fsdp=recipe.training.fsdp is not None)
+    process_group = distributed.prepare(deepspeed=ds is not None, fsdp=recipe.training.fsdp is not None)
     args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
     args = method.trainer_config(args, recipe)
+    same_everywhere(recipe, args)  # the process group is up (args.world_size sets it up)
+    if launch.is_main:
+        claim_run_dir(recipe, run_dir, force, resume_from)
     inputs = methods.TrainerInputs(recipe, None, args, bundle, tokenizer, precision, False, "",
                                    start_adapter=start.path if start else None)
     load_model(inputs, method, run_dir, launch.is_main and resume_from is None)
@@ -214,6 +220,23 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     trainer, collate = method.make_trainer(inputs)
     progress.install(trainer, lambda: collate.real)
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+def same_everywhere(recipe: Recipe, args: TrainingArguments) -> None:
+    """Every process, on every node, runs the same tunekit and libraries on the same recipe."""
+    if args.world_size == 1:
+        return
+    import hashlib
+
+    from tunekit.core.outputs import versions
+
+    facts = {f"{name} version": str(v) for name, v in versions().items()}
+    hints = dict.fromkeys(facts, "install the same versions on every node (pip freeze on one, install that list "
+                                 "on the others)")
+    recipe_key = "recipe (sha256 of it as loaded, overrides applied)"
+    facts[recipe_key] = hashlib.sha256(to_yaml(recipe).encode()).hexdigest()[:16]
+    hints[recipe_key] = "give every node the same recipe file and the same --set overrides"
+    distributed.check_same_everywhere(facts, hints)
 
 
 def load_data(recipe: Recipe, method: methods.Method, tokenizer):
@@ -231,7 +254,6 @@ def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path 
     """The main process takes the run directory, or cuts its history back to the checkpoint it resumes."""
     if resume_from is None:
         outputs.claim(run_dir, force, "output_dir")
-        preflight.warn_if_disk_short(recipe, run_dir)
     else:
         log.info("resuming from %s", resume_from.name)
         for kept in (HISTORY_FILE, SAMPLES_FILE):
@@ -291,7 +313,14 @@ def run_callbacks(recipe: Recipe, run_dir: Path) -> list:
     return ([LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
             + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
                if recipe.training.early_stopping_patience else [])
-            + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json")))
+            + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json"))
+            + (fsdp_callbacks() if recipe.training.fsdp is not None else []))
+
+
+def fsdp_callbacks() -> list:
+    from tunekit.training import fsdpstate
+
+    return [fsdpstate.ReportUnits()]
 
 
 def generation_eval(recipe: Recipe, tokenizer, evaluates: bool, samples: Path | None = None):
@@ -332,6 +361,12 @@ def fit(p: Prepared):
             p.record.failed_at_step = trainer.state.global_step
             with contextlib.suppress(OSError):  # the disk may be full
                 p.record.save(p.run_dir)
+        if distributed.lost_peer(e):
+            last = checkpoint_dir.newest_complete(p.run_dir / CHECKPOINTS_DIR)
+            raise TunekitError(
+                f"lost contact with another process at step {trainer.state.global_step}: a rank or a node stopped "
+                "(its own log says why); relaunch every node with --resume to continue from "
+                f"{last.name if last else 'the start (no checkpoint was complete)'}") from None
         reason = _out_of_space(e)
         if reason:
             last = checkpoint_dir.newest_complete(p.run_dir / CHECKPOINTS_DIR)

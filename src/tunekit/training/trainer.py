@@ -54,9 +54,38 @@ class SafeState:
 
         return isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper)
 
+    # --- FSDP on CPU processes: accelerate turns an FSDP plugin into FSDP only for GPU-like devices and
+    # otherwise falls back to DDP without a word (AcceleratorState.__init__, accelerate 1.15). FSDP2 itself
+    # runs on CPU with gloo, so the plugin is installed here, once the accelerator exists and again just before
+    # the model is wrapped (TRL's GRPO trainer leaves the state re-initialised in between).
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self._fsdp_on_cpu()
+
+    def _prepare_for_training(self, *args, **kwargs):
+        self._fsdp_on_cpu()
+        return super()._prepare_for_training(*args, **kwargs)
+
+    def _fsdp_on_cpu(self) -> None:
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = self.accelerator.state
+        if self.args.fsdp_plugin_args is None or state.distributed_type == DistributedType.FSDP:
+            return
+        if state.distributed_type != DistributedType.MULTI_CPU:
+            raise RuntimeError(f"training.fsdp: accelerate did not enable FSDP ({state.distributed_type})")
+        if getattr(state, "fsdp_plugin", None) is None:
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        state.distributed_type = DistributedType.FSDP
+        self.is_fsdp_enabled = True
+
     # --- weights: Trainer._save minus torch.save(self.args)
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.is_fsdp_enabled:  # every rank takes part in gathering the unsharded weights; rank 0 writes them
+            from tunekit.training import fsdpstate
+
+            state_dict = fsdpstate.model_state(self.model)
         if not self.args.should_save and not self.is_distributed_loading_by_transformers:
             return
         if self.args.should_save:
