@@ -50,8 +50,9 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/dataprep.py
 
-# The CUDA paths (bf16/fp16, bitsandbytes QLoRA, paged 8-bit AdamW, ZeRO, packing, merge, eval) on the
-# real SmolLM2 model; on a machine without a GPU it says so and exits 0.
+# The CUDA paths (bf16/fp16, bitsandbytes QLoRA, paged 8-bit AdamW, ZeRO, FSDP2 under torchrun with one process
+# per GPU: QLoRA with merge, LoRA with cpu_offload, full fine-tuning with activation checkpointing in bf16;
+# packing, merge, eval) on the real SmolLM2 model; on a machine without a GPU it says so and exits 0.
 gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
 

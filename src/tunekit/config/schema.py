@@ -405,6 +405,14 @@ class RecipeBase(Section):
         return self
 
     @model_validator(mode="after")
+    def _sharding_fits_the_quantization(self) -> "Recipe":
+        if self.training.fsdp is not None and self.quantization is not None and self.quantization.bits == 8:
+            raise ValueError("quantization.bits 8 with training.fsdp: FSDP2 shards bitsandbytes' int8 weights "
+                             "apart from their scales, which the forward pass needs together; use bits: 4 (QLoRA) "
+                             "or training.deepspeed")
+        return self
+
+    @model_validator(mode="after")
     def _precision_agrees(self) -> "Recipe":
         q, p = self.quantization, self.training.precision
         if q is not None and q.compute_dtype != "auto" and p not in ("auto", "fp32") and q.compute_dtype != p:
