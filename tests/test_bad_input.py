@@ -108,6 +108,17 @@ RECIPES = {
     "LoRA+ with DeepSpeed's own optimizer": (
         lambda c: _with(c, lora={"lr_ratio": 16}, training={"deepspeed": "ds_configs/zero2_offload.json"}),
         "lora.lr_ratio (LoRA+) needs the Trainer's optimizer"),
+    "deepspeed and fsdp both": (lambda c: _with(c, training={"deepspeed": "ds_configs/zero3.json", "fsdp": {}}),
+                                "training.deepspeed and training.fsdp are both set"),
+    "fsdp activation checkpointing beside gradient checkpointing": (
+        lambda c: _with(c, training={"gradient_checkpointing": True, "fsdp": {"activation_checkpointing": True}}),
+        "under FSDP keep training.fsdp.activation_checkpointing"),
+    "fsdp activation checkpointing without auto wrap": (
+        lambda c: _with(c, training={"fsdp": {"activation_checkpointing": True, "auto_wrap": False}}),
+        "set training.fsdp.auto_wrap: true, or use training.gradient_checkpointing"),
+    "8-bit base under fsdp": (lambda c: _with(c, quantization={"bits": 8}, training={"fsdp": {}}),
+                              "quantization.bits 8 with training.fsdp"),
+    "unknown fsdp key": (lambda c: _with(c, training={"fsdp": {"shard": "full"}}), "training.fsdp.shard"),
     "lora with adapter none": (lambda c: _with(c, adapter="none", lora={"r": 4}), "lora settings given but adapter is 'none'"),
     "fp16 and bf16 both on": (lambda c: _with(c, quantization={"compute_dtype": "bf16"},
                                               training={"precision": "fp16"}), "fp16 and bf16 both on"),

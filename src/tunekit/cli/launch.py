@@ -25,9 +25,12 @@ def _parse(argv: list[str]):
 
     parser = get_args_parser()
     parser.prog = "tunekit launch"
-    if not argv or all(a.startswith("-") for a in argv):
-        raise TunekitError("tunekit launch: give torchrun options, then a tunekit command, e.g. tunekit launch "
-                           "--nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:29500 train RECIPE")
+
+    def refuse(message: str):
+        raise TunekitError(f"tunekit launch: {message}; give torchrun options, then a tunekit command, e.g. tunekit "
+                           "launch --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:29500 train RECIPE")
+
+    parser.error = refuse  # argparse's usage block would bury the one line that matters
     args = parser.parse_args(argv)
     args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script, args.module, args.no_python = "tunekit", True, False

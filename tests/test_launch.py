@@ -1,0 +1,88 @@
+"""tunekit launch's own parts (torchrun's parser, the rendezvous port check), the FSDP2 arguments a recipe
+gives the Trainer, and --resume's rule for another number of processes: no training here."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from tunekit.cli import launch
+from tunekit.config import fsdp as fsdpconfig
+from tunekit.config import loading as recipe_mod
+from tunekit.config.loading import to_yaml
+from tunekit.config.schema import FsdpConfig
+from tunekit.core.errors import TunekitError
+from tunekit.runs import layout
+
+
+def test_the_command_after_torchruns_options_is_tunekits():
+    args = launch._parse(["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "1", "--rdzv-endpoint",
+                          "10.0.0.1:29511", "train", "r.yaml", "--set", "a=b"])
+    assert (args.training_script, args.module, args.training_script_args) == ("tunekit", True,
+                                                                              ["train", "r.yaml", "--set", "a=b"])
+    assert launch._rendezvous_address(args) is None  # node 1 does not serve the rendezvous
+    args = launch._parse(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29511", "train", "r"])
+    assert launch._rendezvous_address(args) == ("10.0.0.1", 29511)
+    with pytest.raises(TunekitError, match="tunekit launch: .*training_script.*; give torchrun options, then a "
+                                           "tunekit command"):
+        launch._parse(["--nnodes", "2"])
+
+
+def test_a_port_in_use_is_refused_and_a_free_one_or_another_hosts_is_not():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(TunekitError, match=f"--rdzv-endpoint 127.0.0.1:{port}: the port is already in use"):
+            launch.check_port("127.0.0.1", port)
+    launch.check_port("127.0.0.1", port)  # free again
+    launch.check_port("192.0.2.1", port)  # not an address of this machine: another node serves it
+    with pytest.raises(TunekitError, match="the host does not resolve"):
+        launch.check_port("no-such-host.invalid", port)
+
+
+def test_fsdp_settings_become_the_trainers_fsdp2_arguments():
+    f = FsdpConfig(reshard_after_forward=False, cpu_offload=True, auto_wrap=False, reduce_dtype="param")
+    gpu, cpu = fsdpconfig.trainer_arguments(f, cuda=True), fsdpconfig.trainer_arguments(f, cuda=False)
+    assert gpu["fsdp"] is True and gpu["fsdp_config"] == {
+        "version": 2, "reshard_after_forward": False, "cpu_offload": True, "auto_wrap_policy": "NO_WRAP",
+        "activation_checkpointing": False, "state_dict_type": "FULL_STATE_DICT"}
+    assert cpu["fsdp_config"]["cpu_offload"] is False  # nothing to offload from without a GPU
+    assert "cpu_offload skipped" in fsdpconfig.describe(f, cuda=False)
+    assert fsdpconfig.trainer_arguments(None, cuda=True) == {}
+    assert fsdpconfig.mixed_precision_policy(f, "fp32") is None
+    assert fsdpconfig.mixed_precision_policy(f, "bf16") == {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
+                                                            "output_dtype": torch.bfloat16}
+    assert fsdpconfig.mixed_precision_policy(FsdpConfig(), "fp16")["reduce_dtype"] == torch.float32
+
+
+@pytest.fixture
+def started(tmp_path, tiny_model):
+    """A run directory as `tunekit train` leaves it when killed: its recipe and run.json (2 processes x 8)."""
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    run = tmp_path / "run"
+    recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, run)))
+    run.mkdir()
+    (run / "recipe.yaml").write_text(to_yaml(recipe))
+    layout.RunRecord(status="running", started="", command=[], versions={}, precision={}, adapter="lora",
+                     base_model="", parameters={}, world_size=2, effective_batch=16, data={}).save(run)
+    (run / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (run / "checkpoints" / "checkpoint-2" / "tunekit-complete").write_text("{}")
+    (run / "checkpoints" / "checkpoint-2" / "optimizer.safetensors").write_bytes(b"")
+    return recipe, run
+
+
+def test_resume_on_another_number_of_processes_keeps_the_examples_per_step(started):
+    recipe, run = started
+    assert layout.check_resume(recipe, run, world_size=2).name == "checkpoint-2"
+    twice = recipe.model_copy(update={"training": recipe.training.model_copy(update={"gradient_accumulation_steps": 2})})
+    assert layout.check_resume(twice, run, world_size=1).name == "checkpoint-2"  # 1 x 8 x 2 = 16
+    with pytest.raises(TunekitError, match=r"1 process\(es\) x .* = 8 examples per step, but the run trained with 16 "
+                                           r"\(2 process\(es\)\); set training.gradient_accumulation_steps"):
+        layout.check_resume(recipe, run, world_size=1)
+    other = recipe.model_copy(update={"training": recipe.training.model_copy(update={"learning_rate": 1e-3})})
+    with pytest.raises(TunekitError, match="the recipe differs from"):
+        layout.check_resume(other, run, world_size=2)
