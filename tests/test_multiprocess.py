@@ -127,12 +127,18 @@ def test_zero_stages_train_lora_and_full_finetuning(recipe_file, tmp_path, tiny_
         assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter_weights.items())
 
 
+@pytest.fixture(scope="module")
+def qlora_ddp(recipe_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qlora-ddp") / "run"
+    launch(recipe_file, out, 2, "adapter=qlora", "training.max_steps=4")
+    return out
+
+
 @pytest.mark.parametrize("sharding", ["training.deepspeed=ds_configs/zero3.json", "training.fsdp={}"])
-def test_qlora_under_zero3_and_fsdp2_equals_qlora_under_ddp(recipe_file, tmp_path, sharding):
+def test_qlora_under_zero3_and_fsdp2_equals_qlora_under_ddp(recipe_file, qlora_ddp, tmp_path, sharding):
     """ZeRO-3 and FSDP2 need the packed 4-bit weights stored in the dtype of the other weights; the quantized
     values, and so the training, are the same as with DDP's uint8 storage."""
-    runs = {"ddp": tmp_path / "ddp", "sharded": tmp_path / "sharded"}
-    launch(recipe_file, runs["ddp"], 2, "adapter=qlora", "training.max_steps=4")
+    runs = {"ddp": qlora_ddp, "sharded": tmp_path / "sharded"}
     launch(recipe_file, runs["sharded"], 2, "adapter=qlora", sharding, "training.max_steps=4")
     info = json.loads((runs["sharded"] / "run.json").read_text())
     assert info["parameters"] == json.loads((runs["ddp"] / "run.json").read_text())["parameters"]
@@ -240,6 +246,7 @@ def test_fsdp2_resumes_on_one_process_after_a_kill(fsdp2, recipe_file, tmp_path)
     assert res.returncode == 2 and "= 8 examples per step, but the run trained with 16" in res.stderr
 
 
+@pytest.mark.full  # make test-full (tests/multinode-full-last-run.json); make test runs FSDP2 LoRA, QLoRA and resume
 @pytest.mark.parametrize("fsdp", ["{auto_wrap: false, cpu_offload: true}",
                                   "{reshard_after_forward: false, activation_checkpointing: true}"])
 def test_fsdp2_full_finetuning_settings_equal_ddp(recipe_file, tmp_path, fsdp):

@@ -352,7 +352,8 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, sharding", [("dpo", None), ("dpo", {"deepspeed": "ds_configs/zero2.json"}),
-                                             ("dpo", {"fsdp": {}}), ("orpo", None), ("orpo", {"fsdp": {}})])
+                                             ("dpo", {"fsdp": {}}), ("orpo", None),
+                                             pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full)])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding):
     """2-process DDP (and ZeRO-2, FSDP2) with micro-batch 4 against one process with micro-batch 8: the same pairs
     per step, so the same losses and adapter within float tolerance. (KTO is left out: its KL term pairs each
@@ -380,6 +381,7 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding)
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_kto_trains_under_fsdp2(tmp_path, tiny_model):
     """KTO under two FSDP2 processes: it trains (the loss falls) and its adapter is saved whole."""
     from conftest import launch

@@ -34,6 +34,12 @@ TRAINER_HOOKS = [
     ("_load_scaler", "reads it back on --resume"),
     ("_save_rng_state", "RNG state per process as safetensors, not rng_state.pth"),
     ("_load_rng_state", "reads it back on --resume, so a resumed run draws as the uninterrupted one"),
+    ("_load_from_checkpoint", "under FSDP, the checkpoint's gathered safetensors weights into each rank's shard "
+                              "(the stock path reads only accelerate's pickled FSDP files)"),
+    ("create_accelerator_and_postprocess", "installs the FSDP plugin on CPU processes, where accelerate falls "
+                                           "back to DDP"),
+    ("_prepare_for_training", "installs it again just before the model is wrapped (TRL's GRPO trainer resets "
+                              "the state in between)"),
 ]
 # (public name, why) overridden by a tunekit trainer but not a documented extension point
 TRAINER_OVERRIDES = [

@@ -62,9 +62,9 @@ class SafeState:
         super().create_accelerator_and_postprocess()
         self._fsdp_on_cpu()
 
-    def _prepare_for_training(self, *args, **kwargs):
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         self._fsdp_on_cpu()
-        return super()._prepare_for_training(*args, **kwargs)
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     def _fsdp_on_cpu(self) -> None:
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
