@@ -351,9 +351,10 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, sharding", [("dpo", None), ("dpo", {"deepspeed": "ds_configs/zero2.json"}),
-                                             ("dpo", {"fsdp": {}}), ("orpo", None),
-                                             pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full)])
+@pytest.mark.parametrize("method, sharding", [
+    pytest.param("dpo", None, id="dpo-ddp"), pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json"}, id="dpo-zero2"),
+    pytest.param("dpo", {"fsdp": {}}, id="dpo-fsdp2"), pytest.param("orpo", None, id="orpo-ddp"),
+    pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full, id="orpo-fsdp2")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding):
     """2-process DDP (and ZeRO-2, FSDP2) with micro-batch 4 against one process with micro-batch 8: the same pairs
     per step, so the same losses and adapter within float tolerance. (KTO is left out: its KL term pairs each
