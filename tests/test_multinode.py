@@ -120,8 +120,8 @@ def two_nodes(launcher, recipe, out, overrides, flags=(), env=None) -> list[tupl
                               port, env))
 
 
-# make test runs the killed-node test (tunekit launch, FSDP2) and the launch failures; the launchers' runs below
-# are in make test-full (recorded in tests/multinode-full-last-run.json)
+# make test runs the launch failures; the two-node training runs are in make test-full (their last run is
+# recorded in tests/multinode-full-last-run.json)
 @pytest.mark.full
 @pytest.mark.parametrize("sharding, launcher", [("zero3", "torchrun"), ("fsdp2", "accelerate")])
 def test_two_nodes_train_as_one_node_with_two_processes(recipe_file, one_node, tmp_path, sharding, launcher):
@@ -170,6 +170,7 @@ def test_the_slurm_batch_script_trains_fsdp2_on_two_nodes(recipe_file, one_node,
     assert_same_run(one_node["fsdp2"], out)
 
 
+@pytest.mark.full
 def test_a_killed_node_stops_the_other_in_bounded_time_and_the_run_resumes(recipe_file, one_node, tmp_path):
     """Node 1 (its launcher and its worker, as a lost machine would be) is killed right after checkpoint-2; node 0 stops within a minute
     with one line saying what happened; relaunching both nodes with --resume ends where one node's

@@ -264,6 +264,7 @@ def test_fsdp2_full_finetuning_settings_equal_ddp(recipe_file, tmp_path, fsdp):
     assert_same_run(runs["ddp"], runs["fsdp"])
 
 
+@pytest.mark.full
 def test_fsdp2_run_merges_and_evaluates_as_the_run_without_it(fsdp2, ddp, recipe_file, tmp_path):
     out, _ = fsdp2
     scores = {}

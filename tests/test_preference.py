@@ -353,7 +353,7 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 @pytest.mark.slow
 @pytest.mark.parametrize("method, sharding", [
     pytest.param("dpo", None, id="dpo-ddp"), pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json"}, id="dpo-zero2"),
-    pytest.param("dpo", {"fsdp": {}}, id="dpo-fsdp2"), pytest.param("orpo", None, id="orpo-ddp"),
+    pytest.param("dpo", {"fsdp": {}}, marks=pytest.mark.full, id="dpo-fsdp2"), pytest.param("orpo", None, id="orpo-ddp"),
     pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full, id="orpo-fsdp2")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding):
     """2-process DDP (and ZeRO-2, FSDP2) with micro-batch 4 against one process with micro-batch 8: the same pairs
