@@ -352,12 +352,14 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, sharding", [
-    pytest.param("dpo", None, id="dpo-ddp"), pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json"}, id="dpo-zero2"),
+    pytest.param("dpo", None, id="dpo-ddp"), pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json", "learning_rate": "auto"}, id="dpo-zero2-lr-auto"),
     pytest.param("dpo", {"fsdp": {}}, marks=pytest.mark.full, id="dpo-fsdp2"), pytest.param("orpo", None, id="orpo-ddp"),
     pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full, id="orpo-fsdp2")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding):
     """2-process DDP (and ZeRO-2, FSDP2) with micro-batch 4 against one process with micro-batch 8: the same pairs
-    per step, so the same losses and adapter within float tolerance. (KTO is left out: its KL term pairs each
+    per step, so the same losses and adapter within float tolerance. Under ZeRO-2 both find their learning rate
+    (training.learning_rate: auto): each rank updates its shard of the optimizer state at the found rate, so a
+    rank at another rate would show in the adapter. (KTO is left out: its KL term pairs each
     example with its micro-batch neighbours, so halving the micro-batch changes the loss by design; it runs
     under FSDP2 in test_kto_trains_under_fsdp2.)"""
     from conftest import launch
@@ -372,7 +374,10 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding)
     deepspeed = "deepspeed" in (sharding or {})
     assert ("deepspeed: " in res.stderr) == (tmp_path / "two" / "deepspeed.json").is_file() == deepspeed
     assert ("fsdp: FSDP2" in res.stderr) == ("fsdp" in (sharding or {}))
-    assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
+    records = [json.loads((d / "run.json").read_text()) for d in (single, tmp_path / "two")]
+    assert records[1]["world_size"] == 2
+    if (sharding or {}).get("learning_rate") == "auto":  # the range test's losses too are those of one process
+        assert records[1]["learning_rate"]["value"] == pytest.approx(records[0]["learning_rate"]["value"], rel=1e-6)
     losses = [[json.loads(line)["loss"] for line in (d / "loss_history.jsonl").read_text().splitlines()
                if '"loss"' in line] for d in (single, tmp_path / "two")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)

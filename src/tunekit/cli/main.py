@@ -92,6 +92,18 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
                    help="override a recipe field by dotted key, e.g. --set training.learning_rate=1e-4 (repeatable)")
 
 
+def say_defaults(recipe) -> None:
+    """The measured defaults the recipe takes, and how an automatic learning rate will be found."""
+    from tunekit.config import defaults
+
+    log = logging.getLogger("tunekit")
+    for line in defaults.applied(recipe):
+        log.info("%s", line)
+    if recipe.training.learning_rate == "auto":
+        log.info("training.learning_rate: auto (a range test of %d steps on the training data picks it before "
+                 "training)", recipe.training.lr_range_test_steps)
+
+
 def cmd_validate(a) -> int:
     from tunekit.config import loading as recipe_mod
     from tunekit.data import precheck
@@ -99,6 +111,7 @@ def cmd_validate(a) -> int:
     # torch-free: a model or data set that cannot be had here is named in a warning, not refused
     recipe = precheck.check(recipe_mod.load(a.recipe, a.overrides), data_needed=False, model="optional")
     print(recipe_mod.to_yaml(recipe), end="")
+    say_defaults(recipe)
     if recipe.training.deepspeed and not a.world_size:
         logging.getLogger("tunekit").info("training.deepspeed checked against the recipe; DeepSpeed's own check of "
                                           "its settings runs with --world-size N and when training starts")

@@ -233,13 +233,20 @@ class TrainingConfig(Section):
     chunked_loss: bool = Field(True, description="Run the output head and cross-entropy only on trained positions, in chunks "
                                "(the full logits tensor never exists); false uses the stock full-logits loss.")
     group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding, unpacked runs).")
-    learning_rate: float = Field(2e-4, gt=0, le=1.0, description="Peak learning rate.")
+    learning_rate: Union[float, Literal["auto"]] = Field(
+        2e-4, description="Peak learning rate, or auto: found by a learning-rate range test on the run's own data "
+        "before training (tunekit.training.lrfind; the curve and the rate in run.json and the report).")
+    lr_range_test_steps: int = Field(16, ge=4, description="learning_rate: auto: optimizer steps of the range test "
+                                     "(rates from 1e-5 to 1e-1), in addition to training's.")
     lr_scheduler: Literal[
         "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial", "inverse_sqrt"
     ] = Field("cosine", description="Learning-rate schedule after warmup.")
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Warmup as a fraction of all steps.")
     warmup_steps: int = Field(0, ge=0, description="Warmup steps (overrides warmup_ratio when > 0).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    neftune_noise_alpha: float | None = Field(
+        None, gt=0, description="NEFTune: uniform noise of this scale (alpha / sqrt(tokens x hidden size)) added to the "
+        "input embeddings while training (transformers' neftune_noise_alpha); null adds none.")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0 disables).")
     optimizer: Literal[
         "adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"
@@ -272,6 +279,9 @@ class TrainingConfig(Section):
 
     @model_validator(mode="after")
     def _rules(self) -> "TrainingConfig":
+        if self.learning_rate != "auto" and not 0 < self.learning_rate <= 1:
+            raise ValueError(f"training.learning_rate: {self.learning_rate} is outside (0, 1]; give a rate such "
+                             "as 2e-4, or auto")
         if self.warmup_ratio > 0 and self.warmup_steps > 0:
             raise ValueError("training.warmup_ratio and training.warmup_steps are both set; keep one")
         if self.metric_for_best is None and (self.early_stopping_patience or self.greater_is_better is not None):

@@ -16,7 +16,7 @@ from tunekit.reporting import dataview
 from tunekit.reporting import listing as runlist
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json, read_jsonl
-from tunekit.runs import history
+from tunekit.runs import curves, history
 from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RUN_FILE, RunRecord
 from tunekit.evaluation.table import baseline_scores, table_rows
 
@@ -191,6 +191,13 @@ def render(runs: list[dict], baseline: dict | None = None) -> str:
     if baseline:
         sections += ["<h2>Before and after</h2>", before_after(baseline, runs)]
     sections += ['<h2>Curves</h2><div id="plots"></div>']
+    for r in runs:
+        if r["record"].learning_rate:
+            found = r["record"].learning_rate
+            sections += [f"<h2>Learning rate: {html.escape(r['name'])}</h2>",
+                         f"<p>training.learning_rate: auto chose {found['value']:.3g} after a range test of "
+                         f"{found['steps']} steps ({html.escape(found['rule'])}).</p>",
+                         f'<div class="range-test">{curves.range_test_svg(found)}</div>']
     for r in runs:
         if r.get("examples"):
             sections += [f"<h2>Training examples: {html.escape(r['name'])} (first {len(r['examples'])})</h2>",

@@ -33,7 +33,9 @@ def _number(v: float) -> str:
     return f"{v:.2e}"
 
 
-def _panel(title: str, curves: list[tuple[str, str, list[list[float]]]], x0: int, y0: int) -> list[str]:
+def _panel(title: str, curves: list[tuple[str, str, list[list[float]]]], x0: int, y0: int,
+           xlabel: str = "step", mark: float | None = None) -> list[str]:
+    """One panel; `mark`: an x value drawn as a dashed vertical line."""
     points = [(s, v) for _, _, pts in curves for s, v in pts if math.isfinite(v)]
     steps, values = [p[0] for p in points], [p[1] for p in points]
     lo_s, hi_s = min(steps), max(steps)
@@ -55,7 +57,10 @@ def _panel(title: str, curves: list[tuple[str, str, list[list[float]]]], x0: int
            f'<text x="{left - 4}" y="{bottom}" text-anchor="end">{_number(lo_v)}</text>',
            f'<text x="{left}" y="{bottom + 14}" text-anchor="middle">{_number(lo_s)}</text>',
            f'<text x="{left + inner_w}" y="{bottom + 14}" text-anchor="middle">{_number(hi_s)}</text>',
-           f'<text x="{left + inner_w / 2}" y="{bottom + 28}" text-anchor="middle">step</text>']
+           f'<text x="{left + inner_w / 2}" y="{bottom + 28}" text-anchor="middle">{escape(xlabel)}</text>']
+    if mark is not None and lo_s <= mark <= hi_s:
+        out.append(f'<line class="mark" x1="{px(mark):.1f}" y1="{y0 + TOP}" x2="{px(mark):.1f}" y2="{bottom}" '
+                   'stroke="#555" stroke-dasharray="4 3"/>')
     for i, (key, legend, pts) in enumerate(curves):
         colour = COLOURS[i % len(COLOURS)]
         drawn = [(px(s), py(v)) for s, v in pts if math.isfinite(v)]
@@ -84,3 +89,16 @@ def svg(series: dict[str, list[list[float]]]) -> str | None:
     for i, (title, curves) in enumerate(found):
         body += _panel(title, curves, WIDTH * (i % COLUMNS), HEIGHT * (i // COLUMNS))
     return "\n".join(body + ["</svg>"]) + "\n"
+
+
+def range_test_svg(found: dict) -> str:
+    """training.learning_rate: auto's range test (run.json's "learning_rate"): the loss and its smoothed value
+    against log10 of the rate, the chosen rate dashed."""
+    curve = found["curve"]
+    pts = lambda key: [[math.log10(p["lr"]), p[key]] for p in curve]  # noqa: E731
+    panel = _panel(f"learning-rate range test: chose {_number(found['value'])}",
+                   [("loss", "loss", pts("loss")), ("smoothed", "smoothed", pts("smoothed"))], 0, 0,
+                   xlabel="log10 learning rate", mark=math.log10(found["value"]))
+    return "\n".join([f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+                      f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="11">',
+                      f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>', *panel, "</svg>"]) + "\n"

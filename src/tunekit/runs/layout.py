@@ -73,6 +73,7 @@ class RunRecord:
     eval: str | None = None  # pending | completed, for runs whose recipe has an eval section
     training_method: str = "sft"  # sft | dpo | kto | orpo
     adapter_from: dict | None = None  # model.adapter_from: the run whose adapter training started from
+    learning_rate: dict | None = None  # training.learning_rate: auto: value, steps, rule, curve (lrfind.Found)
 
     def save(self, run_dir: Path) -> None:
         outputs.write_json(run_dir / RUN_FILE, dataclasses.asdict(self))

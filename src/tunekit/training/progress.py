@@ -155,10 +155,15 @@ def evaluations_left(args, state) -> int:
     return 0
 
 
-def install(trainer, tokens=None) -> None:
-    """Replace the Trainer's printing callbacks (a notebook's too) with Console."""
+def remove_printers(trainer) -> None:
+    """Remove the Trainer's printing callbacks (a notebook's too)."""
     for callback in list(trainer.callback_handler.callbacks):
         if isinstance(callback, (ProgressCallback, PrinterCallback)) or \
                 type(callback).__name__ == "NotebookProgressCallback":
             trainer.remove_callback(callback)
+
+
+def install(trainer, tokens=None) -> None:
+    """Replace the Trainer's printing callbacks with Console."""
+    remove_printers(trainer)
     trainer.add_callback(Console(tokens))

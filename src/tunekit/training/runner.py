@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -19,6 +20,7 @@ from tunekit.data import records as data_mod
 from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.training import checkpoints
 from tunekit.core import distributed
+from tunekit.config import defaults
 from tunekit.config import deepspeed as dsconfig
 from tunekit.config import fsdp as fsdpconfig
 from tunekit.training import methods
@@ -70,10 +72,17 @@ def _every(kind: str, steps: int | None) -> dict:
     return {f"{kind}_strategy": "steps", f"{kind}_steps": steps} if steps else {f"{kind}_strategy": "epoch"}
 
 
+# the base rate the arguments carry while training.learning_rate: auto is still being found
+PROVISIONAL_RATE = 1e-4
+
+
 def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_eval: bool,
-                       ds: dict | None = None, process_group: dict | None = None) -> TrainingArguments:
-    """The Trainer's arguments for the recipe; `process_group` holds what `distributed.prepare` set up."""
+                       ds: dict | None = None, process_group: dict | None = None,
+                       learning_rate: float | None = None) -> TrainingArguments:
+    """The Trainer's arguments for the recipe; `process_group` holds what `distributed.prepare` set up;
+    `learning_rate`: the rate found for training.learning_rate: auto."""
     t = recipe.training
+    rate = learning_rate or (PROVISIONAL_RATE if t.learning_rate == "auto" else t.learning_rate)
     save = _every("save", t.save_steps or t.max_steps)
     evaluation = _every("eval", t.eval_steps or t.max_steps) if has_eval else {"eval_strategy": "no"}
     best: dict = {}
@@ -90,10 +99,11 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         num_train_epochs=t.epochs,
         max_steps=t.max_steps or -1,
-        learning_rate=t.learning_rate,
+        learning_rate=rate,
         lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup_steps or t.warmup_ratio,
         weight_decay=t.weight_decay,
+        neftune_noise_alpha=t.neftune_noise_alpha,
         max_grad_norm=t.max_grad_norm,
         optim=t.optimizer,
         bf16=precision.name == "bf16",
@@ -182,6 +192,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     method = methods.of(recipe)
     if resume_from is None:
         outputs.check_free(run_dir, force, "output_dir")
+    if launch.is_main:
+        for line in defaults.applied(recipe):
+            log.info("%s", line)
     trackers.check(recipe.training.report_to)
     start = rundir.starting_adapter(recipe)
     precision = resolve_precision(recipe.training.precision)
@@ -203,15 +216,24 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
 
     distributed.check_launcher(fsdp=recipe.training.fsdp is not None)
     process_group = distributed.prepare(deepspeed=ds is not None, fsdp=recipe.training.fsdp is not None)
-    args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group)
-    args = method.trainer_config(args, recipe)
+
+    def arguments(rate: float | None = None):
+        args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group, rate)
+        return method.trainer_config(args, recipe)
+
+    args = arguments()
     same_everywhere(recipe, args)  # the process group is up (args.world_size sets it up)
     if launch.is_main:
         claim_run_dir(recipe, run_dir, force, resume_from)
     inputs = methods.TrainerInputs(recipe, None, args, bundle, tokenizer, precision, False, "",
                                    start_adapter=start.path if start else None)
+    found = None
+    if recipe.training.learning_rate == "auto":
+        found = auto_learning_rate(inputs, method, run_dir, resume_from)
+        inputs.args = arguments(found["value"])  # anew: a DeepSpeed optimizer's "auto" rate is filled from it
     load_model(inputs, method, run_dir, launch.is_main and resume_from is None)
     record = run_record(inputs, resume_from, start)
+    record.learning_rate = found
     if launch.is_main:
         write_run_files(recipe, run_dir, ds, record)
         preview.write_examples(run_dir / preview.EXAMPLES_FILE, preview.run_examples(bundle.train, tokenizer))
@@ -220,6 +242,30 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     trainer, collate = method.make_trainer(inputs)
     progress.install(trainer, lambda: collate.real)
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+def auto_learning_rate(inputs: methods.TrainerInputs, method: methods.Method, run_dir: Path,
+                       resume_from: Path | None) -> dict:
+    """training.learning_rate: auto: the rate a range test finds (a throwaway model trained by the method's own
+    trainer), or on --resume the rate the run found before."""
+    from tunekit.training import lrfind
+
+    if resume_from is not None:
+        found = RunRecord.load(run_dir).learning_rate
+        if not found:
+            raise TunekitError(f"--resume: {run_dir}/run.json has no learning rate found for training.learning_rate: "
+                               "auto; start the run again with --force")
+        log.info("learning rate: auto -> %.2g (found before the run was interrupted)", found["value"])
+        return found
+
+    def make_trainer(test_args, callback):
+        test = dataclasses.replace(inputs, args=test_args, callbacks=[callback], generation_eval=None)
+        load_model(test, method, run_dir, False)
+        return method.make_trainer(test)[0]
+
+    found = lrfind.find(make_trainer, inputs.args, inputs.recipe.training.lr_range_test_steps)
+    log.info("%s", found.describe())
+    return dataclasses.asdict(found)
 
 
 def same_everywhere(recipe: Recipe, args: TrainingArguments) -> None:

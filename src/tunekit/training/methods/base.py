@@ -47,6 +47,9 @@ class Method:
     no_grad_forwards: ClassVar[int] = 0
     chunked_loss: ClassVar[bool] = False  # training.chunked_loss applies (tunekit's own loss path)
     packs: ClassVar[bool] = False  # data.packing applies (examples packed padding-free)
+    # training.learning_rate: auto applies: the training loss falls as the model learns (not so for a policy
+    # gradient's loss), so a range test over it finds a rate
+    loss_tracks_learning: ClassVar[bool] = True
 
     @property
     def section(self) -> str | None:
@@ -64,9 +67,15 @@ class Method:
     def check(self, recipe) -> None:
         """Rules of this method on a validated recipe; raise ValueError with a one-line message."""
         self.check_formats(recipe)
+        self.check_learning_rate(recipe)
         if self.has_reference and recipe.lora is not None and recipe.lora.init != "default":
             raise ValueError(f"training.method: {self.name} takes the base model as its reference, which lora.init="
                              f"{recipe.lora.init} rewrites; use lora.init: default")
+
+    def check_learning_rate(self, recipe) -> None:
+        if recipe.training.learning_rate == "auto" and not self.loss_tracks_learning:
+            raise ValueError(f"training.learning_rate: auto runs a range test on the training loss, which "
+                             f"training.method: {self.name} does not lower as it learns; set a rate, e.g. 1e-5")
 
     def check_formats(self, recipe) -> None:
         """Every data source's format is one this method trains on."""

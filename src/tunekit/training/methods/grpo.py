@@ -81,10 +81,12 @@ class Grpo(Method):
     owned_formats = ("prompt",)
     has_reference = True
     no_grad_forwards = 1  # the reference's log-probabilities, with beta > 0 (plan_settings)
+    loss_tracks_learning = False
 
     def check(self, recipe) -> None:
         g, t = recipe.grpo, recipe.training
         self.check_formats(recipe)  # the reference rule below holds only with a KL term, so not Method.check
+        self.check_learning_rate(recipe)
         if g.beta > 0 and recipe.lora is not None and recipe.lora.init != "default":
             raise ValueError(f"grpo.beta: the reference is the base model, which lora.init={recipe.lora.init} "
                              "rewrites; use lora.init: default or grpo.beta: 0")

@@ -1,0 +1,140 @@
+"""`training.learning_rate: auto`: a learning-rate range test on the run's own training data (Smith, "Cyclical
+Learning Rates for Training Neural Networks", 2017, section 3.3; fastai's lr_find). For
+`training.lr_range_test_steps` optimizer steps the rate rises geometrically from LOW to HIGH while each step's
+training loss is recorded; the chosen rate is the one at the lowest smoothed loss divided by 10 (the rule
+bench/quality.py measured). The test trains a throwaway copy of the model with its own optimizer through the
+recipe's own method, launcher and sharding; training then starts from a freshly loaded model and optimizer, so
+nothing the test did remains. Every process sees the same losses (the Trainer averages them over processes)
+and takes rank 0's rate."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import math
+
+from transformers import TrainerCallback
+
+from tunekit.core import console, distributed
+from tunekit.core.errors import TunekitError
+
+log = logging.getLogger("tunekit")
+
+LOW, HIGH = 1e-5, 1e-1
+SMOOTHING = 0.5  # exponential moving average of the losses, bias-corrected
+DIVERGED = 4.0  # the test stops once the smoothed loss exceeds this multiple of its lowest value
+DIVISOR = 10.0
+
+
+@dataclasses.dataclass
+class Found:
+    """The chosen rate and how: what run.json keeps under "learning_rate"."""
+
+    value: float
+    steps: int
+    rule: str
+    curve: list[dict]  # per step: lr, loss, smoothed
+
+    def describe(self) -> str:
+        return f"learning rate: auto -> {self.value:.2g} (range test, {self.steps} steps; {self.rule})"
+
+
+def rates(steps: int) -> list[float]:
+    """The rate at each step, LOW to HIGH geometrically."""
+    return [LOW * (HIGH / LOW) ** (k / max(steps - 1, 1)) for k in range(steps)]
+
+
+def smooth(losses: list[float]) -> list[float]:
+    out, avg = [], 0.0
+    for k, loss in enumerate(losses, 1):
+        avg = SMOOTHING * avg + (1 - SMOOTHING) * loss
+        out.append(avg / (1 - SMOOTHING ** k))
+    return out
+
+
+def pick(lrs: list[float], losses: list[float]) -> tuple[float, str]:
+    """The rate at the lowest smoothed loss / DIVISOR, kept within [LOW, HIGH]."""
+    finite = [(lr, loss) for lr, loss in zip(lrs, smooth(losses)) if math.isfinite(loss)]
+    if not finite:
+        raise TunekitError("training.learning_rate: auto: every loss of the range test was NaN or infinite even at "
+                           f"{LOW:g}; check the data and training.precision, or set training.learning_rate")
+    best_lr, best_loss = min(finite, key=lambda p: p[1])
+    value = max(best_lr / DIVISOR, LOW)
+    return value, f"lowest smoothed loss {best_loss:.3g} at {best_lr:.2g}, / {DIVISOR:g}"
+
+
+class RangeTest(TrainerCallback):
+    """Sets each step's rate (every parameter group keeps its ratio to the base rate: LoRA+) and records the
+    losses; stops once the loss diverges."""
+
+    def __init__(self, steps: int):
+        self.rates = rates(steps)
+        self.ratios: list[float] | None = None
+        self.losses: list[float] = []
+        self.bar = console.Progress("learning-rate range test", steps, unit="steps")
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        groups = optimizer.param_groups
+        if self.ratios is None:
+            self.ratios = [g["lr"] / args.learning_rate for g in groups]
+        for g, ratio in zip(groups, self.ratios):
+            g["lr"] = self.rates[state.global_step] * ratio
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:
+            return
+        self.losses.append(float(logs["loss"]))
+        self.bar.update_to(len(self.losses))
+        smoothed = smooth(self.losses)
+        if not math.isfinite(smoothed[-1]) or smoothed[-1] > DIVERGED * min(smoothed):
+            control.should_training_stop = True
+
+    def found(self) -> Found:
+        self.bar.close()
+        lrs = self.rates[:len(self.losses)]
+        value, rule = pick(lrs, self.losses)
+        curve = [{"lr": lr, "loss": loss, "smoothed": s} for lr, loss, s in zip(lrs, self.losses, smooth(self.losses))]
+        return Found(value, len(self.losses), rule, curve)
+
+
+def test_arguments(args, steps: int):
+    """The run's arguments for the test: `steps` steps at a constant base rate (the callback sets it), nothing
+    saved or evaluated, a loss logged every step."""
+    return dataclasses.replace(args, max_steps=steps, lr_scheduler_type="constant", warmup_steps=0,
+                               save_strategy="no", eval_strategy="no", load_best_model_at_end=False,
+                               logging_steps=1, logging_first_step=True)
+
+
+def find(make_trainer, args, steps: int) -> Found:
+    """Run the test on the trainer `make_trainer(test_args, callback)` builds (a fresh model), then free it."""
+    from tunekit.training import progress
+
+    callback = RangeTest(steps)
+    trainer = make_trainer(test_arguments(args, steps), callback)
+    progress.remove_printers(trainer)
+    trainer.train()
+    found = callback.found()
+    _release(trainer)
+    chosen = distributed.gather_objects(found)[0] if distributed.rank_and_world()[1] > 1 else found
+    return chosen
+
+
+def _release(trainer) -> None:
+    """Drop the test's model, optimizer and (under DeepSpeed) engine before the run's own are built."""
+    import torch
+
+    engine = getattr(trainer, "model_wrapped", None)
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    trainer.accelerator.free_memory()
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def recorded(run_json: dict) -> float | None:
+    """The rate a run chose before (run.json), for --resume."""
+    found = run_json.get("learning_rate") or {}
+    return found.get("value")

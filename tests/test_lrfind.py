@@ -1,0 +1,80 @@
+"""training.learning_rate: auto: the range test's rule on known curves, and on a tiny random Llama: the rate
+found and its curve in run.json, training starting from a fresh model, the same result under DDP."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import loading as recipe_mod
+from tunekit.training import lrfind
+from tunekit.training import runner as train
+
+
+def test_rates_rise_geometrically_from_low_to_high():
+    r = lrfind.rates(16)
+    assert r[0] == pytest.approx(lrfind.LOW) and r[-1] == pytest.approx(lrfind.HIGH)
+    ratios = {round(b / a, 9) for a, b in zip(r, r[1:])}
+    assert len(ratios) == 1
+
+
+def test_the_rule_takes_the_lowest_smoothed_loss_divided_by_ten():
+    lrs = lrfind.rates(16)
+    # a loss that falls until step 10, then climbs: the smoothed minimum lags by a step or so
+    losses = [3.0 - 0.2 * k for k in range(11)] + [1.5, 2.5, 4.0, 8.0, 16.0]
+    value, rule = lrfind.pick(lrs, losses)
+    smoothed = lrfind.smooth(losses)
+    best = min(range(16), key=lambda k: smoothed[k])
+    assert best == 10 and value == pytest.approx(lrs[10] / 10)
+    assert "/ 10" in rule
+
+
+def test_non_finite_losses_are_skipped_and_all_non_finite_is_an_error():
+    lrs = lrfind.rates(4)
+    value, _ = lrfind.pick(lrs, [2.0, 1.0, float("nan"), float("inf")])
+    assert math.isfinite(value)
+    with pytest.raises(Exception, match="learning_rate: auto"):
+        lrfind.pick(lrs, [float("nan")] * 4)
+
+
+@pytest.mark.slow
+def test_auto_finds_a_rate_records_its_curve_and_trains_from_a_fresh_model(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto", "max_steps": 6})
+    result = train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
+    info = json.loads((result.run_dir / "run.json").read_text())
+    found = info["learning_rate"]
+    assert found["steps"] == len(found["curve"]) <= 16
+    assert lrfind.LOW <= found["value"] <= lrfind.HIGH
+    assert found["value"] == pytest.approx(lrfind.pick([p["lr"] for p in found["curve"]],
+                                                       [p["loss"] for p in found["curve"]])[0])
+    assert result.trainer.args.learning_rate == pytest.approx(found["value"])
+    # training started from the model as loaded: the run equals a fixed-rate run at the found rate
+    fixed = tiny_recipe(tiny_model, data, tmp_path / "fixed", training={"learning_rate": found["value"],
+                                                                         "max_steps": 6})
+    other = train.run(recipe_mod.load(write_recipe(tmp_path / "f.yaml", fixed)))
+    a = load_file(str(result.run_dir / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(other.run_dir / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert "learning_rate: auto" in (result.run_dir / "recipe.yaml").read_text().replace("'", "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [
+    pytest.param({"adapter": "none", "lora": None}, id="full-finetuning"),
+    pytest.param({"quantization": {"bits": 4}}, id="qlora"),
+])
+def test_auto_works_for_full_finetuning_and_qlora(tmp_path, tiny_model, settings):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto", "max_steps": 4},
+                      **settings)
+    result = train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
+    found = json.loads((result.run_dir / "run.json").read_text())["learning_rate"]
+    assert result.trainer.args.learning_rate == pytest.approx(found["value"])
+    smoothed = [p["smoothed"] for p in found["curve"]]
+    assert min(smoothed) < smoothed[0]  # the rising rate lowered the loss before the pick
