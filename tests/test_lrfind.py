@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import loading as recipe_mod
+from tunekit.reporting import report
 from tunekit.training import lrfind
 from tunekit.training import runner as train
 
@@ -45,7 +46,8 @@ def test_non_finite_losses_are_skipped_and_all_non_finite_is_an_error():
 @pytest.mark.slow
 def test_auto_finds_a_rate_records_its_curve_and_trains_from_a_fresh_model(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
-    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto", "max_steps": 6})
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto", "max_steps": 6,
+                                                                      "save_steps": 3})
     result = train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
     info = json.loads((result.run_dir / "run.json").read_text())
     found = info["learning_rate"]
@@ -62,9 +64,37 @@ def test_auto_finds_a_rate_records_its_curve_and_trains_from_a_fresh_model(tmp_p
     b = load_file(str(other.run_dir / "adapter" / "adapter_model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert "learning_rate: auto" in (result.run_dir / "recipe.yaml").read_text().replace("'", "")
+    smoothed = [p["smoothed"] for p in found["curve"]]
+    assert min(smoothed) < smoothed[0]  # the rising rate lowered the loss
+
+    page = report.write([result.run_dir]).read_text()
+    assert 'class="range-test"' in page and f"chose {found['value']:.3g}" in page
+
+    # --resume takes the recorded rate (no second range test) and ends where the whole run ended
+    cut = cut_after_checkpoint(result.run_dir, tmp_path / "cut", 3)
+    resumed = train.run(recipe_mod.load(cut / "recipe.yaml"), resume=True)
+    assert resumed.trainer.args.learning_rate == pytest.approx(found["value"])
+    c = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=1e-5, atol=1e-6)
+
+
+def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trainer(tmp_path, tiny_model):
+    from tunekit.core.hardware import Precision
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto",
+                                                                      "neftune_noise_alpha": 5})
+    path = write_recipe(tmp_path / "r.yaml", raw)
+    res = run_cli("validate", str(path))
+    assert res.returncode == 0, res.stderr
+    assert "training.learning_rate: auto (a range test of 16 steps" in res.stderr
+    args = train.training_arguments(recipe_mod.load(path), Precision("fp32", ""), tmp_path / "run", False)
+    assert args.neftune_noise_alpha == 5 and args.learning_rate == train.PROVISIONAL_RATE
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("settings", [
     pytest.param({"adapter": "none", "lora": None}, id="full-finetuning"),
     pytest.param({"quantization": {"bits": 4}}, id="qlora"),

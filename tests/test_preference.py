@@ -366,7 +366,8 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding)
 
     data = write_jsonl(tmp_path / "p.jsonl", pairs())
     single = tmp_path / "single"
-    raw = dpo_raw(tiny_model, data, single, max_steps=4, eval_steps=None, method=method)
+    rate = {k: v for k, v in (sharding or {}).items() if k == "learning_rate"}
+    raw = dpo_raw(tiny_model, data, single, max_steps=4, eval_steps=None, method=method, **rate)
     train.run(recipe_mod.load(write_recipe(tmp_path / "one.yaml", raw)))
     raw = dpo_raw(tiny_model, data, tmp_path / "two", max_steps=4, eval_steps=None, micro_batch_size=4,
                   method=method, **(sharding or {}))
