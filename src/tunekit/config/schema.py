@@ -4,9 +4,10 @@ overrides and the one-line errors live in config.loading."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, create_model, field_serializer, model_validator
+from pydantic import Discriminator, Field, Tag, create_model, field_serializer, field_validator, model_validator
 
 from tunekit.config.section import Section
 from tunekit.data.formats import FORMATS
@@ -277,11 +278,26 @@ class TrainingConfig(Section):
         methods.DEFAULT, description="; ".join(f"{m.name}: {m.summary}" for m in methods.METHODS.values())
         + " (tunekit.training.methods).")
 
+    @field_validator("learning_rate", mode="before")
+    @classmethod
+    def _rate(cls, v: Any) -> Any:
+        """A number in (0, 1] or auto, with pydantic's own wording for a number out of range."""
+        if v == "auto":
+            return v
+        try:
+            rate = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"Input should be a valid number or auto (got {v!r})") from None
+        if not math.isfinite(rate):
+            raise ValueError(f"Input should be a finite number or auto (got {v!r})")
+        if rate <= 0:
+            raise ValueError("Input should be greater than 0")
+        if rate > 1:
+            raise ValueError("Input should be less than or equal to 1")
+        return rate
+
     @model_validator(mode="after")
     def _rules(self) -> "TrainingConfig":
-        if self.learning_rate != "auto" and not 0 < self.learning_rate <= 1:
-            raise ValueError(f"training.learning_rate: {self.learning_rate} is outside (0, 1]; give a rate such "
-                             "as 2e-4, or auto")
         if self.warmup_ratio > 0 and self.warmup_steps > 0:
             raise ValueError("training.warmup_ratio and training.warmup_steps are both set; keep one")
         if self.metric_for_best is None and (self.early_stopping_patience or self.greater_is_better is not None):
@@ -342,6 +358,19 @@ class RecipeBase(Section):
     data: DataConfig = Field(description="Training and eval data.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation settings.")
     eval: EvalConfig | None = Field(None, description="Generate and score at the end of training.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rate_where_auto_cannot_apply(cls, data: Any) -> Any:
+        """A method whose loss does not fall as it learns (GRPO) cannot find its rate by a range test: when the
+        recipe names none, it takes the method's fixed_learning_rate instead of the default, auto."""
+        training = data.get("training") if isinstance(data, dict) else None
+        if not isinstance(training, dict) or "learning_rate" in training:
+            return data
+        method = methods.METHODS.get(training.get("method", methods.DEFAULT))
+        if method is None or method.loss_tracks_learning:
+            return data
+        return {**data, "training": {**training, "learning_rate": method.fixed_learning_rate}}
 
     @model_validator(mode="before")
     @classmethod

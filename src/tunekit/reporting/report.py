@@ -180,8 +180,8 @@ def _baseline(path: Path | None) -> dict | None:
 
 
 def render(runs: list[dict], baseline: dict | None = None) -> str:
-    curves = history.titled({k for r in runs for k in r["series"]})
-    data = {"curves": curves, "runs": [{"name": r["name"], "series": r["series"],
+    titled = history.titled({k for r in runs for k in r["series"]})
+    data = {"curves": titled, "runs": [{"name": r["name"], "series": r["series"],
                                         "best": (r["record"].best or {}).get("step")} for r in runs]}
     payload = json.dumps(data).replace("</", "<\\/")
     title = "tunekit report: " + ", ".join(r["name"] for r in runs)

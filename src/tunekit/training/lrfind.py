@@ -1,8 +1,9 @@
 """`training.learning_rate: auto`: a learning-rate range test on the run's own training data (Smith, "Cyclical
 Learning Rates for Training Neural Networks", 2017, section 3.3; fastai's lr_find). For
 `training.lr_range_test_steps` optimizer steps the rate rises geometrically from LOW to HIGH while each step's
-training loss is recorded; the chosen rate is the one at the lowest smoothed loss divided by 10 (the rule
-bench/quality.py measured). The test trains a throwaway copy of the model with its own optimizer through the
+training loss is recorded, until the loss diverges; the chosen rate is the one at which it diverged divided by
+DIVISOR (the rule bench/quality.py measured: on small batches the lowest loss is mostly noise, divergence is
+not). The test trains a throwaway copy of the model with its own optimizer through the
 recipe's own method, launcher and sharding; training then starts from a freshly loaded model and optimizer, so
 nothing the test did remains. Every process sees the same losses (the Trainer averages them over processes)
 and takes rank 0's rate."""
@@ -22,8 +23,8 @@ from tunekit.core.errors import TunekitError
 log = logging.getLogger("tunekit")
 
 LOW, HIGH = 1e-5, 1e-1
-SMOOTHING = 0.5  # exponential moving average of the losses, bias-corrected
-DIVERGED = 4.0  # the test stops once the smoothed loss exceeds this multiple of its lowest value
+SMOOTHING = 0.5  # exponential moving average of the losses, bias-corrected (drawn on the report page)
+DIVERGED = 1.5  # a loss above this multiple of the lowest before it, two steps running, is divergence
 DIVISOR = 10.0
 
 
@@ -53,15 +54,27 @@ def smooth(losses: list[float]) -> list[float]:
     return out
 
 
+def diverged_at(losses: list[float]) -> int | None:
+    """The first step whose loss and the next one's are both above DIVERGED x the lowest loss before it (a
+    single noisy batch is not divergence; NaN and infinity are)."""
+    for k in range(1, len(losses) - 1):
+        floor = min((x for x in losses[:k] if math.isfinite(x)), default=math.inf)
+        high = [not math.isfinite(x) or x > DIVERGED * floor for x in losses[k:k + 2]]
+        if math.isfinite(floor) and all(high):
+            return k
+    return None
+
+
 def pick(lrs: list[float], losses: list[float]) -> tuple[float, str]:
-    """The rate at the lowest smoothed loss / DIVISOR, kept within [LOW, HIGH]."""
-    finite = [(lr, loss) for lr, loss in zip(lrs, smooth(losses)) if math.isfinite(loss)]
-    if not finite:
+    """The rate at which the loss diverged / DIVISOR (the rule bench/quality.py measured against fixed rates);
+    without divergence, the highest rate tried / DIVISOR."""
+    if not any(math.isfinite(x) for x in losses):
         raise TunekitError("training.learning_rate: auto: every loss of the range test was NaN or infinite even at "
                            f"{LOW:g}; check the data and training.precision, or set training.learning_rate")
-    best_lr, best_loss = min(finite, key=lambda p: p[1])
-    value = max(best_lr / DIVISOR, LOW)
-    return value, f"lowest smoothed loss {best_loss:.3g} at {best_lr:.2g}, / {DIVISOR:g}"
+    k = diverged_at(losses)
+    if k is None:
+        return lrs[-1] / DIVISOR, f"no divergence up to {lrs[-1]:.2g}, / {DIVISOR:g}"
+    return lrs[k] / DIVISOR, f"the loss diverged at {lrs[k]:.2g}, / {DIVISOR:g}"
 
 
 class RangeTest(TrainerCallback):
@@ -86,8 +99,7 @@ class RangeTest(TrainerCallback):
             return
         self.losses.append(float(logs["loss"]))
         self.bar.update_to(len(self.losses))
-        smoothed = smooth(self.losses)
-        if not math.isfinite(smoothed[-1]) or smoothed[-1] > DIVERGED * min(smoothed):
+        if diverged_at(self.losses) is not None:
             control.should_training_stop = True
 
     def found(self) -> Found:
