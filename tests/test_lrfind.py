@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import defaults
 from tunekit.config import loading as recipe_mod
 from tunekit.reporting import report
 from tunekit.training import lrfind
@@ -93,6 +94,13 @@ def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trai
     assert "training.learning_rate: auto (a range test of 16 steps" in res.stderr
     args = train.training_arguments(recipe_mod.load(path), Precision("fp32", ""), tmp_path / "run", False)
     assert args.neftune_noise_alpha == 5 and args.learning_rate == train.PROVISIONAL_RATE
+    # a recipe without a rate: the measured default is named with its reason, by validate and by train
+    raw["training"].pop("learning_rate")
+    path = write_recipe(tmp_path / "r.yaml", raw)
+    res = run_cli("validate", str(path))
+    line = next(x for x in res.stderr.splitlines() if "training.learning_rate" in x)
+    assert line == f"tunekit: {defaults.applied(recipe_mod.load(path))[0]}"
+    assert "0.0002 (default: kept after bench/quality.py" in line and "bench/RESULTS.md" in line
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
-"""The defaults chosen by measurement (bench/quality.py; bench/RESULTS.md, "Which defaults"): when a recipe leaves
-one of these unset, `tunekit validate` and the start of `tunekit train` say which value it got and why, one line
-each."""
+"""The defaults put to the quality benchmark (bench/quality.py; bench/RESULTS.md, "Quality at equal compute"):
+when a recipe leaves one of these unset, `tunekit validate` and the start of `tunekit train` say which value it
+got and why, one line each."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ class Measured:
     why: str
 
 
-MEASURED: tuple[Measured, ...] = ()
+MEASURED: tuple[Measured, ...] = (
+    Measured("training.learning_rate", "kept after bench/quality.py: neither auto nor a higher fixed rate won on "
+             "every task, measured on one 135M model (bench/RESULTS.md); auto finds one per run"),
+)
 
 
 def applied(recipe) -> list[str]:
