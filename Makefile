@@ -52,7 +52,8 @@ bench: $(STAMP)
 
 # Which settings give better models at equal compute (bench/quality.py): four real-text tasks, the hand-written
 # script against tunekit's defaults and each candidate setting; results appended to bench/quality.jsonl, the table
-# in bench/RESULTS.md. About 3 hours on a 2-core CPU for every arm and three seeds; QUALITY_ARGS picks fewer.
+# in bench/RESULTS.md. A run takes 2-9 minutes on a 2-core CPU (two at once); the default, two arms on four tasks
+# with three seeds (24 runs), about an hour and a half. QUALITY_ARGS picks arms and seeds.
 QUALITY_ARGS ?= --arms script,defaults --seeds 0,1,2
 bench-quality: $(STAMP)
 	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q trans-de-en wordnet-base; }
