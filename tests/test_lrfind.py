@@ -104,7 +104,6 @@ def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trai
 
 
 @pytest.mark.slow
-@pytest.mark.full
 @pytest.mark.parametrize("settings", [
     pytest.param({"adapter": "none", "lora": None}, id="full-finetuning"),
     pytest.param({"quantization": {"bits": 4}}, id="qlora"),
