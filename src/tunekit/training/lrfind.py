@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import logging
 import math
 
 from transformers import TrainerCallback
 
 from tunekit.core import console, distributed
 from tunekit.core.errors import TunekitError
-
-log = logging.getLogger("tunekit")
 
 LOW, HIGH = 1e-5, 1e-1
 SMOOTHING = 0.5  # exponential moving average of the losses, bias-corrected (drawn on the report page)
