@@ -361,19 +361,6 @@ class RecipeBase(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _rate_where_auto_cannot_apply(cls, data: Any) -> Any:
-        """A method whose loss does not fall as it learns (GRPO) cannot find its rate by a range test: when the
-        recipe names none, it takes the method's fixed_learning_rate instead of the default, auto."""
-        training = data.get("training") if isinstance(data, dict) else None
-        if not isinstance(training, dict) or "learning_rate" in training:
-            return data
-        method = methods.METHODS.get(training.get("method", methods.DEFAULT))
-        if method is None or method.loss_tracks_learning:
-            return data
-        return {**data, "training": {**training, "learning_rate": method.fixed_learning_rate}}
-
-    @model_validator(mode="before")
-    @classmethod
     def _adapter_sections(cls, data: Any) -> Any:
         """The adapter (lora | none) and the base's quantization are separate settings; 'qlora', their old
         single spelling, is read as lora plus a quantization section. A method section written by its earlier

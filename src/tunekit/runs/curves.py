@@ -82,13 +82,17 @@ def svg(series: dict[str, list[list[float]]]) -> str | None:
     if not found:
         return None
     rows = math.ceil(len(found) / COLUMNS)
-    width, height = WIDTH * min(COLUMNS, len(found)), HEIGHT * rows
-    body = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-            f'<rect width="{width}" height="{height}" fill="white"/>']
+    body = []
     for i, (title, curves) in enumerate(found):
         body += _panel(title, curves, WIDTH * (i % COLUMNS), HEIGHT * (i // COLUMNS))
-    return "\n".join(body + ["</svg>"]) + "\n"
+    return _document(WIDTH * min(COLUMNS, len(found)), HEIGHT * rows, body)
+
+
+def _document(width: int, height: int, body: list[str]) -> str:
+    """A standalone SVG document of `body` on white."""
+    return "\n".join([f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+                      f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+                      f'<rect width="{width}" height="{height}" fill="white"/>', *body, "</svg>"]) + "\n"
 
 
 def range_test_svg(found: dict) -> str:
@@ -99,6 +103,4 @@ def range_test_svg(found: dict) -> str:
     panel = _panel(f"learning-rate range test: chose {_number(found['value'])}",
                    [("loss", "loss", pts("loss")), ("smoothed", "smoothed", pts("smoothed"))], 0, 0,
                    xlabel="log10 learning rate", mark=math.log10(found["value"]))
-    return "\n".join([f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-                      f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="11">',
-                      f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>', *panel, "</svg>"]) + "\n"
+    return _document(WIDTH, HEIGHT, panel)

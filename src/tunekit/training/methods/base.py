@@ -50,7 +50,6 @@ class Method:
     # training.learning_rate: auto applies: the training loss falls as the model learns (not so for a policy
     # gradient's loss), so a range test over it finds a rate
     loss_tracks_learning: ClassVar[bool] = True
-    fixed_learning_rate: ClassVar[float] = 2e-4  # the rate when the recipe names none and the loss cannot find one
 
     @property
     def section(self) -> str | None:
