@@ -3,8 +3,10 @@ built once per session, plus helpers to write data and recipes and to run the CL
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -179,8 +181,21 @@ def launch(recipe_file, out, nproc: int = 2, *overrides: str, launcher: str = "t
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    res = subprocess.run([*cmd, "-m", "tunekit", "train", str(recipe_file), *sets], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    args = [*cmd, "-m", "tunekit", "train", str(recipe_file), *sets]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # every process of the launch prints its threads' stacks (tunekit's SIGUSR1 handler), then all are killed:
+        # a hang fails with where each rank waited, and leaves no worker behind to slow the tests after it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGUSR1)
+            time.sleep(5)
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(args)} still ran after {timeout} s; its output ends:\n{out[-2000:]}\n{err[-12000:]}")
+    res = subprocess.CompletedProcess(args, proc.returncode, out, err)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return res
 

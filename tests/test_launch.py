@@ -1,9 +1,14 @@
 """tunekit launch's own parts (torchrun's parser, the rendezvous port check), the FSDP2 arguments a recipe
-gives the Trainer, and --resume's rule for another number of processes: no training here."""
+gives the Trainer, --resume's rule for another number of processes, and the stacks a stuck process prints:
+no training here."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -86,3 +91,20 @@ def test_resume_on_another_number_of_processes_keeps_the_examples_per_step(start
     other = recipe.model_copy(update={"training": recipe.training.model_copy(update={"learning_rate": 1e-3})})
     with pytest.raises(TunekitError, match="the recipe differs from"):
         layout.check_resume(other, run, world_size=2)
+
+
+def test_a_stuck_process_prints_every_threads_stack_on_sigusr1(tmp_path):
+    """`kill -USR1 PID` on a tunekit process (a rank waiting in a collective, say) prints where each thread is."""
+    code = ("import sys, time\nfrom tunekit.cli.main import main\nmain(['runs', sys.argv[1]])\n"
+            "def waiting_here():\n    print('ready', flush=True)\n    time.sleep(60)\nwaiting_here()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        while proc.stdout.readline().strip() != "ready":
+            pass
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+    finally:
+        proc.kill()
+    err = proc.communicate()[1]
+    assert "most recent call first" in err and "waiting_here" in err, err[-2000:]

@@ -5,8 +5,10 @@ Heavy libraries are imported inside the verbs so that `tunekit --help` stays ins
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 from tunekit import __version__
@@ -494,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack: a stuck rank shows where it waits
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except TunekitError as e:
