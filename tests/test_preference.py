@@ -4,6 +4,7 @@ tiny model that learns the preference with the adapter-off base as its reference
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -403,3 +404,17 @@ def test_kto_trains_under_fsdp2(tmp_path, tiny_model):
     adapter = final_adapter(tmp_path / "two")
     base = {k: v for k, v in adapter.items() if "lora_A" in k}
     assert base and all(v.shape[0] == 8 for v in base.values())  # rank 8, gathered from both shards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["kto", "orpo"])
+def test_kto_and_orpo_find_their_learning_rate_by_the_range_test(tmp_path, tiny_model, method):
+    """training.learning_rate: auto through the method's own trainer and loss (DPO's case runs under ZeRO-2 in
+    test_two_processes_train_as_one_does): the run trains at the rate the test found and records its curve."""
+    raw = method_raw(method, tiny_model, tmp_path, tmp_path / "run", learning_rate="auto", max_steps=2,
+                     lr_range_test_steps=8, eval_steps=None)
+    result = train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
+    found = json.loads((result.run_dir / "run.json").read_text())["learning_rate"]
+    assert result.trainer.args.learning_rate == pytest.approx(found["value"])
+    assert len(found["curve"]) == found["steps"] and found["curve"][0]["lr"] == pytest.approx(1e-5)
+    assert all(math.isfinite(p["loss"]) and p["loss"] > 0 for p in found["curve"][:2])  # the method's own loss
