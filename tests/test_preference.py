@@ -418,3 +418,18 @@ def test_kto_and_orpo_find_their_learning_rate_by_the_range_test(tmp_path, tiny_
     assert result.trainer.args.learning_rate == pytest.approx(found["value"])
     assert len(found["curve"]) == found["steps"] and found["curve"][0]["lr"] == pytest.approx(1e-5)
     assert all(math.isfinite(p["loss"]) and p["loss"] > 0 for p in found["curve"][:2])  # the method's own loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dpo", "kto", "orpo"])
+def test_loraplus_applies_to_the_preference_trainers(tmp_path, tiny_model, method):
+    """lora.lr_ratio (LoRA+) builds the optimizer of every method's trainer: the B matrices at 16 x the rate."""
+    raw = method_raw(method, tiny_model, tmp_path, tmp_path / "run", max_steps=1, eval_steps=None)
+    raw["lora"] = {**(raw.get("lora") or {}), "lr_ratio": 16}
+    result = train.run(recipe_mod.load(write_recipe(tmp_path / "r.yaml", raw)))
+    groups = [g for g in result.trainer.optimizer.param_groups if g["params"]]
+    rate = result.trainer.args.learning_rate
+    assert sorted({g["initial_lr"] for g in groups}) == pytest.approx([rate, 16 * rate])
+    names = {id(p): n for n, p in result.trainer.model.named_parameters()}
+    fast = [names[id(p)] for g in groups if g["initial_lr"] > rate * 2 for p in g["params"]]
+    assert fast and all("lora_B" in n for n in fast)

@@ -239,9 +239,16 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         preview.write_examples(run_dir / preview.EXAMPLES_FILE, preview.run_examples(bundle.train, tokenizer))
     inputs.callbacks = run_callbacks(recipe, run_dir)
     inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None, run_dir / SAMPLES_FILE)
-    trainer, collate = method.make_trainer(inputs)
+    trainer, collate = build_trainer(method, inputs)
     progress.install(trainer, lambda: collate.real)
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+def build_trainer(method: methods.Method, inputs: methods.TrainerInputs):
+    """(trainer, counting collator) from the method, with what every method's trainer takes alike: LoRA+."""
+    trainer, collate = method.make_trainer(inputs)
+    trainer.loraplus_lr_ratio = inputs.recipe.lora.lr_ratio if inputs.recipe.lora else None
+    return trainer, collate
 
 
 def auto_learning_rate(inputs: methods.TrainerInputs, method: methods.Method, run_dir: Path,
@@ -261,7 +268,7 @@ def auto_learning_rate(inputs: methods.TrainerInputs, method: methods.Method, ru
     def make_trainer(test_args, callback):
         test = dataclasses.replace(inputs, args=test_args, callbacks=[callback], generation_eval=None)
         load_model(test, method, run_dir, False)
-        return method.make_trainer(test)[0]
+        return build_trainer(method, test)[0]
 
     found = lrfind.find(make_trainer, inputs.args, inputs.recipe.training.lr_range_test_steps)
     log.info("%s", found.describe())

@@ -33,6 +33,23 @@ def _rng_file(args) -> str:
 class SafeState:
     """Mixin for transformers.Trainer and its subclasses (TRL's trainers): checkpoints without pickles."""
 
+    loraplus_lr_ratio: float | None = None  # lora.lr_ratio (LoRA+); set by the runner on every method's trainer
+
+    def create_optimizer(self, model=None):
+        """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio, for every
+        method's trainer (none of TRL's overrides this). The Trainer calls this under DeepSpeed too, unless the
+        DeepSpeed config brings its own optimizer (refused with LoRA+ when the recipe is loaded)."""
+        if self.loraplus_lr_ratio is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from peft.optimizers import create_loraplus_optimizer
+
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+        kwargs = dict(kwargs)
+        self.optimizer = create_loraplus_optimizer(self.model, optimizer_cls, lr=kwargs.pop("lr"),
+                                                   loraplus_lr_ratio=self.loraplus_lr_ratio,
+                                                   loraplus_weight_decay=self.args.weight_decay, **kwargs)
+        return self.optimizer
+
     # --- DeepSpeed: the Trainer assigns its engine to self.deepspeed right after building it and before
     # loading a checkpoint into it; that is where the engine is switched to safetensors.
     @property
@@ -202,10 +219,9 @@ class GenerationEval:
 
 
 class SafeStateTrainer(SafeState, GenerationEval, Trainer):
-    """The Trainer tunekit runs for SFT: pickle-free checkpoints, the chunked loss, LoRA+, generation metrics."""
+    """The Trainer tunekit runs for SFT: pickle-free checkpoints, the chunked loss, generation metrics."""
 
-    def __init__(self, *args, loraplus_lr_ratio: float | None = None, chunked_loss: bool = False, **kwargs):
-        self.loraplus_lr_ratio = loraplus_lr_ratio
+    def __init__(self, *args, chunked_loss: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         stock_only = self.label_smoother is not None or self.compute_loss_func is not None
         self.loss_head = losspath.install(self.model) if chunked_loss and not stock_only else None
@@ -229,18 +245,3 @@ class SafeStateTrainer(SafeState, GenerationEval, Trainer):
         else:
             loss = total / self.loss_head.trained
         return (loss, outputs) if return_outputs else loss
-
-    def create_optimizer(self, model=None):
-        """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio. The Trainer
-        calls this under DeepSpeed too, unless the DeepSpeed config brings its own optimizer (refused
-        with LoRA+ when the recipe is loaded)."""
-        if self.loraplus_lr_ratio is None or self.optimizer is not None:
-            return super().create_optimizer(model)
-        from peft.optimizers import create_loraplus_optimizer
-
-        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
-        kwargs = dict(kwargs)
-        self.optimizer = create_loraplus_optimizer(self.model, optimizer_cls, lr=kwargs.pop("lr"),
-                                                   loraplus_lr_ratio=self.loraplus_lr_ratio,
-                                                   loraplus_weight_decay=self.args.weight_decay, **kwargs)
-        return self.optimizer

@@ -36,7 +36,6 @@ class Sft(Method):
             data_collator=collate,
             processing_class=inputs.tokenizer,
             callbacks=inputs.callbacks,
-            loraplus_lr_ratio=recipe.lora.lr_ratio if recipe.lora else None,
             chunked_loss=recipe.training.chunked_loss,
             generation_eval=inputs.generation_eval,
         )
