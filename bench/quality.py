@@ -64,6 +64,7 @@ ARMS: dict[str, list[str] | None] = {
     "lr-auto": V0 + ["training.learning_rate=auto"],
     "loraplus-16": V0 + ["lora.lr_ratio=16"],
     "rslora": V0 + ["lora.use_rslora=true"],
+    "loraplus-16+rslora": V0 + ["lora.lr_ratio=16", "lora.use_rslora=true"],
     "r64-a128": V0 + ["lora.r=64", "lora.alpha=128"],
     "warmup-10%": V0 + ["training.warmup_ratio=0.1"],
     "linear": V0 + ["training.lr_scheduler=linear"],
