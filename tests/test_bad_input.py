@@ -108,6 +108,22 @@ RECIPES = {
     "LoRA+ with DeepSpeed's own optimizer": (
         lambda c: _with(c, lora={"lr_ratio": 16}, training={"deepspeed": "ds_configs/zero2_offload.json"}),
         "lora.lr_ratio (LoRA+) needs the Trainer's optimizer"),
+    "group_by_length under DPO": (
+        lambda c: _with(c, training={"method": "dpo", "group_by_length": True}, data={"format": "preference"}),
+        "training.group_by_length does not apply to training.method: dpo, which samples in its own order; remove it"),
+    "packing under KTO": (
+        lambda c: _with(c, training={"method": "kto"}, data={"format": "unpaired_preference", "packing": True}),
+        "data.packing: true does not apply to training.method: kto, which pads its batches; remove it"),
+    "prompt tokens trained under DPO": (
+        lambda c: _with(c, training={"method": "dpo"}, data={"format": "preference", "mask_prompt": False}),
+        "data.mask_prompt: false does not apply to training.method: dpo, which trains the answers only"),
+    "label smoothing the sigmoid DPO loss ignores": (
+        lambda c: _with(c, training={"method": "dpo"}, data={"format": "preference"}, dpo={"label_smoothing": 0.1}),
+        "dpo.label_smoothing applies to loss_type robust, exo_pair, aot, aot_unpaired; TRL's sigmoid loss takes none"),
+    "cispo without its ratio cap": (
+        lambda c: _with(c, training={"method": "grpo"}, data={"format": "prompt"},
+                        grpo={"rewards": [{"reward": "length"}], "loss_type": "cispo"}),
+        "grpo.epsilon_high: loss_type cispo caps the probability ratio at epsilon_high"),
     "deepspeed and fsdp both": (lambda c: _with(c, training={"deepspeed": "ds_configs/zero3.json", "fsdp": {}}),
                                 "training.deepspeed and training.fsdp are both set"),
     "fsdp activation checkpointing beside gradient checkpointing": (

@@ -232,8 +232,9 @@ class TrainingConfig(Section):
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     chunked_loss: bool = Field(True, description="Run the output head and cross-entropy only on trained positions, in chunks "
-                               "(the full logits tensor never exists); false uses the stock full-logits loss.")
-    group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding, unpacked runs).")
+                               "(the full logits tensor never exists); false uses the stock full-logits loss. SFT's: the preference and "
+                               "GRPO trainers compute their own loss.")
+    group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding, unpacked runs; SFT).")
     learning_rate: Union[float, Literal["auto"]] = Field(
         2e-4, description="Peak learning rate, or auto: found by a learning-rate range test on the run's own data "
         "before training (tunekit.training.lrfind; the curve and the rate in run.json and the report).")

@@ -47,6 +47,8 @@ class Method:
     no_grad_forwards: ClassVar[int] = 0
     chunked_loss: ClassVar[bool] = False  # training.chunked_loss applies (tunekit's own loss path)
     packs: ClassVar[bool] = False  # data.packing applies (examples packed padding-free)
+    groups_by_length: ClassVar[bool] = False  # training.group_by_length applies (the Trainer's length sampler)
+    prompt_loss_optional: ClassVar[bool] = False  # data.mask_prompt: false applies (else answers only, always)
     # training.learning_rate: auto applies: the training loss falls as the model learns (not so for a policy
     # gradient's loss), so a range test over it finds a rate
     loss_tracks_learning: ClassVar[bool] = True
@@ -68,9 +70,23 @@ class Method:
         """Rules of this method on a validated recipe; raise ValueError with a one-line message."""
         self.check_formats(recipe)
         self.check_learning_rate(recipe)
+        self.check_settings_apply(recipe)
         if self.has_reference and recipe.lora is not None and recipe.lora.init != "default":
             raise ValueError(f"training.method: {self.name} takes the base model as its reference, which lora.init="
                              f"{recipe.lora.init} rewrites; use lora.init: default")
+
+    def check_settings_apply(self, recipe) -> None:
+        """A setting this method's trainer would not use is refused, not ignored (training.chunked_loss, on by
+        default and written into every run's recipe.yaml, is documented as SFT's instead)."""
+        t, d = recipe.training, recipe.data
+        unused = [
+            (t.group_by_length and not self.groups_by_length, "training.group_by_length", "samples in its own order"),
+            (d.packing is True and not self.packs, "data.packing: true", "pads its batches"),
+            (not d.mask_prompt and not self.prompt_loss_optional, "data.mask_prompt: false", "trains the answers only"),
+        ]
+        for hit, key, why in unused:
+            if hit:
+                raise ValueError(f"{key} does not apply to training.method: {self.name}, which {why}; remove it")
 
     def check_learning_rate(self, recipe) -> None:
         if recipe.training.learning_rate == "auto" and not self.loss_tracks_learning:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tunekit.config.section import Section
 from tunekit.training.methods import pairs
@@ -16,6 +16,7 @@ from tunekit.training.methods.pairs import DEFAULT_BETA, PAIR_FORMATS, PAIRS, Pr
 # DPO losses TRL's DPOTrainer implements (trl 1.16, DPOConfig.loss_type)
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft")
+SMOOTHED = ("robust", "exo_pair", "aot", "aot_unpaired")  # the losses that read label_smoothing (trl 1.16)
 
 
 class DpoSettings(Section):
@@ -24,7 +25,14 @@ class DpoSettings(Section):
     loss_type: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
         "sigmoid", description="DPO loss, as TRL names them: " + ", ".join(DPO_LOSSES) + ".")
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="DPO: assumed probability that a pair's "
-                                   "preference is flipped (conservative DPO; sigmoid loss).")
+                                   "preference is flipped; TRL reads it in the losses " + ", ".join(SMOOTHED) + ".")
+
+    @model_validator(mode="after")
+    def _smoothing_where_read(self):
+        if self.label_smoothing and self.loss_type not in SMOOTHED:
+            raise ValueError(f"dpo.label_smoothing applies to loss_type {', '.join(SMOOTHED)}; TRL's "
+                             f"{self.loss_type} loss takes none: set one of those or remove label_smoothing")
+        return self
 
 
 class Dpo(PreferenceMethod):

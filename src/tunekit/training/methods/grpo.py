@@ -19,7 +19,7 @@ import json
 import logging
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tunekit.config.section import Section
 from tunekit.core.errors import TunekitError
@@ -69,6 +69,19 @@ class GrpoSettings(Section):
     vllm: bool = Field(False, description="Sample with vLLM (colocated on the training GPU; pip install "
                        "'tunekit[vllm]').")
 
+    @model_validator(mode="after")
+    def _clipping_where_read(self):
+        """TRL's cispo caps the ratio at epsilon_high itself (recommended 5.0; with the null default it would take
+        epsilon, 0.2, and scale every update down about five times); cispo and sapo do not read epsilon."""
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError("grpo.epsilon_high: loss_type cispo caps the probability ratio at epsilon_high (not "
+                             "1 + epsilon_high); set it, e.g. 5.0 (TRL's recommendation)")
+        if self.loss_type in ("cispo", "sapo") and self.epsilon != GrpoSettings.model_fields["epsilon"].default:
+            raise ValueError(f"grpo.epsilon: loss_type {self.loss_type} does not clip by it; remove it")
+        if self.loss_type == "sapo" and self.epsilon_high is not None:
+            raise ValueError("grpo.epsilon_high: loss_type sapo does not clip by it; remove it")
+        return self
+
 
 class Grpo(Method):
     name = "grpo"
@@ -87,6 +100,10 @@ class Grpo(Method):
         g, t = recipe.grpo, recipe.training
         self.check_formats(recipe)  # the reference rule below holds only with a KL term, so not Method.check
         self.check_learning_rate(recipe)
+        self.check_settings_apply(recipe)
+        if t.metric_for_best in ("eval_loss", "loss") and recipe.eval is not None and recipe.eval.during_training:
+            raise ValueError("training.metric_for_best: eval_loss: GRPO's evaluations score the held-out prompts' "
+                             "answers with the eval section's metrics, not a loss; name one of those, e.g. eval_chrf")
         if g.beta > 0 and recipe.lora is not None and recipe.lora.init != "default":
             raise ValueError(f"grpo.beta: the reference is the base model, which lora.init={recipe.lora.init} "
                              "rewrites; use lora.init: default or grpo.beta: 0")

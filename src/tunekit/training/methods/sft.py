@@ -15,6 +15,8 @@ class Sft(Method):
     summary = "supervised fine-tuning on answers"
     chunked_loss = True
     packs = True
+    groups_by_length = True
+    prompt_loss_optional = True
 
     def build_data(self, recipe, tokenizer):
         from tunekit.data import arrow as arrowdata
