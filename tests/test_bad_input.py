@@ -124,6 +124,10 @@ RECIPES = {
         lambda c: _with(c, training={"method": "grpo"}, data={"format": "prompt"},
                         grpo={"rewards": [{"reward": "length"}], "loss_type": "cispo"}),
         "grpo.epsilon_high: loss_type cispo caps the probability ratio at epsilon_high"),
+    "GRPO best by a loss its evaluations do not log": (
+        lambda c: _with(c, training={"method": "grpo", "metric_for_best": "eval_loss"}, data={"format": "prompt"},
+                        grpo={"rewards": [{"reward": "length"}]}, eval={"metrics": ["chrf"]}),
+        "training.metric_for_best: eval_loss: GRPO's evaluations score the held-out prompts' answers"),
     "deepspeed and fsdp both": (lambda c: _with(c, training={"deepspeed": "ds_configs/zero3.json", "fsdp": {}}),
                                 "training.deepspeed and training.fsdp are both set"),
     "fsdp activation checkpointing beside gradient checkpointing": (
