@@ -129,8 +129,8 @@ class StartingAdapter:
 
 
 def starting_adapter(recipe: Recipe) -> StartingAdapter | None:
-    """model.adapter_from checked: a completed LoRA/QLoRA run on the recipe's base model with the recipe's rank
-    and alpha."""
+    """model.adapter_from checked: a completed LoRA/QLoRA run on the recipe's base model with the recipe's rank,
+    alpha, scaling (rsLoRA), DoRA and dropout."""
     spec = recipe.model.adapter_from
     if spec is None:
         return None
@@ -147,10 +147,14 @@ def starting_adapter(recipe: Recipe) -> StartingAdapter | None:
     if not same:
         raise TunekitError(f"{where}: trained on {theirs}, but model.name_or_path is {ours}; use the same base")
     saved = read_json(adapter / "adapter_config.json", f"train the run in {run_dir} again")
-    for key, theirs_key in (("r", "r"), ("alpha", "lora_alpha")):
-        if getattr(recipe.lora, key) != saved[theirs_key]:
+    # the adapter is loaded with its own config: a recipe that says otherwise would be ignored, so it is refused
+    for key, theirs_key in (("r", "r"), ("alpha", "lora_alpha"), ("use_rslora", "use_rslora"),
+                            ("use_dora", "use_dora"), ("dropout", "lora_dropout")):
+        if getattr(recipe.lora, key) != saved.get(theirs_key, False):
+            value = saved.get(theirs_key, False)
+            shown = str(value).lower() if isinstance(value, bool) else value
             raise TunekitError(f"lora.{key}={getattr(recipe.lora, key)} but the adapter in {run_dir} has "
-                               f"{key} {saved[theirs_key]}; set lora.{key}: {saved[theirs_key]}")
+                               f"{key} {shown}; set lora.{key}: {shown}")
     return StartingAdapter(adapter, {"run": str(run_dir.resolve()), "training_method": record.training_method,
                                      "global_step": record.global_step, "base_model": record.base_model,
                                      "adapter": record.adapter})
