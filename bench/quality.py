@@ -198,10 +198,10 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f}" + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else "")
 
 
-def table(path: Path) -> str:
-    """Per task, each arm's headline score (mean ± sd over seeds), its change against the script, the held-out
-    answer loss and the learning rate used."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def table(path: Path, steps: int) -> str:
+    """Per task, at a budget of `steps` optimizer steps, each arm's headline score (mean ± sd over seeds), its
+    change against the script, the held-out answer loss and the learning rate used."""
+    rows = [r for r in map(json.loads, filter(str.strip, path.read_text().splitlines())) if r["steps"] == steps]
     by: dict = {}
     for r in rows:
         by.setdefault((r["task"], r["arm"]), []).append(r)
@@ -213,8 +213,8 @@ def table(path: Path) -> str:
         metric = TASKS[task][2]
         base = statistics.mean(r["scores"][metric] for r in got["script"]) if "script" in got else None
         held = next(iter(got.values()))[0].get("held_out", "?")
-        lines += [f"\n**{task}** ({metric} of {held} held-out answers; answer loss: mean cross-entropy per "
-                  "reference token)\n", f"| arm | seeds | {metric} | vs script | answer loss | learning rate |",
+        lines += [f"\n**{task}**, {steps} steps ({metric} of {held} held-out answers; answer loss: mean "
+                  "cross-entropy per reference token)\n", f"| arm | seeds | {metric} | vs script | answer loss | learning rate |",
                   "|---|---:|---:|---:|---:|---|"]
         for arm in ARMS:
             if arm not in got:
@@ -245,7 +245,7 @@ def main() -> int:
     if a.job:
         return worker_main(a.job)
     if a.table:
-        print(table(a.out))
+        print(table(a.out, a.steps))
         return 0
     from tunekit.models.loading import materialize
 
@@ -286,7 +286,7 @@ def main() -> int:
     with ThreadPoolExecutor(a.workers) as pool:
         list(pool.map(launch, jobs))
     if a.out.exists():
-        print(table(a.out))
+        print(table(a.out, a.steps))
     return 0
 
 
