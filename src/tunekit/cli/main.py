@@ -5,6 +5,7 @@ Heavy libraries are imported inside the verbs so that `tunekit --help` stays ins
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -497,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack: a stuck rank shows where it waits
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        with contextlib.suppress(ValueError, OSError):  # stderr without a file descriptor (captured, in-process)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except TunekitError as e:
