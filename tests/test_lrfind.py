@@ -101,6 +101,10 @@ def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trai
     line = next(x for x in res.stderr.splitlines() if "training.learning_rate" in x)
     assert line == f"tunekit: {defaults.applied(recipe_mod.load(path))[0]}"
     assert "0.0002 (default: kept after bench/quality.py" in line and "bench/RESULTS.md" in line
+    assert "tunekit: lora.use_rslora: true (default: bench/quality.py: lower held-out answer loss" in res.stderr
+    raw["lora"]["use_rslora"] = False  # set in the recipe: no line
+    res = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert "lora.use_rslora" not in res.stderr and "training.learning_rate: 0.0002 (default" in res.stderr
 
 
 @pytest.mark.slow

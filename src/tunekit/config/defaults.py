@@ -16,6 +16,8 @@ class Measured:
 MEASURED: tuple[Measured, ...] = (
     Measured("training.learning_rate", "kept after bench/quality.py: neither auto nor a higher fixed rate won on "
              "every task, measured on one 135M model (bench/RESULTS.md); auto finds one per run"),
+    Measured("lora.use_rslora", "bench/quality.py: lower held-out answer loss than alpha/r scaling on all four "
+             "tasks at 24 steps and on both measured at 96 (bench/RESULTS.md); false restores alpha/r"),
 )
 
 
@@ -27,5 +29,6 @@ def applied(recipe) -> list[str]:
         section = getattr(recipe, section_name, None)
         if section is None or name in section.model_fields_set:
             continue
-        lines.append(f"{m.key}: {getattr(section, name)} (default: {m.why})")
+        value = getattr(section, name)
+        lines.append(f"{m.key}: {str(value).lower() if isinstance(value, bool) else value} (default: {m.why})")
     return lines

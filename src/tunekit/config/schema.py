@@ -45,8 +45,9 @@ class LoraConfig(Section):
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
     use_dora: bool = Field(False, description="DoRA: train each weight's magnitude and direction separately "
                            "(better at low rank, slower steps; merges like LoRA).")
-    use_rslora: bool = Field(False, description="rsLoRA: scale by alpha/sqrt(r) instead of alpha/r, "
-                             "so that higher ranks keep learning.")
+    use_rslora: bool = Field(True, description="rsLoRA: scale by alpha/sqrt(r) instead of alpha/r, so that higher "
+                             "ranks keep learning (the default by measurement: docs/recipes.md, Which defaults, "
+                             "measured); false: the original LoRA scaling.")
     init: Literal["default", "pissa", "olora"] = Field(
         "default", description="Adapter initialisation: default (B = 0), pissa (the weights' principal singular "
         "vectors, fast SVD) or olora (QR). pissa and olora move part of each base weight into the adapter; the "
