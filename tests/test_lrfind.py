@@ -96,6 +96,7 @@ def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trai
     assert args.neftune_noise_alpha == 5 and args.learning_rate == train.PROVISIONAL_RATE
     # a recipe without a rate: the measured default is named with its reason, by validate and by train
     raw["training"].pop("learning_rate")
+    raw["lora"].pop("use_rslora")
     path = write_recipe(tmp_path / "r.yaml", raw)
     res = run_cli("validate", str(path))
     line = next(x for x in res.stderr.splitlines() if "training.learning_rate" in x)

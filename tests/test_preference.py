@@ -185,9 +185,9 @@ def test_dpo_continues_an_sft_run_against_that_run_as_reference(tmp_path, tiny_m
     raw.update(output_dir=str(tmp_path / "other"), lora={**raw["lora"], "r": 4})
     with pytest.raises(TunekitError, match=r"lora.r=4 but the adapter in .*sft has r 8; set lora.r: 8"):
         train.run(recipe_mod.load(write_recipe(tmp_path / "other.yaml", raw)))
-    raw.update(lora={**raw["lora"], "r": 8, "use_rslora": False})  # the saved config would win: refused, not ignored
-    with pytest.raises(TunekitError, match=r"lora.use_rslora=False but the adapter in .*sft has use_rslora true; "
-                                           r"set lora.use_rslora: true"):
+    raw.update(lora={**raw["lora"], "r": 8, "use_rslora": True})  # the saved config would win: refused, not ignored
+    with pytest.raises(TunekitError, match=r"lora.use_rslora=True but the adapter in .*sft has use_rslora false; "
+                                           r"set lora.use_rslora: false"):
         train.run(recipe_mod.load(write_recipe(tmp_path / "other.yaml", raw)))
 
 
