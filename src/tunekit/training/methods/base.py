@@ -68,12 +68,16 @@ class Method:
 
     def check(self, recipe) -> None:
         """Rules of this method on a validated recipe; raise ValueError with a one-line message."""
-        self.check_formats(recipe)
-        self.check_learning_rate(recipe)
-        self.check_settings_apply(recipe)
+        self.check_common(recipe)
         if self.has_reference and recipe.lora is not None and recipe.lora.init != "default":
             raise ValueError(f"training.method: {self.name} takes the base model as its reference, which lora.init="
                              f"{recipe.lora.init} rewrites; use lora.init: default")
+
+    def check_common(self, recipe) -> None:
+        """The rules every method keeps, whatever else its `check` replaces."""
+        self.check_formats(recipe)
+        self.check_learning_rate(recipe)
+        self.check_settings_apply(recipe)
 
     def check_settings_apply(self, recipe) -> None:
         """A setting this method's trainer would not use is refused, not ignored (training.chunked_loss, on by

@@ -98,9 +98,7 @@ class Grpo(Method):
 
     def check(self, recipe) -> None:
         g, t = recipe.grpo, recipe.training
-        self.check_formats(recipe)  # the reference rule below holds only with a KL term, so not Method.check
-        self.check_learning_rate(recipe)
-        self.check_settings_apply(recipe)
+        self.check_common(recipe)  # the reference rule below holds only with a KL term, so not Method.check
         if t.metric_for_best in ("eval_loss", "loss") and recipe.eval is not None and recipe.eval.during_training:
             raise ValueError("training.metric_for_best: eval_loss: GRPO's evaluations score the held-out prompts' "
                              "answers with the eval section's metrics, not a loss; name one of those, e.g. eval_chrf")
