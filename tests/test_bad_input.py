@@ -127,7 +127,7 @@ RECIPES = {
     "GRPO best by a loss its evaluations do not log": (
         lambda c: _with(c, training={"method": "grpo", "metric_for_best": "eval_loss"}, data={"format": "prompt"},
                         grpo={"rewards": [{"reward": "length"}]}, eval={"metrics": ["chrf"]}),
-        "training.metric_for_best: eval_loss: GRPO's evaluations score the held-out prompts' answers"),
+        "training.metric_for_best: eval_loss is not logged at evaluations; logged: chrf"),
     "deepspeed and fsdp both": (lambda c: _with(c, training={"deepspeed": "ds_configs/zero3.json", "fsdp": {}}),
                                 "training.deepspeed and training.fsdp are both set"),
     "fsdp activation checkpointing beside gradient checkpointing": (

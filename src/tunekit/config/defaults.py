@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tunekit.config.loading import yaml_value
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -30,5 +32,5 @@ def applied(recipe) -> list[str]:
         if section is None or name in section.model_fields_set:
             continue
         value = getattr(section, name)
-        lines.append(f"{m.key}: {str(value).lower() if isinstance(value, bool) else value} (default: {m.why})")
+        lines.append(f"{m.key}: {yaml_value(value)} (default: {m.why})")
     return lines

@@ -258,3 +258,8 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 def to_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def yaml_value(value: Any) -> str:
+    """A setting's value as a recipe writes it, for messages (true, not Python's True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -417,18 +417,21 @@ class RecipeBase(Section):
 
     @model_validator(mode="after")
     def _best_metric_is_logged(self) -> "Recipe":
-        """metric_for_best names eval_loss or a generation metric the eval section logs during training."""
+        """metric_for_best names a metric the evaluations log: a generation metric of the eval section that runs
+        during training, or eval_loss (beside those only where the method computes it: not GRPO)."""
         name = self.training.metric_for_best
         if name is None:
             return self
         key = name.removeprefix("eval_")
+        during = self.eval is not None and self.eval.during_training
+        logs_loss = not during or methods.of(self).eval_loss_beside_generation
         generated = []
-        if self.eval is not None and self.eval.during_training:
+        if during:
             generated = [k for m in self.eval.metrics if METRICS[m].score is not None for k, _ in METRICS[m].rows]
-        if key != "loss" and key not in generated and not (self.eval and "/" in key):
+        if (key != "loss" or not logs_loss) and key not in generated and not (self.eval and "/" in key):
             hint = ("add an eval section (it logs " + ", ".join(k for m in METRICS.values() if m.score for k, _ in
                                                            m.rows) + " during training)") if not generated else \
-                "logged: eval_loss, " + ", ".join(generated)
+                "logged: " + ", ".join(["eval_loss"] * logs_loss + generated)
             raise ValueError(f"training.metric_for_best: {name} is not logged at evaluations; {hint}")
         return self
 

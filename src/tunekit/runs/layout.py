@@ -16,7 +16,7 @@ from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import DamagedFile, read_json
 from tunekit.config.schema import Recipe
-from tunekit.config.loading import to_yaml
+from tunekit.config.loading import to_yaml, yaml_value
 from tunekit.config.loading import load as load_recipe
 from tunekit.models.sources import resolve_model
 
@@ -151,8 +151,7 @@ def starting_adapter(recipe: Recipe) -> StartingAdapter | None:
     for key, theirs_key in (("r", "r"), ("alpha", "lora_alpha"), ("use_rslora", "use_rslora"),
                             ("use_dora", "use_dora"), ("dropout", "lora_dropout")):
         if getattr(recipe.lora, key) != saved.get(theirs_key, False):
-            value = saved.get(theirs_key, False)
-            shown = str(value).lower() if isinstance(value, bool) else value
+            shown = yaml_value(saved.get(theirs_key, False))
             raise TunekitError(f"lora.{key}={getattr(recipe.lora, key)} but the adapter in {run_dir} has "
                                f"{key} {shown}; set lora.{key}: {shown}")
     return StartingAdapter(adapter, {"run": str(run_dir.resolve()), "training_method": record.training_method,

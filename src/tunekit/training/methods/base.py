@@ -49,6 +49,8 @@ class Method:
     packs: ClassVar[bool] = False  # data.packing applies (examples packed padding-free)
     groups_by_length: ClassVar[bool] = False  # training.group_by_length applies (the Trainer's length sampler)
     prompt_loss_optional: ClassVar[bool] = False  # data.mask_prompt: false applies (else answers only, always)
+    # evaluations during training log eval_loss beside an eval section's generation metrics (metric_for_best)
+    eval_loss_beside_generation: ClassVar[bool] = True
     # training.learning_rate: auto applies: the training loss falls as the model learns (not so for a policy
     # gradient's loss), so a range test over it finds a rate
     loss_tracks_learning: ClassVar[bool] = True

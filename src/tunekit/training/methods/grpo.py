@@ -95,13 +95,11 @@ class Grpo(Method):
     has_reference = True
     no_grad_forwards = 1  # the reference's log-probabilities, with beta > 0 (plan_settings)
     loss_tracks_learning = False
+    eval_loss_beside_generation = False  # with an eval section, evaluations score greedy answers only (prediction_step)
 
     def check(self, recipe) -> None:
         g, t = recipe.grpo, recipe.training
         self.check_common(recipe)  # the reference rule below holds only with a KL term, so not Method.check
-        if t.metric_for_best in ("eval_loss", "loss") and recipe.eval is not None and recipe.eval.during_training:
-            raise ValueError("training.metric_for_best: eval_loss: GRPO's evaluations score the held-out prompts' "
-                             "answers with the eval section's metrics, not a loss; name one of those, e.g. eval_chrf")
         if g.beta > 0 and recipe.lora is not None and recipe.lora.init != "default":
             raise ValueError(f"grpo.beta: the reference is the base model, which lora.init={recipe.lora.init} "
                              "rewrites; use lora.init: default or grpo.beta: 0")
