@@ -358,13 +358,14 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 @pytest.mark.slow
 @pytest.mark.parametrize("method, sharding", [
     pytest.param("dpo", None, id="dpo-ddp"), pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json", "learning_rate": "auto"}, id="dpo-zero2-lr-auto"),
-    pytest.param("dpo", {"fsdp": {}}, marks=pytest.mark.full, id="dpo-fsdp2"), pytest.param("orpo", None, id="orpo-ddp"),
+    pytest.param("dpo", {"fsdp": {}, "learning_rate": "auto"}, marks=pytest.mark.full, id="dpo-fsdp2-lr-auto"),
+    pytest.param("orpo", {"learning_rate": "auto"}, id="orpo-ddp-lr-auto"),
     pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full, id="orpo-fsdp2")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding):
     """2-process DDP (and ZeRO-2, FSDP2) with micro-batch 4 against one process with micro-batch 8: the same pairs
-    per step, so the same losses and adapter within float tolerance. Under ZeRO-2 both find their learning rate
-    (training.learning_rate: auto): each rank updates its shard of the optimizer state at the found rate, so a
-    rank at another rate would show in the adapter. (KTO is left out: its KL term pairs each
+    per step, so the same losses and adapter within float tolerance. Under DDP, ZeRO-2 and FSDP2 both find their
+    learning rate (training.learning_rate: auto): the ranks' gradients are averaged, and under ZeRO-2 and FSDP2 each
+    rank updates its own shard at its rate, so a rank at another rate would show in the adapter. (KTO is left out: its KL term pairs each
     example with its micro-batch neighbours, so halving the micro-batch changes the loss by design; it runs
     under FSDP2 in test_kto_trains_under_fsdp2.)"""
     from conftest import launch
