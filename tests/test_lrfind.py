@@ -103,7 +103,15 @@ def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trai
     assert line == f"tunekit: {defaults.applied(recipe_mod.load(path))[0]}"
     assert "0.0002 (default: kept after bench/quality.py" in line and "bench/RESULTS.md" in line
     assert "tunekit: lora.use_rslora: true (default: bench/quality.py: lower held-out answer loss" in res.stderr
-    raw["lora"]["use_rslora"] = False  # set in the recipe: no line
+    raw["lora"]["lr_ratio"] = 16  # LoRA+ turns rsLoRA's default off (measured: the two together overshoot)
+    res = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert "tunekit: lora.use_rslora: false (default: lora.lr_ratio is set: LoRA+ with rsLoRA overshot" in res.stderr
+    assert recipe_mod.load(tmp_path / "r.yaml").lora.use_rslora is False
+    raw["lora"]["use_rslora"] = True  # set in the recipe: kept, no line
+    res = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert "lora.use_rslora" not in res.stderr and recipe_mod.load(tmp_path / "r.yaml").lora.use_rslora is True
+    raw["lora"].pop("lr_ratio")
+    raw["lora"]["use_rslora"] = False
     res = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
     assert "lora.use_rslora" not in res.stderr and "training.learning_rate: 0.0002 (default" in res.stderr
 

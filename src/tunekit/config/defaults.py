@@ -13,13 +13,16 @@ from tunekit.config.loading import yaml_value
 class Measured:
     key: str  # dotted recipe key: section.field
     why: str
+    why_else: tuple[str, str] | None = None  # (another setting of the section, why) where that one decides it
 
 
 MEASURED: tuple[Measured, ...] = (
     Measured("training.learning_rate", "kept after bench/quality.py: neither auto nor a higher fixed rate won on "
              "every task, measured on one 135M model (bench/RESULTS.md); auto finds one per run"),
     Measured("lora.use_rslora", "bench/quality.py: lower held-out answer loss than alpha/r scaling on all four "
-             "tasks at 24 steps and on both measured at 96 (bench/RESULTS.md); false restores alpha/r"),
+             "tasks at 24 steps and on both measured at 96 (bench/RESULTS.md); false restores alpha/r",
+             ("lr_ratio", "lora.lr_ratio is set: LoRA+ with rsLoRA overshot in bench/quality.py, a higher held-out "
+              "answer loss than the script on three tasks of four (bench/RESULTS.md)")),
 )
 
 
@@ -31,6 +34,8 @@ def applied(recipe) -> list[str]:
         section = getattr(recipe, section_name, None)
         if section is None or name in section.model_fields_set:
             continue
-        value = getattr(section, name)
-        lines.append(f"{m.key}: {yaml_value(value)} (default: {m.why})")
+        value, why = getattr(section, name), m.why
+        if m.why_else is not None and getattr(section, m.why_else[0]) is not None:
+            why = m.why_else[1]
+        lines.append(f"{m.key}: {yaml_value(value)} (default: {why})")
     return lines
