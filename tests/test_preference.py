@@ -364,10 +364,10 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding):
     """2-process DDP (and ZeRO-2, FSDP2) with micro-batch 4 against one process with micro-batch 8: the same pairs
     per step, so the same losses and adapter within float tolerance. Under DDP, ZeRO-2 and FSDP2 both find their
-    learning rate (training.learning_rate: auto): the ranks' gradients are averaged, and under ZeRO-2 and FSDP2 each
-    rank updates its own shard at its rate, so a rank at another rate would show in the adapter. (KTO is left out: its KL term pairs each
-    example with its micro-batch neighbours, so halving the micro-batch changes the loss by design; it runs
-    under FSDP2 in test_kto_trains_under_fsdp2.)"""
+    learning rate (training.learning_rate: auto): the ranks' gradients are averaged, and under ZeRO-2 and FSDP2
+    each rank updates its own shard at its rate, so a rank at another rate would show in the adapter. (KTO is
+    left out: its KL term pairs each example with its micro-batch neighbours, so halving the micro-batch changes
+    the loss by design; it runs under FSDP2 in test_kto_trains_under_fsdp2.)"""
     from conftest import launch
 
     data = write_jsonl(tmp_path / "p.jsonl", pairs())

@@ -13,7 +13,8 @@ from tunekit.config.loading import yaml_value
 class Measured:
     key: str  # dotted recipe key: section.field
     why: str
-    why_else: tuple[str, str] | None = None  # (another setting of the section, why) where that one decides it
+    # why, where a rule of the section's schema set another value than the field's own default
+    why_else: str | None = None
 
 
 MEASURED: tuple[Measured, ...] = (
@@ -21,8 +22,8 @@ MEASURED: tuple[Measured, ...] = (
              "every task, measured on one 135M model (bench/RESULTS.md); auto finds one per run"),
     Measured("lora.use_rslora", "bench/quality.py: lower held-out answer loss than alpha/r scaling on all four "
              "tasks at 24 and at 96 steps (bench/RESULTS.md); false restores alpha/r",
-             ("lr_ratio", "lora.lr_ratio is set: LoRA+ with rsLoRA overshot in bench/quality.py, a higher held-out "
-              "answer loss than the script on three tasks of four (bench/RESULTS.md)")),
+             "lora.lr_ratio is set: LoRA+ with rsLoRA overshot in bench/quality.py, a higher held-out answer loss "
+             "than the script on three tasks of four (bench/RESULTS.md)"),  # schema: LoraConfig
 )
 
 
@@ -35,7 +36,7 @@ def applied(recipe) -> list[str]:
         if section is None or name in section.model_fields_set:
             continue
         value, why = getattr(section, name), m.why
-        if m.why_else is not None and getattr(section, m.why_else[0]) is not None:
-            why = m.why_else[1]
+        if m.why_else is not None and value != type(section).model_fields[name].default:
+            why = m.why_else
         lines.append(f"{m.key}: {yaml_value(value)} (default: {why})")
     return lines
