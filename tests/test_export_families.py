@@ -30,9 +30,11 @@ GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "
              "phi3": "phi3"}
 
 
-# make test keeps one family per tokenizer (Qwen3 for Qwen's, Gemma 3 for Gemma's); Qwen2 and Gemma 2 run in
-# make test-full (last run: tests/export-families-full-last-run.json) and in make export-check's llama.cpp run
-IN_FULL = {"qwen2", "gemma2"}
+# make test keeps Qwen3 (Qwen's byte-level BPE), Gemma 3 (Gemma's SentencePiece) and Phi-3 (its own keys and
+# rotary width); Qwen2, Gemma 2 and Mistral (the llama architecture test_export.py covers, with a byte-level BPE
+# vocabulary) run in make test-full (last run: tests/export-families-full-last-run.json) and in make
+# export-check's llama.cpp run
+IN_FULL = {"qwen2", "gemma2", "mistral"}
 
 
 @pytest.mark.slow  # 30-70 s each: transformers parses a 150k-256k token vocabulary twice on read-back

@@ -68,8 +68,11 @@ def start_and_kill(recipe_file, out, wait_for: Path):
     proc.wait()
 
 
-@pytest.mark.parametrize("kill_point", ["checkpoint-2/tunekit-complete", "checkpoint-4/tunekit-complete",
-                                        "checkpoint-6/tunekit-complete", "checkpoint-6"])
+# make test kills after the first checkpoint and while the last one is written; the kill points between are `full`
+@pytest.mark.parametrize("kill_point", ["checkpoint-2/tunekit-complete",
+                                        pytest.param("checkpoint-4/tunekit-complete", marks=pytest.mark.full),
+                                        pytest.param("checkpoint-6/tunekit-complete", marks=pytest.mark.full),
+                                        "checkpoint-6"])
 def test_resume_after_sigkill_matches_an_uninterrupted_run(resume_recipe, uninterrupted, tmp_path, kill_point):
     """The last point kills as soon as checkpoint-6 appears, while its files are being written."""
     out = tmp_path / "run"

@@ -332,7 +332,9 @@ def method_raw(method, tiny_model, tmp_path, out, **training):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dpo", "kto", "orpo"])
+# one trainer path (training/methods/pairs.py): make test resumes DPO; KTO and ORPO are `full`
+@pytest.mark.parametrize("method", ["dpo", pytest.param("kto", marks=pytest.mark.full),
+                                    pytest.param("orpo", marks=pytest.mark.full)])
 def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_model, method):
     """A run cut after its step-6 checkpoint and resumed (original deleted) gives the same adapter."""
     import shutil
@@ -357,7 +359,8 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, sharding", [
-    pytest.param("dpo", None, id="dpo-ddp"), pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json", "learning_rate": "auto"}, id="dpo-zero2-lr-auto"),
+    pytest.param("dpo", None, marks=pytest.mark.full, id="dpo-ddp"),  # make test: DDP by ORPO's, DPO by ZeRO-2's
+    pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json", "learning_rate": "auto"}, id="dpo-zero2-lr-auto"),
     pytest.param("dpo", {"fsdp": {}, "learning_rate": "auto"}, marks=pytest.mark.full, id="dpo-fsdp2-lr-auto"),
     pytest.param("orpo", {"learning_rate": "auto"}, id="orpo-ddp-lr-auto"),
     pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full, id="orpo-fsdp2")])
