@@ -280,8 +280,9 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 
 @pytest.mark.slow
+# make test: DDP; ZeRO-2 (whose sampling is DDP's: the weights stay whole) and FSDP2 are `full`
 @pytest.mark.parametrize("sharding", [pytest.param(None, id="ddp"), pytest.param({"deepspeed": "ds_configs/zero2.json"},
-                                                                                  id="zero2"),
+                                                                                  marks=pytest.mark.full, id="zero2"),
                                       pytest.param({"fsdp": {}}, marks=pytest.mark.full, id="fsdp2")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, sharding):
     """2 processes with micro-batch 4 against one with micro-batch 8: the same prompts per step and, by seeded

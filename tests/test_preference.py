@@ -359,8 +359,10 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, sharding", [
-    pytest.param("dpo", None, marks=pytest.mark.full, id="dpo-ddp"),  # make test: DDP by ORPO's, DPO by ZeRO-2's
-    pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json", "learning_rate": "auto"}, id="dpo-zero2-lr-auto"),
+    # make test: ORPO under DDP with the rate found; DPO, ZeRO-2 and FSDP2 are `full` (one trainer path)
+    pytest.param("dpo", None, marks=pytest.mark.full, id="dpo-ddp"),
+    pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json", "learning_rate": "auto"}, marks=pytest.mark.full,
+                 id="dpo-zero2-lr-auto"),
     pytest.param("dpo", {"fsdp": {}, "learning_rate": "auto"}, marks=pytest.mark.full, id="dpo-fsdp2-lr-auto"),
     pytest.param("orpo", {"learning_rate": "auto"}, id="orpo-ddp-lr-auto"),
     pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full, id="orpo-fsdp2")])

@@ -12,7 +12,7 @@ micro-batches of bf16 4-bit training on 2 CPU cores took 6 min (SFT) and 13 min 
 take one step of one micro-batch. The same settings with accumulation 8 are trained by
 tests/test_train.py::test_flagship_recipe_settings_run_on_cpu_with_a_local_model.
 
-`make test` runs four of these launches, one per training method with the three launchers spread among them
+`make test` runs five of these launches, one per training method with the three launchers spread among them
 (IN_MAKE_TEST); the others are marked `full` and run in `make test-all`, whose last run
 tests/test-full-last-run.json records."""
 
