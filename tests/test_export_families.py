@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import in_full
 from tunekit.export import check as export_check
 from tunekit.export import gguf as gguf_writer
 from tunekit.export.source import Facts
@@ -38,7 +39,7 @@ IN_FULL = {"qwen2", "gemma2", "mistral"}
 
 
 @pytest.mark.slow  # 30-70 s each: transformers parses a 150k-256k token vocabulary twice on read-back
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.full) if f in IN_FULL else f for f in FAMILIES])
+@pytest.mark.parametrize("family", [in_full(f) if f in IN_FULL else f for f in FAMILIES])
 def test_each_family_exports_and_reads_back_with_its_logits_token_ids_and_chat_template(tmp_path, family):
     import numpy as np
     import torch

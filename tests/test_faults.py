@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_no_pickles, cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, assert_no_pickles, cut_after_checkpoint, in_full, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.runs import checkpoints
 from tunekit.models import loading as models
 from tunekit.training import preflight
@@ -70,8 +70,8 @@ def start_and_kill(recipe_file, out, wait_for: Path):
 
 # make test kills after the first checkpoint and while the last one is written; the kill points between are `full`
 @pytest.mark.parametrize("kill_point", ["checkpoint-2/tunekit-complete",
-                                        pytest.param("checkpoint-4/tunekit-complete", marks=pytest.mark.full),
-                                        pytest.param("checkpoint-6/tunekit-complete", marks=pytest.mark.full),
+                                        in_full("checkpoint-4/tunekit-complete"),
+                                        in_full("checkpoint-6/tunekit-complete"),
                                         "checkpoint-6"])
 def test_resume_after_sigkill_matches_an_uninterrupted_run(resume_recipe, uninterrupted, tmp_path, kill_point):
     """The last point kills as soon as checkpoint-6 appears, while its files are being written."""

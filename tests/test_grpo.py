@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import in_full, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import loading as recipe_mod
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import rewards
@@ -281,9 +281,8 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 @pytest.mark.slow
 # make test: DDP; ZeRO-2 (whose sampling is DDP's: the weights stay whole) and FSDP2 are `full`
-@pytest.mark.parametrize("sharding", [pytest.param(None, id="ddp"), pytest.param({"deepspeed": "ds_configs/zero2.json"},
-                                                                                  marks=pytest.mark.full, id="zero2"),
-                                      pytest.param({"fsdp": {}}, marks=pytest.mark.full, id="fsdp2")])
+@pytest.mark.parametrize("sharding", [pytest.param(None, id="ddp"), in_full({"deepspeed": "ds_configs/zero2.json"}, id="zero2"),
+                                      in_full({"fsdp": {}}, id="fsdp2")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, sharding):
     """2 processes with micro-batch 4 against one with micro-batch 8: the same prompts per step and, by seeded
     sampling, the same completions, so the same rewards and losses; the adapters agree to 1% of the largest

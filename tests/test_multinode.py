@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cut_after_checkpoint, launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, cut_after_checkpoint, in_full, launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from test_multiprocess import assert_same_run, history
 
 pytestmark = pytest.mark.slow
@@ -248,7 +248,7 @@ def test_a_taken_port_is_one_line_before_anything_starts(recipe_file, tmp_path):
         "another service); choose a free port, the same on every node"]
 
 
-@pytest.mark.parametrize("differs", ["recipe", pytest.param("tunekit", marks=pytest.mark.full)])
+@pytest.mark.parametrize("differs", ["recipe", in_full("tunekit")])
 def test_nodes_that_differ_stop_at_start_saying_how(recipe_file, tmp_path, differs):
     """Node 1 with another recipe (an extra override), or with another tunekit installed (its metadata first on
     the path): both nodes stop before training, each with the same line, and no run directory is claimed."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_recipe, write_jsonl, write_recipe
+from conftest import in_full, tiny_recipe, write_jsonl, write_recipe
 from tunekit.data import records as data_mod
 from tunekit.evaluation import runner as evaluation
 from tunekit.training import methods
@@ -333,8 +333,7 @@ def method_raw(method, tiny_model, tmp_path, out, **training):
 
 @pytest.mark.slow
 # one trainer path (training/methods/pairs.py): make test resumes DPO; KTO and ORPO are `full`
-@pytest.mark.parametrize("method", ["dpo", pytest.param("kto", marks=pytest.mark.full),
-                                    pytest.param("orpo", marks=pytest.mark.full)])
+@pytest.mark.parametrize("method", ["dpo", in_full("kto"), in_full("orpo")])
 def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_model, method):
     """A run cut after its step-6 checkpoint and resumed (original deleted) gives the same adapter."""
     import shutil
@@ -360,12 +359,11 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 @pytest.mark.slow
 @pytest.mark.parametrize("method, sharding", [
     # make test: ORPO under DDP with the rate found; DPO, ZeRO-2 and FSDP2 are `full` (one trainer path)
-    pytest.param("dpo", None, marks=pytest.mark.full, id="dpo-ddp"),
-    pytest.param("dpo", {"deepspeed": "ds_configs/zero2.json", "learning_rate": "auto"}, marks=pytest.mark.full,
-                 id="dpo-zero2-lr-auto"),
-    pytest.param("dpo", {"fsdp": {}, "learning_rate": "auto"}, marks=pytest.mark.full, id="dpo-fsdp2-lr-auto"),
+    in_full("dpo", None, id="dpo-ddp"),
+    in_full("dpo", {"deepspeed": "ds_configs/zero2.json", "learning_rate": "auto"}, id="dpo-zero2-lr-auto"),
+    in_full("dpo", {"fsdp": {}, "learning_rate": "auto"}, id="dpo-fsdp2-lr-auto"),
     pytest.param("orpo", {"learning_rate": "auto"}, id="orpo-ddp-lr-auto"),
-    pytest.param("orpo", {"fsdp": {}}, marks=pytest.mark.full, id="orpo-fsdp2")])
+    in_full("orpo", {"fsdp": {}}, id="orpo-fsdp2")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding):
     """2-process DDP (and ZeRO-2, FSDP2) with micro-batch 4 against one process with micro-batch 8: the same pairs
     per step, so the same losses and adapter within float tolerance. Under DDP, ZeRO-2 and FSDP2 both find their

