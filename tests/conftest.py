@@ -28,18 +28,6 @@ def pytest_addoption(parser):
                           "to FILE (JSON)")
 
 
-# The files that take longest under `make test` (its --durations list), heaviest first. pytest-xdist hands each
-# worker a whole file (--dist loadfile) in collection order (--no-loadscope-reorder), so these start at once and
-# the many short files fill in behind them; otherwise a long file that starts last sets the suite's time alone.
-LONGEST_FILES = ("test_shipped_recipes.py", "test_multiprocess.py", "test_faults.py", "test_export_families.py",
-                 "test_train.py", "test_tools_recipe.py", "test_preference.py", "test_grpo.py", "test_merge_eval.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
 def in_full(*values, id=None):
     """A parameter that runs only under `make test-full` (marked `full`)."""
     return pytest.param(*values, marks=pytest.mark.full, id=id)
