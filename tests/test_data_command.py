@@ -85,6 +85,7 @@ def test_terminal_colour_and_plain_markers(tiny_tokenizer, data_file):
     assert f"{dataview.OPEN}{trained}{dataview.CLOSE}" in plain
 
 
+@pytest.mark.slow  # two `tunekit data` commands, each loading the tokenizer stack (~15 s)
 def test_command_shows_training_records_only_and_loads_no_model(tiny_model, tiny_tokenizer, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
     recipe = tiny_recipe(tiny_model, data, tmp_path / "run", data={"eval_fraction": 0.25})
@@ -149,6 +150,7 @@ def test_run_examples_and_the_report_page(tiny_tokenizer, data_file, tmp_path):
     assert "Training examples: run (first 3)" in page and f"<mark>{html.escape(trained)}</mark>" in page
 
 
+@pytest.mark.slow  # a `tunekit train` run (~15 s)
 def test_a_training_run_writes_its_first_examples(tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
     recipe = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 1})

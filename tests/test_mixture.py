@@ -139,6 +139,7 @@ def test_a_source_in_a_format_the_method_does_not_train_on_is_refused(tmp_path, 
     assert res.returncode == 2 and "training.method: dpo trains on" in res.stderr and "(got chat)" in res.stderr
 
 
+@pytest.mark.slow  # `tunekit data`, loading the tokenizer stack (~8 s)
 def test_tunekit_data_shows_the_mixture_training_draws(tmp_path, tiny_model, files):
     train = [{"path": str(files["a"]), "count": 12}, {"path": str(files["chat"]), **CHAT, "count": 5}]
     raw = tiny_recipe(tiny_model, files["a"], tmp_path / "run", data={"train": train})
