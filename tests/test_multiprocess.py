@@ -98,6 +98,20 @@ def test_accelerate_launch_runs_two_processes(recipe_file, ddp, tmp_path):
     assert_same_run(ddp, out)
 
 
+def test_cpu_deepspeed_runs_do_not_compile_deepspeeds_inference_all_reduce(monkeypatch):
+    """deepspeed_shm_comm (C++, ~100 s on a machine's first CPU DeepSpeed launch) serves only DeepSpeed-inference's
+    tensor-parallel all-reduce; ZeRO's collectives are torch.distributed's."""
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    from tunekit.core import distributed
+
+    table = deepspeed.ops.__compatible_ops__
+    monkeypatch.setitem(table, "deepspeed_shm_comm", table["deepspeed_shm_comm"])  # restored afterwards
+    distributed._skip_shm_comm_build()
+    assert build_shm_op() is None
+
+
 # zero2 and zero3 without offload: LoRA in test_zero2_equals_ddp and test_zero3_run_merges_and_evaluates, QLoRA in
 # test_qlora_under_zero3_and_fsdp2_equals_qlora_under_ddp, full fine-tuning in the ZeRO-3 resume test below (and every
 # shipped recipe on the real model in test_shipped_recipes.py); here the other configs, with weight checks

@@ -148,6 +148,16 @@ def _as_one_process_group() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+def _skip_shm_comm_build() -> None:
+    """DeepSpeed compiles its shared-memory all-reduce (deepspeed_shm_comm: C++ and OpenMP, ~100 s and a compiler)
+    when a CPU process group first starts, and uses it only for inference's tensor-parallel all-reduce
+    (deepspeed.comm inference_all_reduce); ZeRO's collectives go through torch.distributed (gloo). Marked
+    incompatible in DeepSpeed's table of ops (a dict it keeps so that edits persist), it is not built."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def prepare(deepspeed: bool, fsdp: bool = False) -> dict:
     """Extra TrainingArguments for this launch; sets up process-group state where the defaults fail.
 
@@ -168,6 +178,7 @@ def prepare(deepspeed: bool, fsdp: bool = False) -> dict:
         _as_one_process_group()
         if deepspeed:
             os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+            _skip_shm_comm_build()
         from accelerate import PartialState
 
         PartialState(cpu=fsdp, backend="gloo")  # cpu: a CPU process group (MULTI_CPU) for FSDP to build on
