@@ -110,6 +110,23 @@ def test_quantized_exports_are_smaller_and_pass_their_tolerance(tmp_path, tiny_m
     assert out.stat().st_size < 0.6 * (tiny_model / "model.safetensors").stat().st_size
 
 
+def test_the_read_back_check_parses_the_file_once(tmp_path, tiny_model, monkeypatch):
+    """transformers' loader opens a GGUFReader for each of the config, model and tokenizer loads; the check shares one."""
+    import gguf
+
+    opened = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            opened.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    export.export(str(tiny_model), "f32", tmp_path / "tiny.gguf")
+    assert len(opened) == 1, opened  # the file checked before it takes its name
+    assert gguf.GGUFReader is Counted  # restored after the check
+
+
 def test_an_export_below_its_tolerance_is_refused_and_nothing_is_left(tmp_path, tiny_model, monkeypatch):
     from tunekit.core.errors import TunekitError
 

@@ -5,6 +5,7 @@ within the tolerance of its quantization type."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +49,40 @@ def prompts(recipe, tokenizer) -> dict:
         tokenizer.pad_token = pad
 
 
+@contextlib.contextmanager
+def one_reader():
+    """transformers' GGUF loader (load_gguf_checkpoint, for the families its newer reader does not cover) opens a
+    gguf.GGUFReader for each of the config, model and tokenizer loads, and the reader parses every metadata array
+    in Python (~25 s for Gemma 3's 262k-token vocabulary): here the first reader of a file serves them all."""
+    import gguf
+
+    opened, readers = gguf.GGUFReader, {}
+
+    def shared(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = opened(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = opened
+
+
 def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
+    with one_reader():
+        return _check(source_model, source_tokenizer, gguf_file, batch)
+
+
+def _check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tunekit.export import merge
 
-    # the config read once and handed to both loads: transformers parses the whole file's metadata for each
-    # config it reads (~20 s for a 150k-token vocabulary and its merges)
+    # the config read once and handed to both loads
     config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     read_as = architecture(source_model.config, "export").read_back_as
     if read_as and config.model_type != read_as:
