@@ -110,8 +110,8 @@ def test_quantized_exports_are_smaller_and_pass_their_tolerance(tmp_path, tiny_m
     assert out.stat().st_size < 0.6 * (tiny_model / "model.safetensors").stat().st_size
 
 
-def test_the_read_back_check_parses_the_file_once(tmp_path, tiny_model, monkeypatch):
-    """transformers' loader opens a GGUFReader for each of the config, model and tokenizer loads; the check shares one."""
+def test_the_read_back_check_and_the_conversion_parse_the_file_once(tmp_path, tiny_model, monkeypatch):
+    """transformers' loader opens a GGUFReader for each of the config, model and tokenizer loads; tunekit shares one."""
     import gguf
 
     opened = []
@@ -122,9 +122,23 @@ def test_the_read_back_check_parses_the_file_once(tmp_path, tiny_model, monkeypa
             super().__init__(path, mode)
 
     monkeypatch.setattr(gguf, "GGUFReader", Counted)
-    export.export(str(tiny_model), "f32", tmp_path / "tiny.gguf")
+    out = export.export(str(tiny_model), "f32", tmp_path / "tiny.gguf")
     assert len(opened) == 1, opened  # the file checked before it takes its name
     assert gguf.GGUFReader is Counted  # restored after the check
+
+    # a GGUF model to train from is converted to a cached directory once, reading the file once
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.models.loading import convert_gguf
+
+    monkeypatch.setenv("TUNEKIT_CACHE", str(tmp_path / "cache"))
+    opened.clear()
+    converted = convert_gguf(out)
+    assert opened == [str(out)] and convert_gguf(out) == converted and len(opened) == 1
+    ids = torch.tensor([[1, 5, 9, 200, 17]])
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(converted)(ids).logits,
+                                   AutoModelForCausalLM.from_pretrained(tiny_model)(ids).logits, atol=1e-4, rtol=0)
 
 
 def test_an_export_below_its_tolerance_is_refused_and_nothing_is_left(tmp_path, tiny_model, monkeypatch):

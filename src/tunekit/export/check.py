@@ -5,12 +5,12 @@ within the tolerance of its quantization type."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from tunekit.export.architectures import architecture
 from tunekit.export.gguf import CHECK_TEXT, Quant
+from tunekit.models.ggufread import one_reader
 
 # Text the read-back tokenizer must split exactly as the source one does: accents, CJK, emoji.
 TOKENIZER_PROBES = ["Crème brûlée, naïve façade, Ångström, São Paulo.", "東京で寿司を食べました。北京欢迎你。",
@@ -47,28 +47,6 @@ def prompts(recipe, tokenizer) -> dict:
         return tokenizer(TOKENIZER_PROBES[:3], return_tensors="pt", padding=True)
     finally:
         tokenizer.pad_token = pad
-
-
-@contextlib.contextmanager
-def one_reader():
-    """transformers' GGUF loader (load_gguf_checkpoint, for the families its newer reader does not cover) opens a
-    gguf.GGUFReader for each of the config, model and tokenizer loads, and the reader parses every metadata array
-    in Python (~25 s for Gemma 3's 262k-token vocabulary): here the first reader of a file serves them all."""
-    import gguf
-
-    opened, readers = gguf.GGUFReader, {}
-
-    def shared(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = opened(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = opened
 
 
 def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from tunekit.config import deepspeed as dsconfig
 from tunekit.models import hub
+from tunekit.models.ggufread import one_reader
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES, Precision
@@ -47,8 +48,9 @@ def convert_gguf(gguf: Path) -> Path:
     log.info("converting %s to a Hugging Face directory (once; cached at %s)", gguf.name, target)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with one_reader():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
         model.save_pretrained(tmp)
