@@ -46,6 +46,7 @@ TASKS = {
 V0 = ["training.learning_rate=2e-4", "training.lr_scheduler=cosine", "training.warmup_ratio=0",
       "lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.use_rslora=false", "lora.lr_ratio=null",
       "training.neftune_noise_alpha=null"]
+ANSWERS_KEPT = 5  # the first held-out answers, kept in each result row to show what the scores score
 RANGE_TEST_STEPS = 16  # training.lr_range_test_steps' default
 # the script's arms (None) and the extra steps each gets: script+16 processes as many examples as an arm whose
 # learning rate is auto (its range test, then the budget's steps)
@@ -119,7 +120,8 @@ def _run(cmd: list[str]) -> str:
 
 
 def score(task: str, adapter: str | None, model_dir: str, held_out: Path) -> dict:
-    """Greedy answers on the held-out prompts, scored by tunekit's metrics registry (same for every arm)."""
+    """Greedy answers on the held-out prompts, scored by tunekit's metrics registry (same for every arm); the
+    scores and the first answers."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,7 +138,8 @@ def score(task: str, adapter: str | None, model_dir: str, held_out: Path) -> dic
     predictions = generate(model, tok, prompts, False, 16, new_tokens)
     scores = metrics.score(predictions, references, names)
     scores["heldout_loss"] = answer_loss(model, tok, prompts, references)
-    return {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+    kept = {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+    return {"scores": kept, "answers": predictions[:ANSWERS_KEPT]}
 
 
 def held_out_pairs(tok, held_out: Path) -> tuple[list[str], list[str]]:
@@ -179,8 +182,8 @@ def one(a, task: str, arm: str, seed: int, work: Path, model_dir: str, files) ->
                    else train_tunekit(a, task, arm, seed, out, files))
     started = time.perf_counter()
     adapter = trained.pop("adapter")
-    scores = score(task, adapter, model_dir, files[1])
-    return {"adapter": adapter, "task": task, "arm": arm, "seed": seed, "steps": a.steps, "batch": a.batch, "scores": scores,
+    scored = score(task, adapter, model_dir, files[1])
+    return {"adapter": adapter, "task": task, "arm": arm, "seed": seed, "steps": a.steps, "batch": a.batch, **scored,
             "headline": TASKS[task][2], **trained, "score_s": time.perf_counter() - started}
 
 
