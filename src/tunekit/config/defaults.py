@@ -21,8 +21,7 @@ MEASURED: tuple[Measured, ...] = (
     Measured("training.learning_rate", "kept after bench/quality.py: neither auto nor a higher fixed rate won on "
              "every task, measured on one 135M model (bench/RESULTS.md); auto finds one per run"),
     Measured("lora.use_rslora", "bench/quality.py: lower held-out answer loss than alpha/r scaling on all four "
-             "tasks at 24 and at 96 steps, and on the three run at one epoch (bench/RESULTS.md); false restores "
-             "alpha/r",
+             "tasks at 24 and 96 steps and at one epoch (bench/RESULTS.md); false restores alpha/r",
              "lora.lr_ratio is set: LoRA+ with rsLoRA overshot in bench/quality.py, a higher held-out answer loss "
              "than the script on three tasks of four (bench/RESULTS.md)"),  # schema: LoraConfig
 )
