@@ -12,8 +12,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from tunekit.config import deepspeed as dsconfig
@@ -157,6 +158,53 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
     return model
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _input_in_weight_dtype(module: nn.Module, args: tuple) -> tuple:
+    return (args[0].to(module.weight.dtype), *args[1:])
+
+
+def prepare_quantized(model, compute: torch.dtype, gradient_checkpointing: bool = False):
+    """A bitsandbytes-quantized base made ready for LoRA: every weight frozen, the embeddings and output head
+    in `compute` (the dtype the 4-/8-bit matmuls compute in), every other unquantized weight (norms, biases)
+    in fp32, gradient checkpointing on when asked.
+
+    Why not peft's prepare_model_for_kbit_training (0.21.2): it casts every unquantized weight to fp32,
+    embeddings and head included, which on Llama-3.1-8B is 3.9 GiB of a 10.8 GiB QLoRA peak for two frozen
+    matrices whose matmuls autocast runs in the compute dtype anyway. The rest of what it does is done here:
+    freeze, norms and other small weights in fp32, free the cache, checkpointing without reentry (its
+    input-gradient hook serves reentrant checkpointing only). The held-out loss is unchanged
+    (tests/test_qlora_dtypes.py; numbers in docs/precision-and-speed.md)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
+    kept = {id(p) for m in embeddings + [m for m in base.modules() if isinstance(m, nn.Embedding)]
+            for p in m.parameters(recurse=False)}
+    for p in model.parameters():
+        p.requires_grad = False
+        if p.dtype.is_floating_point and type(p).__name__ != "Params4bit":  # 4-bit codes keep their storage
+            target = compute if id(p) in kept else torch.float32
+            if p.dtype != target and (p.dtype in HALF or id(p) in kept):
+                p.data = p.data.to(target)
+    head = base.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None and head.weight.dtype != torch.float32:
+        # the fp32 final norm hands the head fp32 states: without autocast (evaluation) the matmul needs one dtype
+        head.register_forward_pre_hook(_input_in_weight_dtype)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the memory of the weights cast above
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def trainable_in_fp32(model) -> None:
+    """Weights trained in full on a quantized base (lora.modules_to_save: copies of frozen half-precision
+    modules) get an fp32 master copy, as LoRA's own matrices have; AdamW on bf16 weights loses small steps."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in HALF:
+            p.data = p.data.to(torch.float32)
+
+
 def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path | None = None):
     """Base model (quantized for QLoRA) with a fresh LoRA adapter (or `start_adapter`, trainable), or the
     full model."""
@@ -175,24 +223,22 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     model = load_base(recipe.model, weights, quant, device_map)
     model.config.use_cache = False
     if quant is not None:
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=recipe.training.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-    if start_adapter is not None:
-        return PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
+        model = prepare_quantized(model, precision.dtype, recipe.training.gradient_checkpointing)
     peft_cfg = lora_config(recipe)
-    if peft_cfg is not None:
+    if start_adapter is not None:
+        model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
+    elif peft_cfg is not None:
         model = get_peft_model(model, peft_cfg)
+    if quant is not None:
+        trainable_in_fp32(model)
     return model
 
 
 def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dtype, quant=None):
     base = load_base(base_cfg, dtype, quant)
     if quant is not None:
-        # as in training: the layers left unquantized (embeddings, norms, head) run in fp32
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+        # as in training: embeddings and head in the compute dtype, the other unquantized layers (norms) in fp32
+        base = prepare_quantized(base, quant.bnb_4bit_compute_dtype)
     return PeftModel.from_pretrained(base, str(adapter_dir))
 
 
