@@ -246,6 +246,11 @@ class TrainingConfig(Section):
     chunked_loss: bool = Field(True, description="Run the output head and cross-entropy only on trained positions, in chunks "
                                "(the full logits tensor never exists); false uses the stock full-logits loss. SFT's: the preference and "
                                "GRPO trainers compute their own loss.")
+    kernels: Literal["none", "liger", "cut_cross_entropy"] = Field(
+        "none", description="Fused GPU kernels in place of the chunked loss (training.chunked_loss), SFT's: liger: Liger "
+        "Kernel's fused linear cross-entropy, RMSNorm, RoPE and SwiGLU (the model families Liger covers); "
+        "cut_cross_entropy (or cce): Cut Cross-Entropy's linear cross-entropy on trained positions. Triton kernels: "
+        "a CUDA GPU only (`tunekit train` refuses them without one) and pip install 'tunekit[kernels]'.")
     group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding, unpacked runs; SFT).")
     learning_rate: Union[float, Literal["auto"]] = Field(
         2e-4, description="Peak learning rate, or auto: found by a learning-rate range test on the run's own data "
@@ -291,6 +296,11 @@ class TrainingConfig(Section):
         methods.DEFAULT, description="; ".join(f"{m.name}: {m.summary}" for m in methods.METHODS.values())
         + " (tunekit.training.methods).")
 
+    @field_validator("kernels", mode="before")
+    @classmethod
+    def _kernels_short_name(cls, v: Any) -> Any:
+        return "cut_cross_entropy" if v == "cce" else v
+
     @field_validator("learning_rate", mode="before")
     @classmethod
     def _rate(cls, v: Any) -> Any:
@@ -325,6 +335,9 @@ class TrainingConfig(Section):
         if self.fsdp is not None and self.fsdp.activation_checkpointing and self.gradient_checkpointing:
             raise ValueError("training.gradient_checkpointing and training.fsdp.activation_checkpointing are both "
                              "on; under FSDP keep training.fsdp.activation_checkpointing")
+        if self.kernels != "none" and not methods.METHODS[self.method].chunked_loss:
+            raise ValueError(f"training.kernels does not apply to training.method: {self.method}, whose trainer "
+                             "computes its own loss; remove it")
         if len(set(self.report_to)) != len(self.report_to):
             raise ValueError("training.report_to names a tracker twice; list each once")
         if self.metric_for_best and self.save_steps and self.save_steps != self.eval_steps:

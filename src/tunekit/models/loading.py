@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from tunekit.config import deepspeed as dsconfig
 from tunekit.models import hub
+from tunekit.models import kernels
 from tunekit.models.ggufread import one_reader
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 from tunekit.core.errors import TunekitError
@@ -208,6 +209,7 @@ def trainable_in_fp32(model) -> None:
 def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path | None = None):
     """Base model (quantized for QLoRA) with a fresh LoRA adapter (or `start_adapter`, trainable), or the
     full model."""
+    kernels.require(recipe)  # training.kernels where it cannot run: refused before any weight loads
     # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype, and FSDP2 shards only
     # floating-point parameters (accelerate leaves uint8 ones out, whole on every device): the packed 4-bit
     # weights are stored in the dtype of the other weights (peft's QLoRA + ZeRO-3 / FSDP recipe)
@@ -224,6 +226,7 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     model.config.use_cache = False
     if quant is not None:
         model = prepare_quantized(model, precision.dtype, recipe.training.gradient_checkpointing)
+    kernels.apply(model, recipe.training.kernels)
     peft_cfg = lora_config(recipe)
     if start_adapter is not None:
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)

@@ -46,8 +46,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_b = need_grad and bias is not None and bias.requires_grad
         device = hidden.device.type
         if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
-            # a frozen fp32 head (QLoRA keeps unquantized layers in fp32) is cast once here, not by
-            # autocast in every chunk's matmul
+            # an fp32 head (full fine-tuning's master weights) is cast once here, not by autocast in
+            # every chunk's matmul
             compute = torch.get_autocast_dtype(device)
             weight_c = weight.to(compute)
             bias_c = None if bias is None else bias.to(compute)
@@ -134,14 +134,17 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 class TrainedPositionsHead:
     """Installed on a model's output head; `active(targets)` makes the next forward return the summed
-    loss over trained positions (a 0-d fp32 tensor) instead of logits."""
+    loss over trained positions (a 0-d fp32 tensor) instead of logits. `loss_sum` computes it, with
+    linear_cross_entropy_sum's signature: that function (chunked) when None, or a fused kernel's
+    (models.kernels, training.kernels)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, loss_sum=None):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.head: nn.Linear = base.get_output_embeddings()
         self.rows = chunk_rows(self.head.out_features)
         self.targets: torch.Tensor | None = None
         self.trained = 0
+        self.loss_sum = loss_sum
         stock = self.head.forward
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -151,7 +154,8 @@ class TrainedPositionsHead:
             keep = targets != IGNORE
             self.trained = int(keep.sum())
             # Under ZeRO-3 the weight is gathered only inside this call, so the loss is computed here.
-            return linear_cross_entropy_sum(hidden[keep], self.head.weight, self.head.bias, targets[keep], self.rows)
+            loss_sum = self.loss_sum or linear_cross_entropy_sum
+            return loss_sum(hidden[keep], self.head.weight, self.head.bias, targets[keep], self.rows)
 
         self.head.forward = forward  # an instance attribute: parameter names and state dicts are unchanged
 

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from transformers import Trainer
 
+from tunekit.models import kernels
 from tunekit.models import losspath
 from tunekit.core import statefile
+from tunekit.core.errors import TunekitError
 from tunekit.runs.checkpoints import OPTIMIZER
 
 log = logging.getLogger("tunekit")
@@ -218,13 +220,32 @@ class GenerationEval:
         return output
 
 
+def loss_head(model, chunked: bool, stock_only: bool) -> losspath.TrainedPositionsHead | None:
+    """The SFT loss path, said once in the log: the kernels the model was patched with (training.kernels), else
+    tunekit's chunked head (training.chunked_loss) or, None, the model's own loss (stock or Liger's)."""
+    fused = kernels.applied(model)
+    if fused is not None and stock_only:
+        raise TunekitError(f"training.kernels: {fused}: this trainer computes its own loss (label smoothing or a "
+                           "loss function); set training.kernels: none")
+    if fused == "liger":
+        log.info("loss: Liger's fused linear cross-entropy in the model's forward (training.kernels: liger); "
+                 "tunekit's chunked loss is off")
+        return None
+    if fused == "cut_cross_entropy":
+        log.info("loss: Cut Cross-Entropy on trained positions only (training.kernels: cut_cross_entropy); "
+                 "tunekit's chunked loss is off")
+        return losspath.TrainedPositionsHead(model, kernels.cce_loss_sum)
+    return losspath.install(model) if chunked and not stock_only else None
+
+
 class SafeStateTrainer(SafeState, GenerationEval, Trainer):
-    """The Trainer tunekit runs for SFT: pickle-free checkpoints, the chunked loss, generation metrics."""
+    """The Trainer tunekit runs for SFT: pickle-free checkpoints, the chunked loss (or training.kernels'),
+    generation metrics."""
 
     def __init__(self, *args, chunked_loss: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         stock_only = self.label_smoother is not None or self.compute_loss_func is not None
-        self.loss_head = losspath.install(self.model) if chunked_loss and not stock_only else None
+        self.loss_head = loss_head(self.model, chunked_loss, stock_only)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The stock loss, computed by `losspath` on trained positions only; normalized as the stock path
