@@ -61,9 +61,10 @@ bench-quality: $(STAMP)
 	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q trans-de-en wordnet-base; }
 	$(PY) bench/quality.py $(QUALITY_ARGS)
 
-# The CUDA paths (bf16/fp16, bitsandbytes QLoRA, paged 8-bit AdamW, ZeRO, FSDP2 under torchrun with one process
-# per GPU: QLoRA with merge, LoRA with cpu_offload, full fine-tuning with activation checkpointing in bf16;
-# packing, merge, eval) on the real SmolLM2 model; on a machine without a GPU it says so and exits 0.
+# The GPU check (bench/gpu_check.py): bf16/fp16 LoRA, QLoRA with paged 8-bit AdamW on the Llama-3.1-8B shape, the
+# flagship recipe's settings with merge, ZeRO-3 and FSDP2 as groups of one, GRPO sampling, the fused kernels, each
+# against `tunekit plan` and a TRL script, within 500 s, on random-weight models of real shapes. On an offline GPU
+# machine: bash bench/gpu_check.sh (docs/development.md). Without a GPU it says so and exits 0.
 gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
 
@@ -72,6 +73,7 @@ gpu-check: $(STAMP)
 # .gpu-kit/requirements.txt there. Needs the package index; bench/gpu_kit.py --help for its options.
 gpu-kit: $(STAMP)
 	$(PY) bench/gpu_kit.py
+	$(PY) bench/gpu_check.py --prepare-kit .gpu-kit
 
 # llama.cpp itself on the demo's exported GGUF: builds llama-cpp-python from source (minutes) when missing,
 # then compares its greedy answers with `tunekit eval`'s. Runs the demo first when its outputs are missing.

