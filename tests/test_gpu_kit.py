@@ -113,6 +113,24 @@ def test_tunekit_from_the_kit_validates_a_shipped_recipe(installed):
     assert "adapter: lora" in res.stdout and "# DeepSpeed config for world size 2" in res.stdout
 
 
+def test_the_gpu_check_runs_from_the_kit_with_no_index(installed, here_kit_dir, tmp_path):
+    """bench/gpu_check.sh, the one command of an offline GPU machine, on this machine's kit: installs it with no
+    index (all there already: nothing changes), then runs the check's CPU plumbing (--tiny) on the venv's
+    packages, TRL's script included."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"PIP_CONFIG_FILE": os.devnull, "PYTHON": str(installed / "bin" / "python"), "GPU_KIT": str(here_kit_dir)}
+    out = tmp_path / "gpu_check.json"
+    res = run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--tiny", "--only", "lora-bf16", "--steps", "2",
+               "--work", str(tmp_path / "work"), "--out", str(out)], cwd=ROOT, env=env)
+    assert "gpu-check: kit installed" in res.stdout and "vs TRL tok/s" in res.stdout
+    row = json.loads(out.read_text())["checks"][0]
+    assert row["result"] == "ok" and row["status"] == "completed" and row["precision"] == "fp32", row
+    assert len(row["loss"]) == 2 and row["tokens_per_s"] > 0 and row["trl"]["tokens_per_s"] > 0
+    assert row["speed_vs_trl"] == pytest.approx(row["tokens_per_s"] / row["trl"]["tokens_per_s"])
+    chat = [json.loads(line) for line in (tmp_path / "work" / "chat.jsonl").read_text().splitlines()]
+    assert len(chat) > 100 and {m["role"] for m in chat[0]["messages"]} == {"user", "assistant"}
+
+
 def test_the_kits_packages_import_and_the_repacked_bitsandbytes_works_on_cpu(installed):
     code = (
         "import importlib.metadata as md, pathlib, torch, tunekit, trl, peft, datasets, deepspeed, rouge_score, gguf,"
