@@ -60,6 +60,59 @@ def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
     assert plan.quantized_bytes(counts.quantized, 4, False) == pytest.approx(actual, rel=1e-6)
 
 
+EMBEDDINGS_BF16 = "weights (unquantized embeddings and head, bf16)"
+NORMS = "weights (unquantized norms and biases, fp32)"
+
+
+def test_qlora_keeps_embeddings_and_head_in_the_compute_dtype_as_loaded(make_recipe):
+    """models.loading.prepare_quantized keeps the unquantized embeddings and head in the compute dtype and the norms
+    in fp32 (peft's prepare_model_for_kbit_training upcasts all three): the plan counts each as the loaded model
+    holds it."""
+    recipe = make_recipe("adapter=qlora", "training.precision=bf16")
+    cfg, model = plan.meta_model(recipe)
+    c = plan.count(recipe, model)
+    assert c.embeddings == 2 * cfg.vocab_size * cfg.hidden_size  # untied: input embeddings and output head
+    p = plan.make(recipe, plan.Settings(seq_len=64, precision="bf16"), cfg, model)
+    assert p.parts[EMBEDDINGS_BF16] == c.embeddings * 2 and p.parts[NORMS] == (c.frozen_plain - c.embeddings) * 4
+    built = models.load_for_training(recipe, Precision("bf16", "test"))
+    base = built.get_base_model()
+    embedding = {id(q): q for m in (base.get_input_embeddings(), base.get_output_embeddings()) for q in m.parameters()}
+    plain = [q for q in built.parameters() if not q.requires_grad and type(q).__name__ != "Params4bit"]
+    assert sum(q.numel() * q.element_size() for q in embedding.values()) == p.parts[EMBEDDINGS_BF16]
+    assert sum(q.numel() * q.element_size() for q in plain if id(q) not in embedding) == p.parts[NORMS]
+    # the report says what the compute dtype saves against peft's upcast, beside the part
+    line = next(x for x in plan.report(recipe, p, None, []).splitlines() if EMBEDDINGS_BF16 in x)
+    assert f"({plan.size_words(c.embeddings * 2)} less than with peft's prepare_model_for_kbit_training" in line
+    fp32 = plan.make(recipe, plan.Settings(seq_len=64, precision="fp32"), cfg, model)
+    assert fp32.parts["weights (unquantized embeddings and head, fp32)"] == c.embeddings * 4 and not fp32.remarks
+
+
+def test_qlora_head_is_not_cast_for_the_loss_and_its_layers_keep_more_in_fp32(make_recipe):
+    lora, qlora = make_recipe("lora.dropout=0.05"), make_recipe("adapter=qlora", "lora.dropout=0.05")
+    full = make_recipe("adapter=none", "lora=null")
+    cfg, _ = plan.meta_model(lora)
+    s = plan.Settings(micro_batch=2, seq_len=64, precision="bf16")
+    head = cfg.vocab_size * cfg.hidden_size * 2
+    assert plan.loss_path_bytes(cfg, s, qlora, True) == plan.loss_path_bytes(cfg, s, lora, True)
+    assert plan.loss_path_bytes(cfg, s, full, True) >= head  # full fine-tuning's fp32 head is cast for the matmul
+    # QLoRA's fp32 norms and bitsandbytes' dtype-preserving 4-bit layers keep more of the layer in fp32
+    extra = plan.layer_bytes_per_token(cfg, s, qlora) - plan.layer_bytes_per_token(cfg, s, lora)
+    assert extra == (6 * cfg.hidden_size + cfg.intermediate_size) * (4 - 2)
+
+
+def test_qlora_on_llama_8b_plans_its_embeddings_and_head_in_bf16(make_recipe):
+    from tunekit.models.info import shipped_config
+
+    recipe = make_recipe("adapter=qlora", "training.precision=bf16", "data.max_length=2048",
+                         "training.micro_batch_size=2", "training.gradient_checkpointing=true")
+    cfg = shipped_config("meta-llama/Llama-3.1-8B")
+    p = plan.make(recipe, plan.settings_from(recipe, 1, "bf16"), *plan.meta_model(recipe, cfg))
+    matrices = 2 * 128256 * 4096  # untied: embeddings and head, 3.9 GiB in fp32
+    assert p.parts[EMBEDDINGS_BF16] == matrices * 2 and "1.96 GiB less" in p.remarks[EMBEDDINGS_BF16]
+    assert p.parts[NORMS] == (2 * 32 + 1) * 4096 * 4
+    assert p.peak < 9 * 1024**3  # 10.8 GiB with the embeddings and head in fp32
+
+
 def test_zero_stages_divide_the_right_parts(make_recipe):
     recipe = make_recipe("adapter=none", "lora=null")
     cfg, model = plan.meta_model(recipe)
@@ -99,17 +152,67 @@ def test_deepspeed_mixed_precision_keeps_fp32_masters_with_the_optimizer(make_re
     assert "master weights (fp32, in the optimizer)" not in off.parts and off.cpu_bytes == n * 4 // 2 + n * 8 // 2
 
 
+def by_hand(cfg, total: int, sequences: int, seq: int, causal_half: float = 0.5) -> tuple[float, float]:
+    """(matmul weights x tokens x 2, attention's forward FLOPs) of a forward pass: the untied input embeddings do
+    no matmul; QK^T and PV are 2 x seq x d each per token (d = heads x head_dim), halved under a causal kernel."""
+    matmul = 2 * (total - cfg.vocab_size * cfg.hidden_size) * sequences * seq
+    d = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    return matmul, cfg.num_hidden_layers * sequences * 4 * seq * seq * d * causal_half
+
+
 def test_checkpointing_and_flops(make_recipe):
     recipe = make_recipe("adapter=none", "lora=null")
     cfg, model = plan.meta_model(recipe)
+    assert not cfg.tie_word_embeddings
     s = plan.Settings(micro_batch=4, seq_len=128, precision="fp32")
     p = plan.make(recipe, s, cfg, model)
-    assert p.flops_per_step == pytest.approx(6 * p.counts.total * 4 * 128)
+    matmul, attention = by_hand(cfg, p.counts.total, 4, 128)
+    # forward; backward twice the forward (the inputs' and the weights' gradients; attention's two products)
+    assert p.flops_per_step == pytest.approx(3 * (matmul + attention))
     ckpt = plan.make(recipe, dataclasses.replace(s, gradient_checkpointing=True), cfg, model)
     assert (ckpt.parts["activations (checkpointed: layer inputs)"] + ckpt.parts["activations (one layer recomputed)"]
             < p.parts["activations"])
     assert ckpt.peak < p.peak
-    assert ckpt.flops_per_step == pytest.approx(8 * p.counts.total * 4 * 128)
+    assert ckpt.flops_per_step == pytest.approx(4 * (matmul + attention))  # the forward is run twice
+
+
+def test_lora_flops_train_only_the_adapter_and_eager_attention_multiplies_the_whole_square(make_recipe):
+    lora = make_recipe()
+    cfg, model = plan.meta_model(lora)
+    s = plan.Settings(micro_batch=2, seq_len=64, precision="fp32")
+    p = plan.make(lora, s, cfg, model)
+    matmul, attention = by_hand(cfg, p.counts.total, 2, 64)
+    # the frozen base gets its inputs' gradients; only the adapter gets weights' gradients
+    assert p.flops_per_step == pytest.approx(2 * matmul + 2 * p.counts.trainable * 2 * 64 + 3 * attention)
+    eager = make_recipe("model.attn_implementation=eager")
+    e = plan.make(eager, s, *plan.meta_model(eager))
+    assert e.flops_per_step - p.flops_per_step == pytest.approx(3 * attention)
+    # a tied head is the input embeddings' matrix: its matmul counts once, as the head's
+    tied = plan.meta_model(lora, cfg.__class__(**{**cfg.to_dict(), "tie_word_embeddings": True}))
+    t = plan.make(lora, s, *tied)
+    assert t.counts.total == p.counts.total - cfg.vocab_size * cfg.hidden_size
+    assert t.flops_per_step == pytest.approx(p.flops_per_step)
+
+
+def test_a_memory_bandwidth_adds_the_elementwise_work(make_recipe):
+    recipe = make_recipe("lora.dropout=0.05")
+    cfg, model = plan.meta_model(recipe)
+    s = plan.Settings(micro_batch=2, seq_len=64, precision="bf16")
+    flops_only = plan.make(recipe, s, cfg, model)
+    assert flops_only.time.elementwise_seconds == 0
+    assert flops_only.step_seconds == pytest.approx(flops_only.flops_per_step / (989e12 * 0.4))
+    p = plan.make(recipe, dataclasses.replace(s, memory_bandwidth=2e9), cfg, model)
+    tokens, per_token = 2 * 64, plan.layer_bytes_per_token(cfg, s, recipe)
+    # activations written and read forward, their gradients written and read backward; fp32 logits the same;
+    # AdamW reads weight, gradient and two moments and writes weight and moments
+    moved = 4 * cfg.num_hidden_layers * tokens * per_token + 4 * tokens * cfg.vocab_size * 4 + p.counts.trainable * 28
+    assert p.time.elementwise_bytes == pytest.approx(moved)
+    assert p.step_seconds == pytest.approx(flops_only.step_seconds + moved / 2e9)
+    ckpt = plan.make(recipe, dataclasses.replace(s, memory_bandwidth=2e9, gradient_checkpointing=True), cfg, model)
+    assert ckpt.time.elementwise_bytes == pytest.approx(moved + 2 * cfg.num_hidden_layers * tokens * per_token)
+    text = plan.report(recipe, p, None, [])
+    assert f"elementwise work {moved / 2e9:.3f} s" in text and "GB at 2 GB/s" in text
+    assert json.loads(plan.to_json(p))["time"]["elementwise_bytes"] == pytest.approx(moved)
 
 
 def test_suggestions_each_lower_the_planned_peak(make_recipe):
@@ -173,8 +276,8 @@ def test_dpo_plans_two_sequences_per_pair_a_reference_forward_and_the_stock_loss
     assert two.parts["activations"] == pytest.approx(2 * one.parts["activations"])
     stock = plan.loss_path_bytes(cfg, settings[1], dpo, chunked=False)
     assert two.parts["logits and loss"] == pytest.approx(stock)  # TRL computes log-probs from full logits
-    pair_tokens = 8 * 2 * 64  # micro-batch 8, max_length 64
-    assert two.flops_per_step == pytest.approx(2 * one.flops_per_step + 2 * one.counts.total * pair_tokens)
+    # the pair's two sequences, and the reference's forward over them (micro-batch 8, max_length 64)
+    assert two.flops_per_step == pytest.approx(2 * one.flops_per_step + sum(by_hand(cfg, one.counts.total, 16, 64)))
 
 
 # ---------------------------------------------------------------- FSDP2 (training.fsdp) and ZeRO-3 beside it

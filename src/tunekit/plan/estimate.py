@@ -2,9 +2,10 @@
 
 Parameters are counted exactly on a model built on the meta device (no weights are read); bytes
 follow what tunekit actually loads: fp32 master weights for full fine-tuning, the frozen base in
-the training precision for LoRA, 4-bit codes plus quantization constants for QLoRA (with the layers
-left unquantized upcast to fp32, as prepare_model_for_kbit_training does). Sharding (ZeRO, FSDP2) divides
-those parts; what FSDP2 and ZeRO-3 gather whole on a device, and when, is in plan.sharding."""
+the training precision for LoRA, 4-bit codes plus quantization constants for QLoRA (of the layers left
+unquantized, the embeddings and output head in the compute dtype and the norms and biases in fp32, as
+models.loading.prepare_quantized keeps them). Sharding (ZeRO, FSDP2) divides those parts; what FSDP2 and
+ZeRO-3 gather whole on a device, and when, is in plan.sharding. Time per step: plan.steptime."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from tunekit.config import deepspeed as dsconfig
 from tunekit.training import methods
 from tunekit.config.schema import Recipe
-from tunekit.plan import sharding
+from tunekit.plan import sharding, steptime
 from tunekit.plan.sizes import GiB, parse_size  # noqa: F401  (plan.parse_size: tests)
 
 QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
@@ -33,6 +34,7 @@ class Counts:
     quantized: int  # weights stored in 4/8 bit
     frozen_plain: int  # frozen weights kept in a float dtype
     tied_trainable_head: int = 0  # output head shared with the input embeddings, and trained
+    embeddings: int = 0  # of frozen_plain: the embeddings and the output head (tied ones once)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Settings:
     sampled: int = 0  # sequences sampled at once per device before the step (GRPO: micro-batch x accumulation)
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     utilization: float = 0.4
+    memory_bandwidth: float | None = None  # bytes/s the elementwise work reaches (plan.steptime); None: not counted
     fsdp: bool = False  # training.fsdp: FSDP2 in place of DeepSpeed
     fsdp_reshard_after_forward: bool = True
     fsdp_offload: bool = False
@@ -82,6 +85,8 @@ class Plan:
     phases: tuple = ()
     moments: tuple = ()  # when each phase is live, in words
     categories: dict = field(default_factory=dict)  # sharding.GATHERED or GRADIENTS for the transient parts
+    remarks: dict = field(default_factory=dict)  # a part's note in the report, by its key
+    time: steptime.StepTime | None = None  # step_seconds in parts: matmuls and elementwise work
     # beside a sharded plan on several devices: {"fsdp": (label, Plan), "zero3": (label, Plan)}, this one among them
     versus: dict | None = field(default=None, compare=False, repr=False)
 
@@ -114,9 +119,10 @@ def meta_model(recipe: Recipe, cfg=None):
 
 
 def count(recipe: Recipe, model) -> Counts:
-    total = trainable = quantized = 0
-    output = model.get_output_embeddings()
+    total = trainable = quantized = embeddings = 0
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     head = {id(p) for p in output.parameters()} if output is not None else set()
+    embedding = head | ({id(p) for p in inputs.parameters()} if inputs is not None else set())
     seen: set[int] = set()
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -128,11 +134,12 @@ def count(recipe: Recipe, model) -> Counts:
             kind = sharding.kind(recipe, name, module, pname, head, p)
             trainable += n if kind == "trainable" else 0
             quantized += n if kind == "quantized" else 0
+            if kind == "frozen" and (id(p) in embedding or isinstance(module, torch.nn.Embedding)):
+                embeddings += n
     tied = 0
-    inputs = model.get_input_embeddings()
     if recipe.full_finetuning and output is not None and inputs is not None and output.weight is inputs.weight:
         tied = output.weight.numel()
-    return Counts(total, trainable, quantized, total - trainable - quantized, tied)
+    return Counts(total, trainable, quantized, total - trainable - quantized, tied, embeddings)
 
 
 def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
@@ -153,17 +160,10 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
     no fused kernel is used (eager attention). With gradient checkpointing only each layer's input is
     kept, and the backward pass recomputes one layer at a time, with that layer's gradient temporaries.
     Checked against allocation traces (bench/RESULTS.md)."""
-    h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
-    heads = cfg.num_attention_heads
-    kv = kv_width(cfg)
+    h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     tokens = s.micro_batch * s.sequences * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
-    per_token = 6 * h * 4 + (5 * h + 4 * kv + 4 * inter) * elem
-    if recipe.lora is not None and recipe.lora.dropout > 0:
-        # QLoRA's norms run in fp32 (prepare_model_for_kbit_training), so the inputs it drops are fp32
-        per_token += (6 * h + inter) * (4 if recipe.quantization is not None else elem)
-    if recipe.model.attn_implementation == "eager":
-        per_token += 2 * heads * s.seq_len * elem
+    per_token = layer_bytes_per_token(cfg, s, recipe)
     if s.gradient_checkpointing:
         # the recomputed layer's backward also holds the gradients of its hidden state and of its MLP's
         # gate and up outputs: (h + 2I) per token, counted at 4 bytes (measured at fp32, bench/RESULTS.md)
@@ -171,6 +171,22 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
     else:
         kept, recomputed = layers * tokens * per_token, 0
     return kept, recomputed
+
+
+def layer_bytes_per_token(cfg, s: Settings, recipe: Recipe) -> float:
+    """What autograd keeps per token in one decoder layer (activation_bytes' docstring says what). Under QLoRA
+    more of the layer is fp32 below fp32 precision: its norms keep fp32 weights (models.loading.prepare_quantized)
+    and bitsandbytes' 4-bit layers return their input's dtype, so the MLP's activations are fp32 as well; the
+    dropout term at 4 bytes stands for that (SmolLM2-135M in bf16, autograd's saved tensors per token and layer:
+    57.1 KB under QLoRA, 47.9 KB under LoRA; planned 53.4 and 43.4, bench/RESULTS.md)."""
+    h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    elem = 4 if s.precision == "fp32" else 2
+    per_token = 6 * h * 4 + (5 * h + 4 * kv_width(cfg) + 4 * inter) * elem
+    if recipe.lora is not None and recipe.lora.dropout > 0:
+        per_token += (6 * h + inter) * (4 if recipe.quantization is not None else elem)
+    if recipe.model.attn_implementation == "eager":
+        per_token += 2 * heads * s.seq_len * elem
+    return per_token
 
 
 def kv_cache_bytes(cfg, s: Settings) -> float:
@@ -208,11 +224,11 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     h, vocab = cfg.hidden_size, cfg.vocab_size
     tokens = s.micro_batch * s.sequences * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
-    # below fp32, a head stored in fp32 (QLoRA's unquantized layers, full fine-tuning) is cast for the matmul;
-    # FSDP2 and ZeRO-3 gather it in the compute dtype instead (their gathered head unit, sharding.py)
+    # below fp32, a head stored in fp32 (full fine-tuning's master weights) is cast for the matmul; FSDP2 and
+    # ZeRO-3 gather it in the compute dtype instead (their gathered head unit, sharding.py). QLoRA keeps its
+    # head in the compute dtype (models.loading.prepare_quantized): no cast
     gathered = s.fsdp or s.zero_stage >= 3
-    head_cast = (vocab * h * elem if elem != 4 and not gathered
-                 and (recipe.quantization is not None or recipe.full_finetuning) else 0)
+    head_cast = vocab * h * elem if elem != 4 and not gathered and recipe.full_finetuning else 0
     if not chunked:
         return tokens * vocab * (elem + (4 if elem != 4 else 0) + 6) + head_cast
     from tunekit.models.losspath import chunk_rows
@@ -231,7 +247,9 @@ def state_parts(recipe: Recipe, s: Settings, c: Counts) -> dict[str, float]:
     q = recipe.quantization
     if q is not None:
         parts["weights (quantized, incl. constants)"] = quantized_bytes(c.quantized, q.bits, q.double_quant)
-        parts["weights (unquantized layers, fp32)"] = c.frozen_plain * 4
+        compute = 4 if s.precision == "fp32" else 2  # models.loading.prepare_quantized: the training precision
+        parts[embeddings_key(s)] = c.embeddings * compute
+        parts["weights (unquantized norms and biases, fp32)"] = (c.frozen_plain - c.embeddings) * 4
     elif not recipe.full_finetuning:
         parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
     if s.extra_forwards and recipe.full_finetuning:  # the reference: a frozen copy in the training precision
@@ -251,6 +269,19 @@ def state_parts(recipe: Recipe, s: Settings, c: Counts) -> dict[str, float]:
 
 
 QUANTIZED = "weights (quantized, incl. constants)"
+
+
+def embeddings_key(s: Settings) -> str:
+    return f"weights (unquantized embeddings and head, {'fp32' if s.precision == 'fp32' else s.precision})"
+
+
+def remarks(recipe: Recipe, s: Settings, parts: dict) -> dict[str, str]:
+    """Notes on parts: what QLoRA's embeddings and head would take in fp32, as peft upcasts them."""
+    key = embeddings_key(s)
+    if recipe.quantization is None or s.precision == "fp32" or not parts.get(key):
+        return {}
+    return {key: f"{size_words(parts[key])} less than with peft's prepare_model_for_kbit_training, which "
+                 "upcasts them to fp32"}
 
 
 def shard(parts: dict, recipe: Recipe, s: Settings, c: Counts) -> float:
@@ -352,18 +383,12 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     terms = transient_terms(recipe, s, cfg, model)
     parts.update({t.key: t.bytes for t in terms})
 
-    tokens = s.micro_batch * s.sequences * s.seq_len
-    # forward 2*P*T; backward 2*P*T for activation gradients, plus 2*P*T for weight gradients of what trains
-    trained_fraction = 1.0 if recipe.full_finetuning else c.trainable / max(c.total, 1)
-    flops = (4 + 2 * trained_fraction) * c.total * tokens
-    if s.gradient_checkpointing:
-        flops += 2 * c.total * tokens  # the forward is run twice
-    flops += s.extra_forwards * 2 * c.total * tokens
-    flops += sampling(parts, cfg, s, c)
-    step = flops * 1.0 / (s.peak_tflops * 1e12 * s.utilization)
+    sampled = sampling(parts, cfg, s, c)
+    time = steptime.estimate(cfg, model, s, recipe, c, layer_bytes_per_token(cfg, s, recipe),
+                             OPTIMIZER_BYTES.get(s.optimizer, 8), sampled)
     moments, phases = phase_groups(s, parts, act_key, autocast_key, terms)
-    plan = Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), flops, step, phases, moments,
-                {t.key: t.category for t in terms})
+    plan = Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), time.flops, time.seconds, phases, moments,
+                {t.key: t.category for t in terms}, remarks(recipe, s, parts), time)
     if versus and s.world_size > 1:
         plan.versus = fsdp_versus_zero3(recipe, plan, cfg, model)
     return plan
@@ -574,7 +599,8 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
     width = max(len(k) for k in plan.parts) + 6
     for key, value in plan.parts.items():
         marks = "".join(f"[{i + 1}]" for i, phase in enumerate(plan.phases) if key in phase)
-        lines.append(f"  {key + (' ' + marks if marks else ''):<{width}}  {value / GiB:9.3f} GiB")
+        remark = f"  ({plan.remarks[key]})" if key in plan.remarks else ""
+        lines.append(f"  {key + (' ' + marks if marks else ''):<{width}}  {value / GiB:9.3f} GiB{remark}")
     lines.append(f"  {'peak per device':<{width}}  {plan.peak / GiB:9.3f} GiB")
     if len(plan.phases) > 1:
         lines.append("  (peak = the unmarked parts + the largest of the groups live together: "
@@ -583,11 +609,7 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         lines.append(f"  {'offloaded to CPU RAM':<{width}}  {plan.cpu_bytes / GiB:9.3f} GiB")
     if plan.versus:
         lines += ["", versus_line(plan)]
-    lines += ["", f"training FLOPs per step per device: {plan.flops_per_step:.3e} "
-              f"({'6' if recipe.full_finetuning else '~4'} x parameters x tokens"
-              + (", +2 x for recomputation" if s.gradient_checkpointing else "") + ")",
-              f"estimated step time: {plan.step_seconds:.3f} s at {s.peak_tflops:g} TFLOP/s peak and "
-              f"{100 * s.utilization:.0f}% utilization"]
+    lines += ["", *time_lines(recipe, plan)]
     lines.append("peak = live tensors (what torch.cuda.max_memory_allocated reports); the CUDA context and "
                  "the allocator's cached blocks come on top")
     if budget is not None:
@@ -600,10 +622,26 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
     return "\n".join(lines)
 
 
+def time_lines(recipe: Recipe, plan: Plan) -> list[str]:
+    s, t = plan.settings, plan.time
+    lines = [f"training FLOPs per step per device: {plan.flops_per_step:.3e} "
+             f"({'6' if recipe.full_finetuning else '~4'} x parameters in matmuls x tokens, + attention's score and "
+             "value products" + (", + a forward recomputed" if s.gradient_checkpointing else "") + ")"]
+    at = f"{s.peak_tflops:g} TFLOP/s peak and {100 * s.utilization:.0f}% utilization"
+    if t is None or not t.elementwise_seconds:
+        return lines + [f"estimated step time: {plan.step_seconds:.3f} s at {at}"]
+    return lines + [f"estimated step time: {plan.step_seconds:.3f} s: matmuls {t.matmul_seconds:.3f} s at {at}, "
+                    f"elementwise work {t.elementwise_seconds:.3f} s ({t.elementwise_bytes / 1e9:.1f} GB at "
+                    f"{s.memory_bandwidth / 1e9:.3g} GB/s)"]
+
+
 def to_json(plan: Plan) -> str:
     versus = {name: {"label": label, "peak": p.peak, "cpu_bytes": p.cpu_bytes}
               for name, (label, p) in (plan.versus or {}).items()}
     return json.dumps({"settings": dataclasses.asdict(plan.settings), "counts": dataclasses.asdict(plan.counts),
-                       "parts": plan.parts, "phases": plan.phases, "moments": plan.moments, "peak": plan.peak,
+                       "parts": plan.parts, "remarks": plan.remarks, "phases": plan.phases, "moments": plan.moments,
+                       "peak": plan.peak,
                        "cpu_bytes": plan.cpu_bytes, "flops_per_step": plan.flops_per_step,
-                       "step_seconds": plan.step_seconds, "versus": versus or None}, indent=2)
+                       "step_seconds": plan.step_seconds,
+                       "time": dataclasses.asdict(plan.time) if plan.time else None, "versus": versus or None},
+                      indent=2)
