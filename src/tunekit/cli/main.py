@@ -255,7 +255,8 @@ def cmd_plan(a) -> int:
     if precision == "auto":
         precision = resolve_precision("auto").name
     settings = plan.settings_from(recipe, a.world_size, precision, peak_tflops=a.peak_tflops,
-                                  utilization=a.utilization)
+                                  utilization=a.utilization,
+                                  memory_bandwidth=a.memory_bandwidth * 1e9 if a.memory_bandwidth else None)
     cfg, model = plan.meta_model(recipe, given)
     result = plan.make(recipe, settings, cfg, model)
     budget = a.gpu_memory
@@ -340,6 +341,9 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=positive_float, default=989.0,
                    help="peak TFLOP/s per device (default: H100 bf16)")
     p.add_argument("--utilization", type=fraction, default=0.4, help="fraction of peak reached (default 0.4)")
+    p.add_argument("--memory-bandwidth", type=positive_float, metavar="GB_PER_S",
+                   help="GB/s the elementwise work (activations, casts, dropout, the optimizer) reaches: adds its "
+                        "time to the step time (default: matmuls only; on a CPU it matters, see bench/RESULTS.md)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--model-config", metavar="FILE",
                    help="the model's config.json, for a model not downloaded here (without it: the model's own "
