@@ -318,3 +318,25 @@ def test_llama3_rope_travels_as_the_frequency_divisors_transformers_applies():
     torch.testing.assert_close(default / torch.tensor(divisors, dtype=torch.float64), scaled.double(), rtol=1e-5, atol=0)
     assert divisors[0] == 1.0 and divisors[-1] == 32.0  # high frequencies kept, the lowest divided by the factor
     assert list(rope_tensors(LlamaConfig(hidden_size=64, num_attention_heads=4))) == []
+
+
+def test_parity_logits_run_on_the_models_device():
+    """A 4-bit base sits on the GPU while the parity batch is built on the CPU: the batch follows the model
+    (here a model on the meta device records where its inputs arrived) and the logits come back on the CPU."""
+    from tunekit.export import merge as merge_mod
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(1, device="meta"))
+            self.seen = []
+
+        def forward(self, input_ids, attention_mask):
+            self.seen += [input_ids.device.type, attention_mask.device.type]
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 3, dtype=torch.bfloat16)})
+
+    model = Recorder()
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long)}
+    out = merge_mod.logits(model, batch)
+    assert model.seen == ["meta", "meta"]
+    assert out.device.type == "cpu" and out.dtype == torch.float32

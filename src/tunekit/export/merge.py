@@ -58,8 +58,12 @@ def parity_batch(recipe, tokenizer, n: int = 4):
 
 @torch.no_grad()
 def logits(model, batch) -> torch.Tensor:
+    """The model's fp32 logits on `batch`, on the CPU. The batch goes to the model's device: a 4-bit base loads
+    onto the GPU (bitsandbytes' kernels run only there) while the batch is built on the CPU."""
     model.eval()
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    device = next(model.parameters()).device
+    out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+    return out.logits.float().cpu()
 
 
 def compare(reference: torch.Tensor, merged: torch.Tensor, mask: torch.Tensor) -> Parity:
