@@ -56,6 +56,10 @@ MIB = 1024 * 1024
 # - hf-xet (4 MiB): compiled; the image's huggingface_hub needs it. The one guess: the kit's huggingface_hub
 #   wants hf-xet>=1.6, and a hub older than 1.33 settles for less (then `pip check` names it; nothing
 #   tunekit does offline uses hf-xet, which only moves files to and from the Hub).
+# Versions measured on the image (the H200 run, 2026-11), held in the resolve as constraints though the kit leaves
+# these out: the image's tokenizers 0.23.2 requires huggingface-hub<2, so an unconstrained resolve picks a hub
+# (2.x) that `pip check` then refuses beside it.
+IMAGE_PINS = ("tokenizers==0.23.2",)
 DEFAULT_IMAGE = ("torch", "triton", "numpy", "pyarrow", "tokenizers", "safetensors", "regex", "lxml", "hf-xet")
 # the target's platforms, newest first: manylinux_2_28 x86_64 and every older manylinux tag it accepts
 PLATFORMS = ([f"manylinux_2_{minor}_x86_64" for minor in range(28, 4, -1)]
@@ -139,12 +143,16 @@ def source_copy(into: Path) -> Path:
     return into
 
 
-def resolve(requirement: str, python_version: str, local: Path, tags: set[Tag], work: Path) -> list[dict]:
-    """The closure's entries of pip's installation report; sdist-only requirements are built into `local`."""
+def resolve(requirement: str, python_version: str, local: Path, tags: set[Tag], work: Path,
+            pins: tuple[str, ...] = ()) -> list[dict]:
+    """The closure's entries of pip's installation report, with `pins` as constraints; sdist-only requirements
+    are built into `local`."""
     report = work / "report.json"
+    constraints = work / "image-pins.txt"
+    constraints.write_text("".join(f"{p}\n" for p in pins))
     for _ in range(10):
         res = pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-                  *target_args(python_version), "--find-links", str(local), requirement)
+                  *target_args(python_version), "--find-links", str(local), "-c", str(constraints), requirement)
         if res.returncode == 0:
             return json.loads(report.read_text())["install"]
         missing = re.search(r"No matching distribution found for (\S+)", res.stderr + res.stdout)
@@ -219,7 +227,8 @@ def slim_bitsandbytes(wheel: Path, into: Path) -> Path:
     return out
 
 
-def build(python_version: str, out: Path, image: set[str], max_mib: float, bitsandbytes: str) -> dict:
+def build(python_version: str, out: Path, image: set[str], max_mib: float, bitsandbytes: str,
+          pins: tuple[str, ...] = IMAGE_PINS) -> dict:
     start = time.time()
     tags = target_tags(python_version)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,7 +251,7 @@ def build(python_version: str, out: Path, image: set[str], max_mib: float, bitsa
         requirement = f"tunekit{'[' + ','.join(sorted(extras)) + ']' if extras else ''} @ {own.resolve().as_uri()}"
         say(f"step 2/6: resolving tunekit{'[' + ','.join(sorted(extras)) + ']' if extras else ''} "
             f"for CPython {python_version} manylinux_2_28 x86_64")
-        entries = resolve(requirement, python_version, local, tags, work)
+        entries = resolve(requirement, python_version, local, tags, work, pins)
         versions = {canonicalize_name(e["metadata"]["name"]): e["metadata"]["version"] for e in entries}
         say(f"step 3/6: {len(entries)} distributions resolved; leaving out the image's: {', '.join(sorted(image))}")
         kept = closure(entries, "tunekit", extras, image, python_version)
@@ -296,6 +305,7 @@ def build(python_version: str, out: Path, image: set[str], max_mib: float, bitsa
         "cap_mib": max_mib or None,
         "wheels": {w.name: w.stat().st_size for w in sorted(wheels.values(), key=lambda w: w.name)},
         "image": sorted(image),
+        "image_pins": list(pins),
         "left_to_image": {n: versions[n] for n in left},
         "bitsandbytes": ("repacked: only libbitsandbytes_cuda130.so and libbitsandbytes_cpu.so, version "
                          f"{pins['bitsandbytes']}") if slim else ("whole" if "bitsandbytes" in pins else None),
@@ -317,10 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-mib", type=float, default=48, help="fail when the kit is larger (default 48; 0: no cap)")
     p.add_argument("--bitsandbytes", choices=["auto", "slim", "whole"], default="auto",
                    help="auto: repack with only the CUDA 13.0 and CPU libraries when the whole wheel breaks the cap")
+    p.add_argument("--image-pins", default=",".join(IMAGE_PINS),
+                   help="comma-separated requirements the image's own distributions hold the resolve to "
+                        f"(default {','.join(IMAGE_PINS)}; empty: none)")
     a = p.parse_args(argv)
     image = {canonicalize_name(n) for n in a.image.split(",") if n.strip()}
+    pins = tuple(r.strip() for r in a.image_pins.split(",") if r.strip())
     try:
-        build(a.python_version, a.out.resolve(), image, a.max_mib, a.bitsandbytes)
+        build(a.python_version, a.out.resolve(), image, a.max_mib, a.bitsandbytes, pins)
     except KitError as e:
         print(f"gpu-kit: error: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,8 @@ the same model, data rows, batch, steps, learning rate and precision as tunekit'
 with padding-free batches unless it packs, so the check hands both sides rows that fit its max_length. QLoRA:
 the model loaded with BitsAndBytesConfig (nf4, double quant, bf16 compute) and handed to SFTTrainer, which
 prepares it for k-bit training. Tokens/s: the tokens of every training batch over train_runtime (first step
-included, as tunekit's run.json counts); peak: torch.cuda.max_memory_allocated over the whole process, loading
+included, as tunekit's run.json counts), and steady: the tokens of the steps after the first --warm over their
+time, from the clock at each step's end (as bench/gpu_check.py reads tunekit's loss_history.jsonl); peak: torch.cuda.max_memory_allocated over the whole process, loading
 included, as tunekit's run.json records it (CPU: peak RSS).
 
     python bench/trl_sft.py --model DIR --train FILE --format chat|text --out FILE [--batch 8] [--steps 20]
@@ -19,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import time
 
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -44,6 +46,24 @@ class Counting(SFTTrainer):
         return super().training_step(model, inputs, *args, **kwargs)
 
 
+class StepClock(TrainerCallback):
+    """(seconds, tokens so far) at the end of every optimizer step."""
+
+    def __init__(self, trainer: Counting):
+        self.trainer, self.points = trainer, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.points.append((time.time(), self.trainer.tokens))
+
+
+def steady(points: list[tuple[float, int]], warm: int) -> float | None:
+    """Tokens/s over the steps after the first `warm`."""
+    if len(points) < warm + 2:
+        return None
+    (t0, n0), (t1, n1) = points[warm], points[-1]
+    return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -56,6 +76,7 @@ def main() -> None:
     p.add_argument("--precision", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--quant4", action="store_true")
     p.add_argument("--optim", default="adamw_torch")
+    p.add_argument("--warm", type=int, default=3, help="steps left out of the steady tokens/s (default 3)")
     a = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -74,12 +95,15 @@ def main() -> None:
     peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = Counting(model=model, args=args, train_dataset=rows(a.train, a.format), processing_class=tok,
                        peft_config=peft)
+    clock = StepClock(trainer)
+    trainer.add_callback(clock)
     result = trainer.train()
     runtime = result.metrics["train_runtime"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = (torch.cuda.max_memory_allocated() / 2**30 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     out = {"tokens": trainer.tokens, "train_runtime_s": runtime, "tokens_per_s": trainer.tokens / runtime,
+           "steady_tokens_per_s": steady(clock.points, a.warm), "warm_steps": a.warm,
            "peak_gib": peak, "peak_measure": "cuda max_memory_allocated" if cuda else "cpu peak RSS",
            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
     with open(a.out, "w") as f:

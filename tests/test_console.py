@@ -215,7 +215,10 @@ def test_without_a_terminal_only_lines_with_the_same_facts(tmp_path, tiny_model)
     assert any(re.fullmatch(r"tunekit: done 4/4  time [\d.]+s +train loss \d\.\d{4} +epoch 1\.00", line)
                for line in lines)
     history = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
-    assert set(history[0]) == {"step", "epoch", "time", "loss", "grad_norm", "learning_rate"}  # as the Trainer logs
+    # as the Trainer logs, with when and how many real tokens had been collated
+    assert set(history[0]) == {"step", "epoch", "time", "tokens_collated", "loss", "grad_norm", "learning_rate"}
+    tokens = [r["tokens_collated"] for r in history if "loss" in r]
+    assert all(0 < a < b for a, b in zip(tokens, tokens[1:])), tokens
 
 
 @pytest.mark.slow

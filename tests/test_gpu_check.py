@@ -51,3 +51,12 @@ def test_shapes_are_the_shipped_configs_with_the_check_tokenizer_ids():
 
 
 # Its CPU run (--tiny, tunekit against the TRL script) is tests/test_gpu_kit.py's, from the kit, as on a GPU machine.
+
+
+def test_steady_tokens_per_second_leaves_the_warm_up_out():
+    g = gpu_check()
+    # step 1 takes 10 s (start-up), then 100 tokens a second; an eval line (no loss) is not a step
+    rows = [{"step": 1, "time": 10.0, "tokens_collated": 100, "loss": 3.0}, {"step": 1, "time": 11.0, "eval_loss": 2}]
+    rows += [{"step": s, "time": 10.0 + s - 1, "tokens_collated": 100 * s, "loss": 3.0} for s in range(2, 9)]
+    assert g.steady(rows, warm=3) == 100.0
+    assert g.steady(rows[:5], warm=3) is None  # too few steps after the warm-up

@@ -14,7 +14,7 @@ CURVES = [("loss", "train loss"), ("eval_loss", "eval loss"), ("learning_rate", 
           ("grad_norm", "gradient norm"), ("examples_per_s", "throughput (examples/s)"),
           ("reward", "GRPO: mean reward (weighted sum)"), ("eval_reward", "GRPO: held-out reward (greedy)"),
           ("kl", "GRPO: KL to the reference"), ("completions/mean_length", "GRPO: completion length")]
-SKIP = {"step", "epoch", "time", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
+SKIP = {"step", "epoch", "time", "tokens_collated", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
         "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
 HISTORY_FIX = "delete that line (or the whole file, for a report without curves) and run the command again"

@@ -45,16 +45,20 @@ log = logging.getLogger("tunekit")
 
 class LossHistory(TrainerCallback):
     """Appends every Trainer log line to loss_history.jsonl as it happens (main process only), with the
-    wall-clock time it was logged (throughput between lines in `tunekit report`)."""
+    wall-clock time it was logged and, once the collator is known, the real tokens this process has collated so
+    far (`tokens_collated`: throughput between lines, steady-state tokens/s in bench/gpu_check.py). The data
+    loader may have collated one batch ahead of the step logged; differences between lines are exact."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.tokens = None  # () -> int, set once the trainer's collator exists
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
+            counted = {"tokens_collated": self.tokens()} if self.tokens else {}
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, "time": round(time.time(), 3),
-                                    **logs}) + "\n")
+                                    **counted, **logs}) + "\n")
 
 
 def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int, shipped: bool = False) -> dict | None:
@@ -241,6 +245,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None, run_dir / SAMPLES_FILE)
     trainer, collate = build_trainer(method, inputs)
     progress.install(trainer, lambda: collate.real)
+    for callback in inputs.callbacks:
+        if isinstance(callback, LossHistory):
+            callback.tokens = lambda: collate.real
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
 
 
