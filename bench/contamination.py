@@ -27,7 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import machine  # noqa: E402
 import realdata  # noqa: E402
-
 from tunekit.data.contamination import check, normalize, words  # noqa: E402
 
 

@@ -46,9 +46,8 @@ def sentencepiece_check() -> dict:
 
     from llama_cpp import Llama
 
-    from tunekit.export import run as export
-
     from tunekit.export import check as export_check
+    from tunekit.export import run as export
     from tunekit.models.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:

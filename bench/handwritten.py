@@ -14,8 +14,14 @@ import time
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments,
-                          default_data_collator)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)
@@ -65,8 +71,11 @@ args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=a.batch_s
 computed = 0
 
 
-def collate(features, pad=default_data_collator if a.pad_to_max_length else
-            DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)):
+PAD = default_data_collator if a.pad_to_max_length else DataCollatorForSeq2Seq(tok, padding=True,
+                                                                              label_pad_token_id=-100)
+
+
+def collate(features, pad=PAD):
     global computed
     batch = pad(features)
     computed += batch["input_ids"].numel()

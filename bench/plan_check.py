@@ -30,13 +30,11 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
     import psutil
     import torch
 
-    from tunekit.models import losspath
-
-    from tunekit.models import loading as models
-
-    from tunekit.plan import estimate as plan
-    from tunekit.core.hardware import Precision
     from tunekit.config.loading import from_dict
+    from tunekit.core.hardware import Precision
+    from tunekit.models import loading as models
+    from tunekit.models import losspath
+    from tunekit.plan import estimate as plan
 
     raw = {"model": {"name_or_path": model}, "adapter": adapter, "data": {"train": data, "max_length": seq},
            "training": {"precision": precision, "micro_batch_size": micro, "gradient_checkpointing": ckpt,

@@ -30,18 +30,16 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "profile.json"))
     a = p.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
-    import realdata
     from torch.profiler import ProfilerActivity, profile
     from transformers import DataCollatorForSeq2Seq
 
-    from tunekit.data import arrow as arrowdata
-
-    from tunekit.models import losspath
-
-    from tunekit.models import loading as models
-    from tunekit.data import records as data_mod
-    from tunekit.core.hardware import Precision
+    import realdata
     from tunekit.config.loading import from_dict
+    from tunekit.core.hardware import Precision
+    from tunekit.data import arrow as arrowdata
+    from tunekit.data import records as data_mod
+    from tunekit.models import loading as models
+    from tunekit.models import losspath
 
     model_dir = models.materialize(BASE)
     files = realdata.write(Path(tempfile.mkdtemp(prefix="tunekit-profile-")), 8 * a.batches, 8)
@@ -64,7 +62,7 @@ def main() -> int:
         for variant, (collate, chunked) in variants.items():
             inputs = [dict(collate(b)) for b in batches]
 
-            def step(batch):
+            def step(batch, model=model, head=head, chunked=chunked):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = losspath.mean_loss(model, batch, head if chunked else None)
                 loss.backward()

@@ -86,14 +86,13 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     collation and loss path). Same weights and examples; the profiler's allocation trace, as
     bench/plan_check.py measures the plan."""
     from plan_check import traced_step_peak
-
-    from tunekit.data import records as data_mod
-    from tunekit.data import arrow as arrowdata
-    from tunekit.models import losspath
-    from tunekit.models import loading as models
-    from tunekit.data import packing
-    from tunekit.core.hardware import Precision
     from tunekit.config.loading import from_dict
+    from tunekit.core.hardware import Precision
+    from tunekit.data import arrow as arrowdata
+    from tunekit.data import packing
+    from tunekit.data import records as data_mod
+    from tunekit.models import loading as models
+    from tunekit.models import losspath
 
     raw = {"model": {"name_or_path": model_dir}, "data": {"train": str(train), "max_length": 256},
            "lora": {"r": 16, "alpha": 32, "dropout": 0.0}, "training": {"precision": "bf16"}}
@@ -126,10 +125,10 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
 
 def eval_loss(adapter: str, model_dir: str, eval_file: Path) -> float:
     """Held-out loss on the answer tokens, the same code for every adapter."""
+    from tunekit.config.schema import DataConfig, ModelConfig
     from tunekit.data import records as data_mod
     from tunekit.evaluation import runner as evaluation
     from tunekit.models import loading as models
-    from tunekit.config.schema import DataConfig, ModelConfig
 
     cfg = ModelConfig(name_or_path=model_dir)
     tok = models.load_tokenizer(cfg)
@@ -142,10 +141,10 @@ def eval_loss(adapter: str, model_dir: str, eval_file: Path) -> float:
 
 
 def generation(model_dir: str, eval_file: Path, n: int, batch_size: int, max_new_tokens: int) -> dict:
+    from tunekit.config.schema import DataConfig, ModelConfig
     from tunekit.data import records as data_mod
     from tunekit.evaluation import runner as evaluation
     from tunekit.models import loading as models
-    from tunekit.config.schema import DataConfig, ModelConfig
 
     cfg = ModelConfig(name_or_path=model_dir)
     tok = models.load_tokenizer(cfg)
@@ -214,7 +213,6 @@ def main() -> int:
     a = p.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     import realdata
-
     from tunekit.models.loading import materialize
 
     sets = a.sets.split(",")

@@ -17,10 +17,8 @@ from pathlib import Path
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from tunekit.cli import main as cli  # the parser (cli.build_parser)
-from tunekit.config import loading as recipe  # the schema (schema.Recipe)
 from tunekit.config import schema
 
 DOCS = Path(__file__).resolve().parent

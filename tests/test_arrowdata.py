@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
 
 import pytest
-from conftest import reverse_rows, write_jsonl
 
-from tunekit.data import arrow as arrowdata
-from tunekit.core.errors import TunekitError
+from conftest import reverse_rows, write_jsonl
 from tunekit.config.schema import DataConfig
+from tunekit.core.errors import TunekitError
+from tunekit.data import arrow as arrowdata
 
 
 @pytest.fixture(autouse=True)

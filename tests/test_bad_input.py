@@ -270,7 +270,10 @@ def test_bad_argument(case, ctx):
     tmp = ctx["tmp"]
     recipe = write_recipe(tmp / "r.yaml", _with(ctx, output_dir=str(tmp / "never" / "run")))
     argv, expected = ARGS[case]
-    fill = lambda s: s.replace("RECIPE", str(recipe)).replace("TMP", str(tmp))
+
+    def fill(s):
+        return s.replace("RECIPE", str(recipe)).replace("TMP", str(tmp))
+
     before = sorted(p.name for p in tmp.iterdir())
     line = assert_refused(run_cli(*map(fill, argv)), fill(expected), tmp, before)
     if case == "resume of a path that does not exist":

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from conftest import cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import loading as recipe_mod
-from tunekit.training import runner as train
 from tunekit.core.errors import TunekitError
+from tunekit.training import runner as train
 
 ADAPTER = "adapter_model.safetensors"
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from conftest import write_jsonl
+from tunekit.config.schema import DataConfig
+from tunekit.core.errors import TunekitError
 from tunekit.data import arrow as arrowdata
 from tunekit.data import records as data_mod
 from tunekit.data import split
 from tunekit.data.records import IGNORE, Record, Renderer, tokenize
-from tunekit.core.errors import TunekitError
-from tunekit.config.schema import DataConfig
 
 
 def cfg(**kw) -> DataConfig:

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
-
 import tunekit
+from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.cli import main as cli
 
 TUNEKIT = str(Path(tunekit.__file__).parent)

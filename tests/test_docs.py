@@ -173,7 +173,7 @@ def check_tunekit(args: list[str], where: str, validate: bool = True) -> list[st
     if path and (ROOT / path).is_file():
         try:
             recipe.load(ROOT / path, overrides)
-        except Exception as e:  # noqa: BLE001  # any failure means the docs show a command that fails
+        except Exception as e:  # any failure means the docs show a command that fails
             return [f"{where}: `tunekit {shlex.join(args)}`: {e}"]
         return []
     key = next((k for k in (o.partition("=")[0] for o in overrides) if not k.isupper() and not _schema_has(k)), None)
@@ -289,7 +289,7 @@ def check_yaml_block(body: str, where_line: int, path: Path) -> list[str]:
     full = {"model": {"name_or_path": "org/model"}, "data": {"train": "recipes/data/extract_train.jsonl"}, **raw}
     try:
         recipe.from_dict(full, source="recipe", base=ROOT)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return [f"{_rel(path)}:{where_line}: recipe does not validate: {e}"]
     return []
 

@@ -9,9 +9,9 @@ import pytest
 from conftest import ROOT, run_cli, write_jsonl, write_recipe
 from tunekit.config import deepspeed as dsconfig
 from tunekit.config import loading as recipe_mod
-from tunekit.training import runner as train
-from tunekit.core.hardware import Precision
 from tunekit.core.errors import TunekitError
+from tunekit.core.hardware import Precision
+from tunekit.training import runner as train
 
 
 @pytest.fixture()

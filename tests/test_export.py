@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.export import run as export
 from tunekit.export import check as export_check
 from tunekit.export import gguf as gguf_writer
+from tunekit.export import run as export
 
 
 def fields(path):
@@ -215,8 +215,8 @@ def test_a_base_model_exports_as_a_safetensors_directory_that_loads_with_its_log
                                               ("gguf", {"dtype": "bf16"}, "--dtype")])
 def test_an_option_the_format_does_not_take_is_refused_before_any_weight_loads(tmp_path, tiny_model, monkeypatch,
                                                                                fmt, option, flag):
-    from tunekit.export import source as export_source
     from tunekit.core.errors import TunekitError
+    from tunekit.export import source as export_source
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was resolved before the options were checked")
@@ -239,8 +239,8 @@ def test_the_cli_refuses_a_wrong_format_option_in_one_line(tmp_path, tiny_model)
 def test_a_run_exports_as_a_safetensors_directory_equal_to_its_merged_model(tmp_path, tiny_model):
     from transformers import AutoTokenizer
 
-    from tunekit.export import merge as merge_mod
     from tunekit.config import loading as recipe_mod
+    from tunekit.export import merge as merge_mod
     from tunekit.training import runner as train
 
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))

@@ -19,15 +19,25 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_no_pickles, cut_after_checkpoint, in_full, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.runs import checkpoints
-from tunekit.models import loading as models
-from tunekit.training import preflight
+from conftest import (
+    ROOT,
+    assert_no_pickles,
+    cut_after_checkpoint,
+    in_full,
+    reverse_rows,
+    run_cli,
+    tiny_recipe,
+    write_jsonl,
+    write_recipe,
+)
 from tunekit.config import loading as recipe_mod
 from tunekit.config import schema
 from tunekit.core import statefile
-from tunekit.training import runner as train
 from tunekit.core.errors import TunekitError
+from tunekit.models import loading as models
+from tunekit.runs import checkpoints
+from tunekit.training import preflight
+from tunekit.training import runner as train
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 

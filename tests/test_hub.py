@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import http.server
-import json
 import socket
 import threading
 import time
@@ -12,8 +11,8 @@ import time
 import pytest
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.models import hub
 from tunekit.core.errors import TunekitError
+from tunekit.models import hub
 
 # what huggingface.co answers to HEAD /{repo}/resolve/{revision}/config.json, by repo name
 ANSWERS = {

@@ -10,8 +10,8 @@ import types
 
 import pytest
 import torch
-from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
 
+from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config.loading import from_dict
 from tunekit.core.errors import TunekitError
 from tunekit.models import kernels, losspath

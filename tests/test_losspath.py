@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import reverse_rows, tiny_recipe, write_jsonl
 
+from conftest import reverse_rows, tiny_recipe, write_jsonl
+from tunekit.config.loading import from_dict
+from tunekit.core.hardware import Precision
 from tunekit.data import arrow as arrowdata
 from tunekit.data import records as data_mod
-from tunekit.models import losspath
 from tunekit.models import loading as models
-from tunekit.core.hardware import Precision
-from tunekit.config.loading import from_dict
+from tunekit.models import losspath
 from tunekit.training.runner import training_arguments
 from tunekit.training.trainer import SafeStateTrainer
 

@@ -4,7 +4,6 @@ found and its curve in run.json, training starting from a fresh model, the same 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch

@@ -9,14 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import loading as recipe_mod
+from tunekit.core.errors import TunekitError
 from tunekit.data import records as data_mod
 from tunekit.data import split
 from tunekit.export import merge as merge_mod
 from tunekit.models import loading as models
-from tunekit.config import loading as recipe_mod
 from tunekit.runs import layout as rundir
 from tunekit.runs import trained
-from tunekit.core.errors import TunekitError
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 

@@ -15,10 +15,10 @@ import pytest
 
 import tunekit
 from conftest import tiny_recipe, write_jsonl, write_recipe
-from tunekit.training import methods
 from tunekit.config import loading as recipe_mod
 from tunekit.config import schema
 from tunekit.core.errors import TunekitError
+from tunekit.training import methods
 
 PACKAGE = Path(tunekit.__file__).parent
 

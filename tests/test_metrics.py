@@ -80,8 +80,8 @@ def test_the_registry_drives_the_recipe_schema_and_the_table():
     it returns."""
     import typing
 
-    from tunekit.evaluation import runner as evaluation
     from tunekit.config.schema import EvalConfig
+    from tunekit.evaluation import runner as evaluation
 
     allowed = typing.get_args(typing.get_args(EvalConfig.model_fields["metrics"].annotation)[0])
     assert list(allowed) == list(metrics.METRICS)

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from tunekit.models import info as modelinfo
 from tunekit.config.schema import ModelConfig
+from tunekit.models import info as modelinfo
 
 # Published sizes, as printed on each model's Hugging Face page ("Model size", counted from its
 # safetensors files), except Qwen3, whose pages count a tied output head twice: there, the model card's

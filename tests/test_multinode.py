@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cut_after_checkpoint, in_full, launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, in_full, launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from test_multiprocess import assert_same_run, history
 
 pytestmark = pytest.mark.slow

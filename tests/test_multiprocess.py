@@ -10,7 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_no_pickles, cut_after_checkpoint, launch, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import (
+    assert_no_pickles,
+    cut_after_checkpoint,
+    launch,
+    reverse_rows,
+    run_cli,
+    tiny_recipe,
+    write_jsonl,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import torch
 from transformers import AutoModelForCausalLM, Trainer
 
 from conftest import tiny_recipe, write_jsonl, write_recipe
-from tunekit.data import arrow as arrowdata
-from tunekit.data import records as data_mod
-from tunekit.models import loading as models
-from tunekit.data import packing
 from tunekit.config import loading as recipe_mod
 from tunekit.config import schema
-from tunekit.training import runner as train
 from tunekit.core.hardware import Precision
+from tunekit.data import arrow as arrowdata
+from tunekit.data import packing
+from tunekit.data import records as data_mod
+from tunekit.models import loading as models
+from tunekit.training import runner as train
 
 # fp32 on CPU: packed and alone differ only by summation order (measured max 2e-7)
 TOL = 1e-5

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.models import loading as models
-from tunekit.plan import estimate as plan
 from tunekit.config import loading as recipe_mod
 from tunekit.core.hardware import Precision
+from tunekit.models import loading as models
+from tunekit.plan import estimate as plan
 
 
 @pytest.fixture()

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import in_full, tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import loading as recipe_mod
+from tunekit.core.errors import TunekitError
 from tunekit.data import records as data_mod
 from tunekit.evaluation import runner as evaluation
-from tunekit.training import methods
 from tunekit.models import loading as models
-from tunekit.config import loading as recipe_mod
+from tunekit.training import methods
 from tunekit.training import runner as train
 from tunekit.training.methods import pairs as pairs_mod
-from tunekit.core.errors import TunekitError
 
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
 

@@ -147,8 +147,7 @@ def card_of(files: dict[str, bytes]) -> tuple[dict, str]:
 
 
 def test_an_adapter_arrives_whole_in_one_commit_with_its_card_and_curves(hub, run_dir):
-    from tunekit.config.loading import to_yaml
-    from tunekit.config.loading import load
+    from tunekit.config.loading import load, to_yaml
 
     res = tunekit_push(hub.url, str(run_dir), "--repo", "alice/tiny-sft", "--baseline",
                        str(run_dir.parent / "base-eval"))

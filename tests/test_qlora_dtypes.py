@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from conftest import reverse_rows, tiny_recipe, write_jsonl
 
+from conftest import reverse_rows, tiny_recipe, write_jsonl
 from tunekit.config.loading import from_dict
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.data import arrow as arrowdata
@@ -138,7 +138,6 @@ def test_smollm2_qlora_recipe_held_out_loss_equals_peft_upcasting(tmp_path, monk
     weights (SmolLM2's tied 49,152 x 576 embedding: 54.1 MB against 108.1 MB). Numbers in
     docs/precision-and-speed.md."""
     from conftest import ROOT
-
     from tunekit.config import loading as recipe_mod
     from tunekit.core.hardware import cpu_has_bf16
     from tunekit.training import runner as train

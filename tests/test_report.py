@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.evaluation import runner as evaluation
 from tunekit.config import loading as recipe_mod
+from tunekit.evaluation import runner as evaluation
 from tunekit.reporting import report
 from tunekit.training import runner as train
 

@@ -6,7 +6,6 @@ import json
 import os
 
 from tunekit.cli import main as cli
-
 from tunekit.core import outputs
 from tunekit.runs.layout import RunRecord
 

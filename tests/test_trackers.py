@@ -7,10 +7,11 @@ import json
 import struct
 
 import pytest
+
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import loading as recipe_mod
-from tunekit.training import runner as train
 from tunekit.core.errors import TunekitError
+from tunekit.training import runner as train
 
 STEPS, EVERY = 4, 2
 

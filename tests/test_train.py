@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.models import loading as models
 from tunekit.config import loading as recipe_mod
-from tunekit.training import runner as train
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision
+from tunekit.models import loading as models
+from tunekit.training import runner as train
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from conftest import launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
-from tunekit.evaluation import runner as evaluation
 from tunekit.config import loading as recipe_mod
+from tunekit.evaluation import runner as evaluation
 from tunekit.training import runner as train
 
 SCORES = ("bleu", "chrf", "rouge1", "rougeL", "exact_match")

@@ -16,6 +16,7 @@ from typing import Iterator
 
 from tunekit.core.errors import TunekitError
 
+
 def cache_root() -> Path:
     """tunekit's caches (converted GGUF models, prepared data sets): $TUNEKIT_CACHE or ~/.cache/tunekit."""
     return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))

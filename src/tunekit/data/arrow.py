@@ -25,13 +25,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tunekit.data import records as data_mod
-from tunekit.data import chat, contamination, mixture, split
-from tunekit.data.records import DataBundle, DataStats
+from tunekit.config.schema import DataConfig
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
 from tunekit.core.outputs import cache_root
-from tunekit.config.schema import DataConfig
+from tunekit.data import chat, mixture, split
+from tunekit.data import records as data_mod
+from tunekit.data.records import DataBundle, DataStats
 
 log = logging.getLogger("tunekit")
 

@@ -4,8 +4,8 @@ follow from FORMATS, and data.Renderer turns any Parsed into text and trained sp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import json
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from tunekit.core.errors import TunekitError

@@ -115,7 +115,8 @@ def check_data(spec: str, split: str, key: str, cfg: DataConfig, needed: bool = 
         raise TunekitError(f"{key}: {spec!r} is not a .jsonl, .json, .csv or .parquet file")
     parse = FORMATS[cfg.format].parse
     count = 0
-    for count, record in enumerate(itertools.islice(_records(path, split, key), min(CHECKED, limit or CHECKED)), 1):
+    for count, record in enumerate(  # noqa: B007 (count is read after the loop)
+            itertools.islice(_records(path, split, key), min(CHECKED, limit or CHECKED)), 1):
         parse(record, cfg.fields)
     if count == 0:
         raise TunekitError(f"{key}: {spec} holds no examples")

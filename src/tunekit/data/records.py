@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from tunekit.models import hub
+from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError, first_line
 from tunekit.data.chat import Chat
 from tunekit.data.formats import FORMATS, Record
-from tunekit.config.schema import DataConfig
+from tunekit.models import hub
 
 log = logging.getLogger("tunekit")
 

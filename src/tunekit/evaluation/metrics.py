@@ -13,7 +13,6 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Callable
 
-
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 # CJK ideographs, kana, hangul and CJK punctuation: scored one character per token, since these

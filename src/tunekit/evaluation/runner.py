@@ -11,19 +11,18 @@ from pathlib import Path
 
 import torch
 
-from tunekit.data import records as data_mod
-from tunekit.data import chat, mixture, split
-from tunekit.core import console, distributed
-from tunekit.training import methods
-from tunekit.evaluation import metrics
-from tunekit.models import loading as models
-from tunekit.core import outputs
+from tunekit.config.schema import EvalConfig, Recipe
+from tunekit.core import console, distributed, outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
-from tunekit.config.schema import EvalConfig, Recipe
-from tunekit.runs.layout import EVAL_DIR, RunRecord, Target, resolve_target
+from tunekit.data import chat, mixture, split
+from tunekit.data import records as data_mod
+from tunekit.evaluation import metrics
 from tunekit.evaluation.table import format_table, table_rows  # noqa: F401  (evaluation.table_rows: tests, demo)
+from tunekit.models import loading as models
+from tunekit.runs.layout import EVAL_DIR, RunRecord, Target, resolve_target
 from tunekit.runs.trained import load_trained
+from tunekit.training import methods
 
 log = logging.getLogger("tunekit")
 

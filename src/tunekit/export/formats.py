@@ -12,7 +12,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from tunekit.core import outputs
@@ -141,7 +140,9 @@ class Safetensors(ExportFormat):
         from tunekit.runs import layout as rundir
 
         if source.kind == "run" and not (source.path / rundir.MODEL_DIR).is_dir():
-            from tunekit.export import merge  # an adapter run: merged exactly as `tunekit merge` does, parity check and card
+            from tunekit.export import (
+                merge,  # an adapter run: merged exactly as `tunekit merge` does, parity check and card
+            )
 
             return merge.merge(source.path, out, options["dtype"], force)
         with outputs.exclusive(out, "export output"):
@@ -155,8 +156,8 @@ class Safetensors(ExportFormat):
     def _save(source: Source, model_dir: Path, out: Path, dtype: str | None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tunekit.runs import layout as rundir
         from tunekit.core.hardware import DTYPES
+        from tunekit.runs import layout as rundir
 
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype] if dtype else "auto")
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -20,6 +20,8 @@ from tunekit.core.errors import TunekitError
 from tunekit.export.architectures import Architecture, architecture, common_settings, rope_tensors
 
 if TYPE_CHECKING:
+    import torch
+
     from tunekit.export.source import Facts
 
 # torch, numpy and gguf are imported where they are used: the CLI reads QUANTS for its --quant choices

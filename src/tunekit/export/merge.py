@@ -16,16 +16,15 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from tunekit.data import mixture
-from tunekit.data import records as data_mod
-from tunekit.data import split
-from tunekit.models import loading as models
+from tunekit.config.loading import load as load_recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
-from tunekit.models.info import model_config
-from tunekit.config.loading import load as load_recipe
+from tunekit.data import mixture, split
+from tunekit.data import records as data_mod
 from tunekit.export import card
+from tunekit.models import loading as models
+from tunekit.models.info import model_config
 from tunekit.runs.layout import ADAPTER_DIR, MERGED_MARKER, RECIPE_FILE, RunRecord, adapter_run
 from tunekit.runs.trained import quantization_as_trained
 

@@ -23,8 +23,16 @@ from tunekit.core.jsonfiles import read_json
 from tunekit.evaluation.table import baseline_scores
 from tunekit.export import card as cards
 from tunekit.runs import curves, history
-from tunekit.runs.layout import (ADAPTER_DIR, MERGED_FIX, MERGED_MARKER, MODEL_DIR, RECIPE_FILE, RUN_FILE,
-                                 RunRecord, is_run)
+from tunekit.runs.layout import (
+    ADAPTER_DIR,
+    MERGED_FIX,
+    MERGED_MARKER,
+    MODEL_DIR,
+    RECIPE_FILE,
+    RUN_FILE,
+    RunRecord,
+    is_run,
+)
 
 log = logging.getLogger("tunekit")
 

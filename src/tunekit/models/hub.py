@@ -83,8 +83,14 @@ def require(repo: str, revision: str | None = None, key: str = "model.name_or_pa
 
 def _probe(repo: str, revision: str | None, key: str) -> None:
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RemoteEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     at = f" at revision {revision!r}" if revision else ""
     if offline():

@@ -22,9 +22,8 @@ import torch
 
 from tunekit.config.schema import Recipe
 from tunekit.core.errors import TunekitError
-from tunekit.models import hub
+from tunekit.models import hub, losspath
 from tunekit.models import info as modelinfo
-from tunekit.models import losspath
 
 log = logging.getLogger("tunekit")
 

@@ -12,21 +12,19 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch import nn
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from tunekit.config import deepspeed as dsconfig
-from tunekit.models import hub
-from tunekit.models import kernels
-from tunekit.models.ggufread import one_reader
-from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
-from tunekit.core.errors import TunekitError
+from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
-from tunekit.config.schema import ModelConfig, Recipe
+from tunekit.models import hub, kernels
+from tunekit.models.ggufread import one_reader
 from tunekit.models.sources import ModelSource, resolve_model
+from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 
 log = logging.getLogger("tunekit")
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import DamagedFile, read_json
+from tunekit.runs import checkpoints as checkpoint_dir
 from tunekit.runs.layout import CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, RUN_FILE, RunRecord
 
 log = logging.getLogger("tunekit")

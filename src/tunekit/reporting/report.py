@@ -11,14 +11,14 @@ import json
 import os
 from pathlib import Path
 
-from tunekit.data.preview import EXAMPLES_FILE
-from tunekit.reporting import dataview
-from tunekit.reporting import listing as runlist
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json, read_jsonl
+from tunekit.data.preview import EXAMPLES_FILE
+from tunekit.evaluation.table import baseline_scores, table_rows
+from tunekit.reporting import dataview
+from tunekit.reporting import listing as runlist
 from tunekit.runs import curves, history
 from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RUN_FILE, RunRecord
-from tunekit.evaluation.table import baseline_scores, table_rows
 
 REPORT_FILE = "report.html"
 SAMPLES = 8  # predictions shown per run

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import yaml
 
-from tunekit.runs import checkpoints as checkpoint_dir
+from tunekit.config.loading import load as load_recipe
+from tunekit.config.loading import to_yaml, yaml_value
+from tunekit.config.schema import Recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import DamagedFile, read_json
-from tunekit.config.schema import Recipe
-from tunekit.config.loading import to_yaml, yaml_value
-from tunekit.config.loading import load as load_recipe
 from tunekit.models.sources import resolve_model
+from tunekit.runs import checkpoints as checkpoint_dir
 
 RUN_FILE = "run.json"
 RECIPE_FILE = "recipe.yaml"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from tunekit.models import loading as models
-from tunekit.core.hardware import DTYPES, Precision
 from tunekit.config.schema import Recipe
+from tunekit.core.hardware import DTYPES, Precision
+from tunekit.models import loading as models
 from tunekit.runs.layout import MODEL_DIR, RunRecord, Target, weights_dir
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from tunekit.runs.checkpoints import MARKER
 from tunekit.core.errors import TunekitError
+from tunekit.runs.checkpoints import MARKER
 
 
 class MarkComplete(TrainerCallback):

@@ -14,9 +14,14 @@ import logging
 from pathlib import Path
 
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from transformers import TrainerCallback
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 
 log = logging.getLogger("tunekit")
 

@@ -16,28 +16,32 @@ from pathlib import Path
 
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
-from tunekit.data import records as data_mod
-from tunekit.runs import checkpoints as checkpoint_dir
-from tunekit.training import checkpoints
-from tunekit.core import distributed
-from tunekit.config import defaults
 from tunekit.config import deepspeed as dsconfig
+from tunekit.config import defaults
 from tunekit.config import fsdp as fsdpconfig
-from tunekit.training import methods
-from tunekit.models import info as modelinfo
-from tunekit.models import loading as models
-from tunekit.core import outputs
-from tunekit.data import packing
-from tunekit.data import preview
-from tunekit.training import preflight
-from tunekit.training import progress
-from tunekit.runs import layout as rundir
-from tunekit.training import trackers
+from tunekit.config.loading import to_yaml
+from tunekit.config.schema import Recipe
+from tunekit.core import distributed, outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision, resolve_precision
-from tunekit.config.schema import Recipe
-from tunekit.config.loading import to_yaml
-from tunekit.runs.layout import ADAPTER_DIR, CHECKPOINTS_DIR, DEEPSPEED_FILE, HISTORY_FILE, INITIAL_ADAPTER_DIR, MODEL_DIR, RECIPE_FILE, SAMPLES_FILE, RunRecord
+from tunekit.data import packing, preview
+from tunekit.data import records as data_mod
+from tunekit.models import info as modelinfo
+from tunekit.models import loading as models
+from tunekit.runs import checkpoints as checkpoint_dir
+from tunekit.runs import layout as rundir
+from tunekit.runs.layout import (
+    ADAPTER_DIR,
+    CHECKPOINTS_DIR,
+    DEEPSPEED_FILE,
+    HISTORY_FILE,
+    INITIAL_ADAPTER_DIR,
+    MODEL_DIR,
+    RECIPE_FILE,
+    SAMPLES_FILE,
+    RunRecord,
+)
+from tunekit.training import checkpoints, methods, preflight, progress, trackers
 
 log = logging.getLogger("tunekit")
 

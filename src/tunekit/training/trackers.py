@@ -12,8 +12,12 @@ import json
 from pathlib import Path
 
 from transformers import TrainerCallback
-from transformers.integrations.integration_utils import (MLflowCallback, TensorBoardCallback, TrackioCallback,
-                                                         WandbCallback)
+from transformers.integrations.integration_utils import (
+    MLflowCallback,
+    TensorBoardCallback,
+    TrackioCallback,
+    WandbCallback,
+)
 
 from tunekit.core.errors import TunekitError
 

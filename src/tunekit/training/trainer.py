@@ -16,10 +16,9 @@ import numpy as np
 import torch
 from transformers import Trainer
 
-from tunekit.models import kernels
-from tunekit.models import losspath
 from tunekit.core import statefile
 from tunekit.core.errors import TunekitError
+from tunekit.models import kernels, losspath
 from tunekit.runs.checkpoints import OPTIMIZER
 
 log = logging.getLogger("tunekit")

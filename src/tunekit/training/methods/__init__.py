@@ -13,10 +13,25 @@ modules are imported inside the functions that run a training. docs/adding-a-met
 
 from __future__ import annotations
 
-from tunekit.training.methods.base import DEFAULT, METHODS, Method, TrainerInputs, check, check_others, get, names, of, register, renamed_sections
+from tunekit.training.methods.base import (
+    DEFAULT,
+    METHODS,
+    Method,
+    TrainerInputs,
+    check,
+    check_others,
+    get,
+    names,
+    of,
+    register,
+    renamed_sections,
+)
 
-# The built-in methods register themselves on import; a new method's module is imported here too.
-from tunekit.training.methods import sft, dpo, kto, orpo, grpo  # noqa: E402,F401,I001
+# The built-in methods register themselves on import, in this order (the order the recipe reference lists
+# them in); a new method's module is imported here too.
+# isort: off
+from tunekit.training.methods import sft, dpo, kto, orpo, grpo  # noqa: F401
+# isort: on
 
 __all__ = ["DEFAULT", "METHODS", "Method", "TrainerInputs", "check", "check_others", "get", "names", "of", "register",
            "renamed_sections"]

@@ -67,8 +67,8 @@ def trainer_class():
     tokenized by pairs.build (TRL imported here, on first use)."""
     from trl import DPOTrainer
 
-    from tunekit.training.trainer import GenerationEval, SafeState
     from tunekit.training.methods.pairs import BaseReference
+    from tunekit.training.trainer import GenerationEval, SafeState
 
     class DpoTrainer(SafeState, GenerationEval, BaseReference, DPOTrainer):
         """DPOTrainer with tunekit's checkpoints and generation metrics, fed the pairs tokenized by tunekit's

@@ -65,8 +65,8 @@ def trainer_class():
     """KtoTrainer, built on first use (imports TRL)."""
     from trl import KTOTrainer
 
-    from tunekit.training.trainer import GenerationEval, SafeState
     from tunekit.training.methods.pairs import BaseReference
+    from tunekit.training.trainer import GenerationEval, SafeState
 
     class KtoTrainer(SafeState, GenerationEval, BaseReference, KTOTrainer):
         """KTOTrainer as DpoTrainer is DPOTrainer, fed tunekit's prompt_ids / completion_ids / label."""
