@@ -228,7 +228,7 @@ def slim_bitsandbytes(wheel: Path, into: Path) -> Path:
 
 
 def build(python_version: str, out: Path, image: set[str], max_mib: float, bitsandbytes: str,
-          pins: tuple[str, ...] = IMAGE_PINS) -> dict:
+          image_pins: tuple[str, ...] = IMAGE_PINS) -> dict:
     start = time.time()
     tags = target_tags(python_version)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,7 +251,7 @@ def build(python_version: str, out: Path, image: set[str], max_mib: float, bitsa
         requirement = f"tunekit{'[' + ','.join(sorted(extras)) + ']' if extras else ''} @ {own.resolve().as_uri()}"
         say(f"step 2/6: resolving tunekit{'[' + ','.join(sorted(extras)) + ']' if extras else ''} "
             f"for CPython {python_version} manylinux_2_28 x86_64")
-        entries = resolve(requirement, python_version, local, tags, work, pins)
+        entries = resolve(requirement, python_version, local, tags, work, image_pins)
         versions = {canonicalize_name(e["metadata"]["name"]): e["metadata"]["version"] for e in entries}
         say(f"step 3/6: {len(entries)} distributions resolved; leaving out the image's: {', '.join(sorted(image))}")
         kept = closure(entries, "tunekit", extras, image, python_version)
@@ -305,7 +305,7 @@ def build(python_version: str, out: Path, image: set[str], max_mib: float, bitsa
         "cap_mib": max_mib or None,
         "wheels": {w.name: w.stat().st_size for w in sorted(wheels.values(), key=lambda w: w.name)},
         "image": sorted(image),
-        "image_pins": list(pins),
+        "image_pins": list(image_pins),
         "left_to_image": {n: versions[n] for n in left},
         "bitsandbytes": ("repacked: only libbitsandbytes_cuda130.so and libbitsandbytes_cpu.so, version "
                          f"{pins['bitsandbytes']}") if slim else ("whole" if "bitsandbytes" in pins else None),

@@ -51,7 +51,7 @@ class LossHistory(TrainerCallback):
     """Appends every Trainer log line to loss_history.jsonl as it happens (main process only), with the
     wall-clock time it was logged and, once the collator is known, the real tokens this process has collated so
     far (`tokens_collated`: throughput between lines, steady-state tokens/s in bench/gpu_check.py). The data
-    loader may have collated one batch ahead of the step logged; differences between lines are exact."""
+    loader collates one batch ahead of the step logged, except at an epoch's end."""
 
     def __init__(self, path: Path):
         self.path = path
