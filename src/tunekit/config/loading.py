@@ -14,9 +14,10 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from tunekit.config import methods
+from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import DATA_SUFFIXES, Recipe
 from tunekit.core.errors import TunekitError
-from tunekit.training import methods
 
 # ---------------------------------------------------------------- errors
 
@@ -185,8 +186,6 @@ def from_dict(raw: Any, source: str = "recipe", base: Path | None = None, name: 
     recipe = _check_files(recipe, base or Path.cwd(), source)
     if recipe.output_dir is None:
         recipe = recipe.model_copy(update={"output_dir": str(Path("runs") / name)})
-    from tunekit.models.sources import resolve_model
-
     try:
         resolve_model(recipe.model.name_or_path)
     except TunekitError as e:
@@ -200,7 +199,8 @@ def from_dict(raw: Any, source: str = "recipe", base: Path | None = None, name: 
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
-        raise TunekitError(f"recipe {str(path)!r} is a directory; give a YAML recipe file, e.g. recipes/smollm2_lora.yaml")
+        raise TunekitError(f"recipe {str(path)!r} is a directory; give a YAML recipe file, "
+                           "e.g. recipes/smollm2_lora.yaml")
     if not path.is_file():
         raise TunekitError(f"recipe file {str(path)!r} not found")
     try:

@@ -1,6 +1,7 @@
-"""The typed recipe: every section with its defaults and descriptions, and the checks across sections.
-The choices come from the registries (data formats, metrics, training methods); loading a recipe file,
-overrides and the one-line errors live in config.loading."""
+"""The typed recipe: every section with its defaults and descriptions, the rules within a section beside its
+fields, and the rules across sections run in one order (config.rules). The choices come from the declarations
+beside this module (config.dataformats, config.metrics, config.methods); loading a recipe file, overrides and
+the one-line errors live in config.loading."""
 
 from __future__ import annotations
 
@@ -9,23 +10,27 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, create_model, field_serializer, field_validator, model_validator
 
+from tunekit.config import dataformats, methods, metrics, rules
 from tunekit.config.section import Section
-from tunekit.data.formats import FORMATS
-from tunekit.evaluation import metrics
-from tunekit.evaluation.metrics import METRICS
-from tunekit.training import methods
 
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # as written; hardware.Precision is the resolved one
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+# the names data.format and eval.metrics take (read inside annotations, where a field named metrics would hide
+# the module)
+FORMAT_NAMES = tuple(dataformats.DECLARED)
+METRIC_NAMES = tuple(metrics.DECLARED)
 
 
 class ModelConfig(Section):
     name_or_path: str = Field(
-        description="Hub id, local Hugging Face directory, GGUF file, or 'package/file.gguf' inside an installed package."
+        description="Hub id, local Hugging Face directory, GGUF file, or 'package/file.gguf' "
+        "inside an installed package."
     )
-    tokenizer: str | None = Field(None, description="Tokenizer source if it differs from the model (hub id or directory).")
+    tokenizer: str | None = Field(None, description="Tokenizer source if it differs from the model "
+                                  "(hub id or directory).")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a hub model.")
-    trust_remote_code: bool = Field(False, description="Run modelling code shipped with a hub model. Off unless you trust it.")
+    trust_remote_code: bool = Field(False, description="Run modelling code shipped with a hub model. "
+                                    "Off unless you trust it.")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
         None, description="Attention kernel; null lets transformers choose."
     )
@@ -41,7 +46,8 @@ class LoraConfig(Section):
     target_modules: Union[Literal["all-linear"], list[str]] = Field(
         "all-linear", description="'all-linear' (every linear layer but the output head) or a list of module names."
     )
-    modules_to_save: list[str] = Field(default_factory=list, description="Modules trained fully and saved with the adapter.")
+    modules_to_save: list[str] = Field(default_factory=list, description="Modules trained fully and saved "
+                                       "with the adapter.")
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
     use_dora: bool = Field(False, description="DoRA: train each weight's magnitude and direction separately "
                            "(better at low rank, slower steps; merges like LoRA).")
@@ -71,7 +77,8 @@ class QuantizationConfig(Section):
     bits: Literal[4, 8] = Field(4, description="Load the frozen base in 4-bit (QLoRA) or 8-bit.")
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     double_quant: bool = Field(True, description="Quantize the quantization constants too (saves ~0.4 bit/param).")
-    compute_dtype: PrecisionName = Field("auto", description="dtype of 4-bit matmuls; 'auto' follows training.precision.")
+    compute_dtype: PrecisionName = Field("auto", description="dtype of 4-bit matmuls; 'auto' follows "
+                                         "training.precision.")
 
 
 class FieldMap(Section):
@@ -107,7 +114,7 @@ class DataSource(Section):
     path: str = Field(description="A .jsonl/.json/.csv/.parquet file or a `datasets` hub name.")
     split: str | None = Field(None, description="Split to read from a hub dataset; null: data.train_split "
                               "(data.eval_split for a data.eval source).")
-    format: Literal[tuple(FORMATS)] | None = Field(  # type: ignore[valid-type]  # names from the registry
+    format: Literal[FORMAT_NAMES] | None = Field(  # type: ignore[valid-type]  # names from the declarations
         None, description="This source's record layout; null: data.format.")
     fields: FieldMap | None = Field(None, description="This source's column names; the keys given here replace "
                                     "data.fields' for this source.")
@@ -150,8 +157,8 @@ class DataConfig(Section):
     eval_split: str = Field("validation", description="Split to read when `eval` is a hub dataset.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this seeded fraction of train (of "
                                  "each source of a mixture) for eval.")
-    format: Literal[tuple(FORMATS)] = Field(  # type: ignore[valid-type]  # names from the registry
-        "alpaca", description="Record layout: " + ", ".join(FORMATS) + " (tunekit.data.formats).")
+    format: Literal[FORMAT_NAMES] = Field(  # type: ignore[valid-type]  # names from the declarations
+        "alpaca", description="Record layout: " + ", ".join(FORMAT_NAMES) + " (tunekit.data.formats).")
     fields: FieldMap = Field(default_factory=FieldMap, description="Column names, when they differ from the defaults.")
     template: Literal["auto", "chat", "alpaca", "raw"] = Field(
         "auto",
@@ -186,7 +193,7 @@ class DataConfig(Section):
             raise ValueError("data.eval and data.eval_fraction are both set; keep one")
         named = [(f" ({key}.format)", s.format) for key, s in self.sources() + self.sources("eval") if s.format]
         for key, fmt in [("", self.format)] + named:
-            if FORMATS[fmt].needs_chat and self.template in ("alpaca", "raw"):
+            if dataformats.DECLARED[fmt].needs_chat and self.template in ("alpaca", "raw"):
                 raise ValueError(f"data.template={self.template} cannot render format {fmt}{key}; "
                                  "use template: chat or auto")
         for key, s in self.sources("eval"):
@@ -237,21 +244,23 @@ class FsdpConfig(Section):
 
 
 class TrainingConfig(Section):
-    precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, else fp16 on GPU, else fp32.")
+    precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, "
+                                     "else fp16 on GPU, else fp32.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
     micro_batch_size: int = Field(4, gt=0, description="Examples per device per forward pass.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    chunked_loss: bool = Field(True, description="Run the output head and cross-entropy only on trained positions, in chunks "
-                               "(the full logits tensor never exists); false uses the stock full-logits loss. SFT's: the preference and "
-                               "GRPO trainers compute their own loss.")
+    chunked_loss: bool = Field(True, description="Run the output head and cross-entropy only on trained positions, "
+                               "in chunks (the full logits tensor never exists); false uses the stock full-logits "
+                               "loss. SFT's: the preference and GRPO trainers compute their own loss.")
     kernels: Literal["none", "liger", "cut_cross_entropy"] = Field(
-        "none", description="Fused GPU kernels in place of the chunked loss (training.chunked_loss), SFT's: liger: Liger "
-        "Kernel's fused linear cross-entropy, RMSNorm, RoPE and SwiGLU (the model families Liger covers); "
+        "none", description="Fused GPU kernels in place of the chunked loss (training.chunked_loss), SFT's: liger: "
+        "Liger Kernel's fused linear cross-entropy, RMSNorm, RoPE and SwiGLU (the model families Liger covers); "
         "cut_cross_entropy (or cce): Cut Cross-Entropy's linear cross-entropy on trained positions. Triton kernels: "
         "a CUDA GPU only (`tunekit train` refuses them without one) and pip install 'tunekit[kernels]'.")
-    group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding, unpacked runs; SFT).")
+    group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding, "
+                                  "unpacked runs; SFT).")
     learning_rate: Union[float, Literal["auto"]] = Field(
         2e-4, description="Peak learning rate, or auto: found by a learning-rate range test on the run's own data "
         "before training (tunekit.training.lrfind; the curve and the rate in run.json and the report).")
@@ -264,14 +273,15 @@ class TrainingConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="Warmup steps (overrides warmup_ratio when > 0).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     neftune_noise_alpha: float | None = Field(
-        None, gt=0, description="NEFTune: uniform noise of this scale (alpha / sqrt(tokens x hidden size)) added to the "
-        "input embeddings while training (transformers' neftune_noise_alpha); null adds none.")
+        None, gt=0, description="NEFTune: uniform noise of this scale (alpha / sqrt(tokens x hidden size)) "
+        "added to the input embeddings while training (transformers' neftune_noise_alpha); null adds none.")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0 disables).")
     optimizer: Literal[
         "adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"
     ] = Field("adamw_torch", description="Optimizer, by its transformers name.")
     logging_steps: int = Field(10, gt=0, description="Log loss every N optimizer steps.")
-    eval_steps: int | None = Field(None, gt=0, description="Evaluate loss every N steps; null evaluates once per epoch.")
+    eval_steps: int | None = Field(None, gt=0, description="Evaluate loss every N steps; null evaluates once "
+                                   "per epoch.")
     save_steps: int | None = Field(None, gt=0, description="Checkpoint every N steps; null checkpoints once per epoch.")
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most this many checkpoints.")
     seed: int = Field(42, description="Seed for initialisation, data order and the eval split.")
@@ -292,8 +302,8 @@ class TrainingConfig(Section):
         "directory's name) and the resolved recipe; each is an optional extra: pip install 'tunekit[tensorboard]'. "
         "TensorBoard writes into the run directory's tensorboard/; W&B, MLflow and trackio read their usual "
         "environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...).")
-    method: Literal[tuple(methods.METHODS)] = Field(  # type: ignore[valid-type]  # names from the registry
-        methods.DEFAULT, description="; ".join(f"{m.name}: {m.summary}" for m in methods.METHODS.values())
+    method: Literal[tuple(methods.DECLARED)] = Field(  # type: ignore[valid-type]  # names from the declarations
+        methods.DEFAULT, description="; ".join(f"{m.name}: {m.summary}" for m in methods.DECLARED.values())
         + " (tunekit.training.methods).")
 
     @field_validator("kernels", mode="before")
@@ -331,11 +341,12 @@ class TrainingConfig(Section):
                              "the same state, keep one")
         if self.fsdp is not None and self.fsdp.activation_checkpointing and not self.fsdp.auto_wrap:
             raise ValueError("training.fsdp.activation_checkpointing checkpoints each decoder layer, the units "
-                             "auto_wrap makes; set training.fsdp.auto_wrap: true, or use training.gradient_checkpointing")
+                             "auto_wrap makes; set training.fsdp.auto_wrap: true, or use "
+                             "training.gradient_checkpointing")
         if self.fsdp is not None and self.fsdp.activation_checkpointing and self.gradient_checkpointing:
             raise ValueError("training.gradient_checkpointing and training.fsdp.activation_checkpointing are both "
                              "on; under FSDP keep training.fsdp.activation_checkpointing")
-        if self.kernels != "none" and not methods.METHODS[self.method].chunked_loss:
+        if self.kernels != "none" and not methods.DECLARED[self.method].chunked_loss:
             raise ValueError(f"training.kernels does not apply to training.method: {self.method}, whose trainer "
                              "computes its own loss; remove it")
         if len(set(self.report_to)) != len(self.report_to):
@@ -358,10 +369,10 @@ class EvalConfig(Section):
     limit: int | None = Field(None, gt=0, description="Score only the first N examples.")
     batch_size: int = Field(8, gt=0, description="Prompts per generate() call.")
     max_new_tokens: int = Field(64, gt=0, description="Generation length cap.")
-    metrics: list[Literal[tuple(METRICS)]] = Field(  # type: ignore[valid-type]  # names from the registry
+    metrics: list[Literal[METRIC_NAMES]] = Field(  # type: ignore[valid-type]  # names from the declarations
         default_factory=metrics.defaults, description="Built-in metrics: "
-        + ", ".join(METRICS) + "; left out, every one but "
-        + ", ".join(n for n, m in METRICS.items() if not m.default) + "."
+        + ", ".join(METRIC_NAMES) + "; left out, every one but "
+        + ", ".join(n for n, m in metrics.DECLARED.items() if not m.default) + "."
     )
     extra_metrics: list[str] = Field(
         default_factory=list, description="`evaluate` metrics by Hub name or local script path (needs `evaluate`)."
@@ -372,7 +383,7 @@ class EvalConfig(Section):
 
 
 class RecipeBase(Section):
-    """The sections every recipe has; `Recipe` adds each training method's section (tunekit.training.methods)."""
+    """The sections every recipe has; `Recipe` adds each training method's section (tunekit.config.methods)."""
 
     model: ModelConfig = Field(description="Base model.")
     adapter: Literal["lora", "none"] = Field(
@@ -408,7 +419,8 @@ class RecipeBase(Section):
             raise ValueError("lora settings given but adapter is 'none'; remove the lora section or set adapter: lora")
         if adapter == "none" and data.get("quantization") is not None:
             raise ValueError("quantization settings given but adapter is 'none': full fine-tuning trains every weight, "
-                             "which cannot stay quantized; set adapter: lora (QLoRA) or remove the quantization section")
+                             "which cannot stay quantized; set adapter: lora (QLoRA) or remove the "
+                             "quantization section")
         if adapter == "lora" and data.get("lora") is None:
             data["lora"] = {}
         lora = data.get("lora") if isinstance(data.get("lora"), dict) else {}
@@ -430,58 +442,20 @@ class RecipeBase(Section):
         return "full" if self.full_finetuning else "qlora" if self.quantization is not None else "lora"
 
     @model_validator(mode="after")
-    def _method_settings(self) -> "Recipe":
-        """The training method's rules (tunekit.training.methods): no section or data format of another method, the
-        method's own data format and checks; its section takes its defaults when left out."""
-        methods.check_others(self)
-        if self.model.adapter_from and (self.full_finetuning or (self.lora and self.lora.init != "default")):
-            raise ValueError("model.adapter_from continues a LoRA adapter: use adapter: lora with lora.init: default")
-        methods.check(self)
-        return self
-
-    @model_validator(mode="after")
-    def _best_metric_is_logged(self) -> "Recipe":
-        """metric_for_best names a metric the evaluations log: a generation metric of the eval section that runs
-        during training, or eval_loss (beside those only where the method computes it: not GRPO)."""
-        name = self.training.metric_for_best
-        if name is None:
-            return self
-        key = name.removeprefix("eval_")
-        during = self.eval is not None and self.eval.during_training
-        logs_loss = not during or methods.of(self).eval_loss_beside_generation
-        generated = []
-        if during:
-            generated = [k for m in self.eval.metrics if METRICS[m].score is not None for k, _ in METRICS[m].rows]
-        if (key != "loss" or not logs_loss) and key not in generated and not (self.eval and "/" in key):
-            hint = ("add an eval section (it logs " + ", ".join(k for m in METRICS.values() if m.score for k, _ in
-                                                           m.rows) + " during training)") if not generated else \
-                "logged: " + ", ".join(["eval_loss"] * logs_loss + generated)
-            raise ValueError(f"training.metric_for_best: {name} is not logged at evaluations; {hint}")
-        return self
-
-    @model_validator(mode="after")
-    def _sharding_fits_the_quantization(self) -> "Recipe":
-        if self.training.fsdp is not None and self.quantization is not None and self.quantization.bits == 8:
-            raise ValueError("quantization.bits 8 with training.fsdp: FSDP2 shards bitsandbytes' int8 weights "
-                             "apart from their scales, which the forward pass needs together; use bits: 4 (QLoRA) "
-                             "or training.deepspeed")
-        return self
-
-    @model_validator(mode="after")
-    def _precision_agrees(self) -> "Recipe":
-        q, p = self.quantization, self.training.precision
-        if q is not None and q.compute_dtype != "auto" and p not in ("auto", "fp32") and q.compute_dtype != p:
-            raise ValueError(
-                f"training.precision is {p} but quantization.compute_dtype is {q.compute_dtype}: "
-                f"{p} and {q.compute_dtype} both on; make them agree"
-            )
+    def _rules(self) -> "Recipe":
+        """The training method's section takes its defaults when left out; then the rules across sections
+        (config.rules), in their order."""
+        method = methods.of(self)
+        if method.section is not None and getattr(self, method.section) is None:
+            object.__setattr__(self, method.section, method.settings())  # the recipe is frozen
+        rules.run(self)
         return self
 
 
 def _method_sections() -> dict:
     """One optional section per training method that has settings, named after the method."""
     return {m.section: (m.settings | None, Field(None, description=f"{m.name} settings (training.method: {m.name})."))
-            for m in methods.METHODS.values() if m.section is not None}
+            for m in methods.DECLARED.values() if m.section is not None}
 
 
 Recipe = create_model(

@@ -1,6 +1,7 @@
-"""Data formats, as a registry: each reads one record into a format-neutral `Parsed` (a conversation,
-or raw text). Adding a format is one registered function here; the recipe's `data.format` choices
-follow from FORMATS, and data.Renderer turns any Parsed into text and trained spans."""
+"""The data formats' parsers, as a registry: each reads one record into a format-neutral `Parsed` (a
+conversation, or raw text). A format is declared in tunekit.config.dataformats (the recipe's `data.format`
+choices) and its parser registered here under that name; data.rendering.Renderer turns any Parsed into text and trained
+spans."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tunekit.config.dataformats import DECLARED
 from tunekit.core.errors import TunekitError
 
 ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
@@ -56,9 +58,15 @@ class Format:
 FORMATS: dict[str, Format] = {}
 
 
-def register(name: str, needs_chat: bool = False, alpaca: bool = False):
+def register(name: str):
+    """Register the parser of a declared format (config.dataformats), with what the declaration says of it."""
+    if name not in DECLARED:
+        raise ValueError(f"data format {name!r} is not declared in tunekit.config.dataformats")
+    if name in FORMATS:
+        raise ValueError(f"data format {name!r} is registered twice")
+
     def add(fn):
-        FORMATS[name] = Format(name, fn, needs_chat, alpaca)
+        FORMATS[name] = Format(name, fn, DECLARED[name].needs_chat, DECLARED[name].alpaca)
         return fn
     return add
 
@@ -86,7 +94,7 @@ def _turn(user: str, answer: str) -> list[dict]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
 
 
-@register("alpaca", alpaca=True)
+@register("alpaca")
 def alpaca(record: Record, f) -> Parsed:
     instruction = text(record, f.instruction, "instruction")
     extra = text(record, f.input, "input", required=False)
@@ -101,7 +109,7 @@ def prompt_completion(record: Record, f) -> Parsed:
     return Parsed(messages=_turn(text(record, f.prompt, "prompt"), text(record, f.completion, "completion")))
 
 
-@register("chat", needs_chat=True)
+@register("chat")
 def chat(record: Record, f) -> Parsed:
     """OpenAI-style messages: roles system/user/assistant/tool, assistant tool_calls and reasoning, tool results
     linked to their call, and a per-example list of tool (function) schemas."""
@@ -112,7 +120,7 @@ def chat(record: Record, f) -> Parsed:
 
 
 def _messages(record: Record, f) -> list[dict]:
-    from tunekit.data import agent  # a registry imports only the core when the recipe schema reads it
+    from tunekit.data import agent
 
     raw = field(record, f.messages, "messages")
     if not isinstance(raw, list) or not raw:
@@ -186,7 +194,8 @@ def prompt_only(record: Record, f) -> Parsed:
     """A prompt to answer (text, or chat messages ending before the answer) and an optional reference answer, as
     GRPO trains on: its rewards score the model's own completions, against the reference where one is given."""
     prompt = _prompt(record, f, "answer")
-    return Parsed(messages=prompt + [{"role": "assistant", "content": text(record, f.answer, "answer", required=False)}])
+    return Parsed(messages=prompt + [{"role": "assistant",
+                                      "content": text(record, f.answer, "answer", required=False)}])
 
 
 def _prompt(record: Record, f, answers: str) -> list[dict]:

@@ -3,7 +3,8 @@ exact match. No model code.
 
 evaluate.load() fetches metric scripts from the Hub and fails offline, so the built-in metrics call
 sacrebleu and rouge-score directly; `evaluate` only serves extra metrics a recipe names. The built-in
-ones are a registry (METRICS): the recipe schema and the eval table are derived from it."""
+ones are a registry (METRICS): each is declared in tunekit.config.metrics (the recipe's eval.metrics choices, its
+rows and settings) and its scoring function registered here under that name; the eval table reads METRICS."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import re
 import unicodedata
 from dataclasses import dataclass
 from typing import Callable
+
+from tunekit.config.metrics import DECLARED
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -40,10 +43,9 @@ def _normalize(text: str) -> str:
 
 @dataclass(frozen=True)
 class Metric:
-    """A metric a recipe can name in eval.metrics. `score` maps (predictions, references) to scores;
-    None marks a metric computed from the model (loss), not from text. `rows` are the (score key,
-    label) pairs printed in eval tables; `settings` is recorded in metrics.json. `default`: scored when a
-    recipe's eval section names no metrics (a task-specific metric, such as tool calls, is named)."""
+    """A metric a recipe can name in eval.metrics: its declaration's facts (config.metrics.MetricSpec) and
+    `score`, which maps (predictions, references) to scores; None marks a metric computed from the model
+    (loss), not from text."""
 
     name: str
     score: Callable[[list[str], list[str]], dict] | None
@@ -55,21 +57,21 @@ class Metric:
 METRICS: dict[str, Metric] = {}
 
 
-def register(name: str, rows: tuple[tuple[str, str], ...], settings: str, default: bool = True):
-    """Add a metric: one decorated function here is all it takes; the recipe schema, the eval table
-    and the docs' list follow from METRICS."""
+def register(name: str):
+    """Register the scoring function of a declared metric (config.metrics)."""
+    spec = DECLARED.get(name)
+    if spec is None or not spec.scored:
+        raise ValueError(f"metric {name!r} is not declared as scored in tunekit.config.metrics")
+    if name in METRICS:
+        raise ValueError(f"metric {name!r} is registered twice")
+
     def add(fn):
-        METRICS[name] = Metric(name, fn, rows, settings, default)
+        METRICS[name] = Metric(name, fn, spec.rows, spec.settings, spec.default)
         return fn
     return add
 
 
-def defaults() -> list[str]:
-    """The metrics an eval section scores when it names none."""
-    return [name for name, metric in METRICS.items() if metric.default]
-
-
-@register("bleu", (("bleu", "BLEU"),), "sacreBLEU corpus BLEU; tokenizer 13a, or zh when references contain CJK")
+@register("bleu")
 def bleu(predictions: list[str], references: list[str]) -> dict:
     import sacrebleu
 
@@ -79,7 +81,7 @@ def bleu(predictions: list[str], references: list[str]) -> dict:
     return {"bleu": result.score, "bleu_signature": str(metric.get_signature())}
 
 
-@register("chrf", (("chrf", "chrF"),), "sacreBLEU corpus chrF (character 6-grams, beta 2)")
+@register("chrf")
 def chrf(predictions: list[str], references: list[str]) -> dict:
     import sacrebleu
 
@@ -87,9 +89,7 @@ def chrf(predictions: list[str], references: list[str]) -> dict:
     return {"chrf": metric.corpus_score(predictions, [references]).score, "chrf_signature": str(metric.get_signature())}
 
 
-@register("rouge", (("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"), ("rougeL", "ROUGE-L"), ("rougeLsum", "ROUGE-Lsum")),
-          "F-measure x100, mean over examples; Unicode-aware tokenizer (NFKC, lower-case, CJK per character), "
-          "no stemming")
+@register("rouge")
 def rouge(predictions: list[str], references: list[str]) -> dict:
     from rouge_score import rouge_scorer
 
@@ -104,7 +104,7 @@ def rouge(predictions: list[str], references: list[str]) -> dict:
     return {key: 100.0 * totals[key] / n for key in ROUGE_TYPES}
 
 
-@register("exact_match", (("exact_match", "exact match %"),), "x100, after NFKC and whitespace normalisation")
+@register("exact_match")
 def exact_match(predictions: list[str], references: list[str]) -> dict:
     hits = sum(_normalize(p) == _normalize(r) for p, r in zip(predictions, references))
     return {"exact_match": 100.0 * hits / max(len(predictions), 1)}
@@ -168,13 +168,7 @@ def _canonical(value) -> str:
     return json.dumps(norm(value), sort_keys=True, ensure_ascii=False)
 
 
-@register("tool_calls", (("tool_call_valid_json", "tool call parsed %"), ("tool_call_name", "tool call name %"),
-                         ("tool_call_args", "tool call arguments %"), ("tool_call_spurious", "spurious tool call %")),
-          "over the examples whose reference makes a tool call: % whose answer holds a parseable call (a JSON "
-          "object with name and arguments or parameters, anywhere in the text), % calling the same functions, % "
-          "with the same functions and arguments (equal as JSON values; calls compared as a multiset); spurious: % of "
-          "the examples whose reference makes no call where the answer makes one. null when there are no such "
-          "examples", default=False)
+@register("tool_calls")
 def tool_calls(predictions: list[str], references: list[str]) -> dict:
     valid = name = args = calling = spurious = quiet = 0
     for pred, ref in zip(predictions, references):
@@ -193,9 +187,7 @@ def tool_calls(predictions: list[str], references: list[str]) -> dict:
 
 
 # held-out loss needs the model, so evaluation computes it; it is listed here to be named and shown
-METRICS["loss"] = Metric("loss", None, (("eval_loss", "eval loss"), ("perplexity", "perplexity")),
-                         "mean cross-entropy per trained token (prompt tokens masked as in training); "
-                         "perplexity = exp(loss)")
+METRICS["loss"] = Metric("loss", None, DECLARED["loss"].rows, DECLARED["loss"].settings, DECLARED["loss"].default)
 
 
 def score(predictions: list[str], references: list[str], names: list[str]) -> dict:
@@ -218,7 +210,8 @@ def extra(predictions: list[str], references: list[str], names: list[str]) -> di
     try:
         import evaluate
     except ImportError:
-        raise TunekitError("eval.extra_metrics needs the `evaluate` package: pip install 'tunekit[extra-metrics]'") from None
+        raise TunekitError("eval.extra_metrics needs the `evaluate` package: "
+                           "pip install 'tunekit[extra-metrics]'") from None
     out = {}
     for name in names:
         try:

@@ -11,7 +11,8 @@ A recipe names them in grpo.rewards, each with a weight; the run logs each one's
 - function: a Python function `module:function` (only with grpo.trust_local_code), called with keywords prompt,
   completion, reference, record (the raw record as a dict) and tokens; it returns a number.
 
-No model code: the registry is read by the recipe schema (names, checks) and called during training and eval.
+Each kind is declared in tunekit.config.rewards (its name, the keys it needs, the recipe checks) and its scoring
+registered here under that name. No model code: called during training and eval.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import re
 import sys
 from typing import Any, Callable
 
+from tunekit.config.rewards import DECLARED, label
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import metrics
 
@@ -45,42 +47,40 @@ class Sample:
 class Kind:
     name: str
     make: Callable[[Any, int], Callable[[Sample], float]]  # (spec, max_completion_length) -> score of one sample
-    needs: tuple[str, ...]  # spec keys it requires
-    reference: bool  # scores against the reference answer
-    summary: str
+    reference: bool  # scores against the reference answer (config.rewards)
 
 
 KINDS: dict[str, Kind] = {}
 
 
-def register(name: str, summary: str, needs: tuple[str, ...] = (), reference: bool = False):
+def register(name: str):
+    """Register how a declared reward kind (config.rewards) scores a sample."""
+    if name not in DECLARED:
+        raise ValueError(f"reward {name!r} is not declared in tunekit.config.rewards")
+    if name in KINDS:
+        raise ValueError(f"reward {name!r} is registered twice")
+
     def add(make):
-        KINDS[name] = Kind(name, make, needs, reference, summary)
+        KINDS[name] = Kind(name, make, DECLARED[name].reference)
         return make
     return add
 
 
-def names() -> str:
-    return ", ".join(KINDS)
-
-
 # ---------------------------------------------------------------- the metrics registry's scores
 
-def _metric_kind(metric: metrics.Metric, key: str, label: str) -> None:
+def _metric_kind(metric: metrics.Metric, key: str) -> None:
     def make(spec, max_len):
         return lambda s: metric.score([s.completion], [s.reference])[key] / 100.0
-    register(key, f"{label} of the completion against the reference answer, / 100", reference=True)(make)
+    register(key)(make)
 
 
 for _metric in metrics.METRICS.values():
     if _metric.score is not None and _metric.name != "tool_calls":
-        for _key, _label in _metric.rows:
-            _metric_kind(_metric, _key, _label)
+        for _key, _ in _metric.rows:
+            _metric_kind(_metric, _key)
 
 
-@register("tool_calls", "the tool_calls metric on one completion: when the reference calls tools, the mean of "
-          "parsed, right functions and right arguments (1/3 each); when it calls none, 1 unless the completion "
-          "calls one", reference=True)
+@register("tool_calls")
 def _tool_calls(spec, max_len):
     def score(s: Sample) -> float:
         got = metrics.tool_calls([s.completion], [s.reference])
@@ -90,7 +90,7 @@ def _tool_calls(spec, max_len):
     return score
 
 
-@register("regex", "1 when the whole completion (stripped) matches `pattern` (Python re), else 0", needs=("pattern",))
+@register("regex")
 def _regex(spec, max_len):
     pattern = re.compile(spec.pattern, re.DOTALL)
     return lambda s: float(pattern.fullmatch(s.completion.strip()) is not None)
@@ -99,7 +99,7 @@ def _regex(spec, max_len):
 _FENCE = re.compile(r"^```[\w-]*\n(.*)\n```$", re.DOTALL)
 
 
-@register("json", "1 when the completion (stripped, a ``` fence removed) is one JSON value, else 0")
+@register("json")
 def _json(spec, max_len):
     def score(s: Sample) -> float:
         text = s.completion.strip()
@@ -112,15 +112,13 @@ def _json(spec, max_len):
     return score
 
 
-@register("length", "a length penalty: 0 up to `target` completion tokens, then falling linearly to -1 at "
-          "grpo.max_completion_length")
+@register("length")
 def _length(spec, max_len):
     target = spec.target or 0
     return lambda s: -min(1.0, max(0, s.tokens - target) / max(1, max_len - target))
 
 
-@register("function", "your Python function `module:function` (grpo.trust_local_code: true), called with keywords "
-          "prompt, completion, reference, record, tokens; returns a number", needs=("function",))
+@register("function")
 def _function(spec, max_len):
     module, _, name = spec.function.partition(":")
     if os.getcwd() not in sys.path:  # `module` may sit beside the recipe, as a user runs it
@@ -134,34 +132,7 @@ def _function(spec, max_len):
                         tokens=s.tokens)
 
 
-# ---------------------------------------------------------------- recipe checks and scoring
-
-def check(spec, index: int) -> None:
-    """One grpo.rewards entry; raises ValueError with a one-line message."""
-    where = f"grpo.rewards[{index}]"
-    if spec.reward not in KINDS:
-        raise ValueError(f"{where}.reward: unknown reward {spec.reward!r}; choose from {names()}")
-    for key in KINDS[spec.reward].needs:
-        if getattr(spec, key) is None:
-            raise ValueError(f"{where}.{key}: reward {spec.reward} needs it")
-    if spec.pattern is not None:
-        try:
-            re.compile(spec.pattern)
-        except re.error as e:
-            raise ValueError(f"{where}.pattern: not a regular expression ({e})") from None
-    if spec.function is not None and not re.fullmatch(r"[\w.]+:\w+", spec.function):
-        raise ValueError(f"{where}.function: {spec.function!r} is not module:function")
-
-
-def label(spec, index: int, specs) -> str:
-    """The name a reward is logged under: its `name`, else its kind or its function's name (with its position
-    when that repeats)."""
-    if spec.name:
-        return spec.name
-    kind = spec.function.partition(":")[2] if spec.reward == "function" else spec.reward
-    repeats = sum(label(s, 0, ()) == kind for s in specs if not s.name) > 1
-    return f"{kind}_{index}" if repeats else kind
-
+# ---------------------------------------------------------------- scoring
 
 class Reward:
     """One recipe reward as TRL's GRPOTrainer calls it: a batch of completions in, one float each out. A reward

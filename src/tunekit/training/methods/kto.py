@@ -1,47 +1,18 @@
 """training.method: kto -- Kahneman-Tversky optimization on completions labelled desirable or not (data.format:
-unpaired_preference) with TRL's KTOTrainer; the `kto:` recipe section."""
+unpaired_preference) with TRL's KTOTrainer; its `kto:` recipe section is declared in
+tunekit.config.methodsettings."""
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
 
-from pydantic import Field
-
-from tunekit.config.section import Section
 from tunekit.training.methods.base import register
-from tunekit.training.methods.pairs import DEFAULT_BETA, PreferenceMethod, build, tokenize_unpaired
-
-KTO_LOSSES = ("kto", "apo_zero_unpaired")
-
-
-class KtoSettings(Section):
-    beta: float = Field(DEFAULT_BETA, gt=0, description="KTO: how far the policy may move from the reference "
-                        "(higher: closer).")
-    loss_type: Literal[KTO_LOSSES] = Field(  # type: ignore[valid-type]
-        "kto", description="KTO loss, as TRL names them: kto (with the KL estimate from mismatched completions in "
-        "each micro-batch, which needs micro_batch_size >= 2) or apo_zero_unpaired.")
-    desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable examples' loss (to balance "
-                                    "unequal numbers of desirable and undesirable examples).")
-    undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable examples' loss.")
+from tunekit.training.methods.pairs import PreferenceMethod, build, tokenize_unpaired
 
 
 class Kto(PreferenceMethod):
     name = "kto"
-    summary = ("Kahneman-Tversky optimization on completions labelled desirable or not (data.format: "
-               "unpaired_preference), TRL's KTOTrainer")
-    settings = KtoSettings
-    data_formats = ("unpaired_preference",)
-    data_description = "(prompt, completion, desirable or not) examples"
-    owned_formats = data_formats
-    has_reference = True
     no_grad_forwards = 3  # its KL batch, the reference and the reference's KL
-
-    def check(self, recipe) -> None:
-        super().check(recipe)
-        if recipe.kto.loss_type == "kto" and recipe.training.micro_batch_size < 2:
-            raise ValueError("training.micro_batch_size: KTO's loss kto estimates its KL term from the other "
-                             "examples of a micro-batch; use 2 or more (or kto.loss_type: apo_zero_unpaired)")
 
     def build_data(self, recipe, tokenizer):
         # KTOTrainer samples in order (its KL term pairs neighbours), so the order is drawn here

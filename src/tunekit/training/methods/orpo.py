@@ -1,31 +1,18 @@
 """training.method: orpo -- odds-ratio preference optimization on the same pairs as dpo: SFT and preference in
-one loss without a reference model, TRL's ORPOTrainer (trl.experimental in 1.16); the `orpo:` recipe section."""
+one loss without a reference model, TRL's ORPOTrainer (trl.experimental in 1.16); its `orpo:` recipe section is
+declared in tunekit.config.methodsettings."""
 
 from __future__ import annotations
 
 import functools
 
-from pydantic import Field
-
-from tunekit.config.section import Section
 from tunekit.training.methods import pairs
 from tunekit.training.methods.base import register
-from tunekit.training.methods.pairs import DEFAULT_BETA, PAIR_FORMATS, PAIRS, PreferenceMethod
-
-
-class OrpoSettings(Section):
-    beta: float = Field(DEFAULT_BETA, gt=0, description="ORPO: weight of the odds-ratio term added to the chosen "
-                        "answers' SFT loss (lambda in the paper; TRL's beta). There is no reference model.")
+from tunekit.training.methods.pairs import PreferenceMethod
 
 
 class Orpo(PreferenceMethod):
     name = "orpo"
-    summary = ("odds-ratio preference optimization on the same pairs as dpo, SFT and preference in one loss "
-               "without a reference model, TRL's ORPOTrainer")
-    settings = OrpoSettings
-    data_formats = PAIR_FORMATS
-    data_description = PAIRS
-    has_reference = False
     sequences = 2  # chosen and rejected in one batch
 
     def trainer_class(self):
@@ -51,8 +38,8 @@ def _orpo():
 
 @functools.cache
 def pair_counter():
-    """PairCounter: token counts of ORPO's batches (a data.CountingCollator)."""
-    from tunekit.data.records import CountingCollator
+    """PairCounter: token counts of ORPO's batches (a data.collating.CountingCollator)."""
+    from tunekit.data.collating import CountingCollator
 
     class PairCounter(CountingCollator):
         """Token counts of ORPO's batches: chosen and rejected rows, each with its own mask, run as one batch of
@@ -72,7 +59,7 @@ def trainer_class():
     """OrpoTrainer, built on first use (imports TRL and torch)."""
     import torch.nn.functional as F
 
-    from tunekit.data.records import IGNORE
+    from tunekit.data.tokenizing import IGNORE
     from tunekit.training.trainer import GenerationEval, SafeState
 
     class OrpoTrainer(SafeState, GenerationEval, _orpo().ORPOTrainer):

@@ -1,8 +1,9 @@
 """What the preference methods (dpo, kto, orpo) share: their data tokenized by tunekit's SFT code, the
 reference model, the TRL trainer path, and the measures on held-out pairs.
 
-Pairs are rendered and tokenized by tunekit's own SFT code (data.Renderer, data.tokenize), so a DPO run
-sees exactly the prompts an SFT run on the same model sees, and the tokens that carry the loss are
+Pairs are rendered and tokenized by tunekit's own SFT code (data.rendering.Renderer,
+data.tokenizing.tokenize), so a DPO run sees exactly the prompts an SFT run on the same model sees, and the
+tokens that carry the loss are
 exactly the ones SFT would train: the chosen or rejected answer with its end-of-turn marker. TRL's own
 tokenization (which re-renders with its chat-template call) is bypassed by handing it the token ids.
 The trainers keep tunekit's pickle-free checkpoints (trainer.SafeState). The reference model: with a fresh
@@ -22,15 +23,10 @@ from tunekit.training.methods.base import Method, TrainerInputs
 
 log = logging.getLogger("tunekit")
 
-PAIRS = "(prompt, chosen, rejected) pairs"
-PAIR_FORMATS = ("preference",)  # the data formats holding such pairs
-DEFAULT_BETA = 0.1  # TRL's default beta: the implicit reward's scale when the recipe sets none
-
-
 def _split(example) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids): the answer runs from the first trained token to the last (what a chat template
     writes after the end-of-turn marker is not trained, so not part of the answer)."""
-    from tunekit.data.records import IGNORE
+    from tunekit.data.tokenizing import IGNORE
 
     trained = [i for i, label in enumerate(example.labels) if label != IGNORE]
     if not trained:
@@ -40,13 +36,14 @@ def _split(example) -> tuple[list[int], list[int]]:
 
 def tokenize_pair(record, renderer, tokenizer) -> dict:
     """prompt_ids, chosen_ids and rejected_ids of one pair, untruncated."""
-    from tunekit.data import records as data_mod
+    from tunekit.data.formats import Record
+    from tunekit.data.tokenizing import tokenize
 
     parsed = renderer.format.parse(record, renderer.cfg.fields)
-    rejected_record = data_mod.Record({**record.values, renderer.cfg.fields.chosen: parsed.rejected}, record.where)
+    rejected_record = Record({**record.values, renderer.cfg.fields.chosen: parsed.rejected}, record.where)
     sides = []
     for r in (record, rejected_record):
-        example, _ = data_mod.tokenize(renderer.render(r), tokenizer, 10**9, mask_prompt=True)
+        example, _ = tokenize(renderer.render(r), tokenizer, 10**9, mask_prompt=True)
         sides.append(_split(example))
     (prompt, chosen), (prompt_r, rejected) = sides
     if prompt != prompt_r:
@@ -59,10 +56,10 @@ def tokenize_pair(record, renderer, tokenizer) -> dict:
 
 def tokenize_unpaired(record, renderer, tokenizer) -> dict:
     """prompt_ids, completion_ids and label of one KTO example, untruncated."""
-    from tunekit.data import records as data_mod
+    from tunekit.data.tokenizing import tokenize
 
     rendered = renderer.render(record)
-    example, _ = data_mod.tokenize(rendered, tokenizer, 10**9, mask_prompt=True)
+    example, _ = tokenize(rendered, tokenizer, 10**9, mask_prompt=True)
     prompt, completion = _split(example)
     if not completion:
         raise TunekitError(f"{record.where}: an empty completion; every example needs one")
@@ -73,7 +70,7 @@ def build_pairs(records: list, renderer, tokenizer, max_length: int, tokenize=to
     """Tokenized examples ((list of dicts, DataStats)), each record by its source's renderer (`renderer`: a
     data.mixture.Renderers); one whose prompt alone fills max_length is dropped (no
     answer token would be left), longer answers are cut at max_length by the collator. Counted like SFT data."""
-    from tunekit.data.records import DataStats
+    from tunekit.data.tokenizing import DataStats
 
     pairs, stats = [], DataStats()
     for record in records:
@@ -97,7 +94,7 @@ def build_pairs(records: list, renderer, tokenizer, max_length: int, tokenize=to
 class PairBundle:
     train: object  # datasets.Dataset
     eval: object | None
-    train_stats: object  # data.DataStats
+    train_stats: object  # data.tokenizing.DataStats
     eval_stats: object | None
     template: str
     split: dict  # tunekit.data.split.summary
@@ -185,7 +182,7 @@ class PreferenceMethod(Method):
         return {"ref_model": None, "reference_is_base": True}, "the base with the adapter switched off (no second copy)"
 
     def make_trainer(self, inputs: TrainerInputs):
-        from tunekit.data.records import CountingCollator
+        from tunekit.data.collating import CountingCollator
 
         recipe = inputs.recipe
         ref_args, reference = self.reference(recipe, inputs.precision, inputs.start_adapter)

@@ -1,4 +1,5 @@
-"""training.method: sft -- supervised fine-tuning on the answers (tunekit's own Trainer and loss path).
+"""training.method: sft -- supervised fine-tuning on the answers (tunekit's own Trainer and loss path);
+declared in tunekit.config.methods.
 
 It trains on every data format no other method owns (a preference pair's chosen answer included), packs
 examples where the model allows it and takes the chunked loss path. On preference pairs, `tunekit eval`
@@ -6,17 +7,14 @@ adds the pair measures (pairs.measures)."""
 
 from __future__ import annotations
 
+from tunekit.config.methods import PAIR_FORMATS
+from tunekit.config.methodsettings import DEFAULT_BETA
 from tunekit.training.methods import pairs
 from tunekit.training.methods.base import Method, TrainerInputs, register
 
 
 class Sft(Method):
     name = "sft"
-    summary = "supervised fine-tuning on answers"
-    chunked_loss = True
-    packs = True
-    groups_by_length = True
-    prompt_loss_optional = True
 
     def build_data(self, recipe, tokenizer):
         from tunekit.data import arrow as arrowdata
@@ -24,12 +22,12 @@ class Sft(Method):
         return arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
 
     def make_trainer(self, inputs: TrainerInputs):
-        from tunekit.data import records as data_mod
+        from tunekit.data.collating import CountingCollator, collator
         from tunekit.training.trainer import SafeStateTrainer
 
         recipe = inputs.recipe
-        collate = data_mod.CountingCollator(
-            data_mod.collator(inputs.tokenizer, inputs.packed, inputs.attention == "flash_attention_2"))
+        collate = CountingCollator(
+            collator(inputs.tokenizer, inputs.packed, inputs.attention == "flash_attention_2"))
         trainer = SafeStateTrainer(
             model=inputs.model,
             args=inputs.args,
@@ -44,8 +42,8 @@ class Sft(Method):
         return trainer, collate
 
     def measures(self, model, tokenizer, recipe, records, limit, batch_size) -> dict:
-        if recipe.data.format not in pairs.PAIR_FORMATS:
+        if recipe.data.format not in PAIR_FORMATS:
             return {}
-        return pairs.measures(model, tokenizer, recipe, records, limit, batch_size, reward_beta=pairs.DEFAULT_BETA)
+        return pairs.measures(model, tokenizer, recipe, records, limit, batch_size, reward_beta=DEFAULT_BETA)
 
 register(Sft())

@@ -1,5 +1,7 @@
-"""Where a model comes from: a hub id, a local directory, or a GGUF file (a path or a file
-shipped inside an installed Python package). Pure path logic: imports no ML library."""
+"""Where a model comes from, as model.name_or_path (or an eval or export target) names it: a hub id, a local
+directory, or a GGUF file (a path or a file shipped inside an installed Python package). Pure path logic,
+imports no ML library: the recipe's loading checks the model named is there (config.loading), and loading,
+the Hub and export act on the source it gives (tunekit.models, tunekit.export)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from tunekit.core.errors import TunekitError
 class ModelSource:
     kind: Literal["hub", "dir", "gguf"]
     location: str  # hub id, directory, or GGUF file path
-
 
 
 def _package_file(spec: str) -> Path | None:

@@ -1,0 +1,102 @@
+"""The training methods a recipe may name (training.method), declared: what the schema and the recipe rules
+must know of each (its summary, its recipe section, the data formats it trains on or owns, which settings
+apply to it). The trainers live in tunekit.training.methods and register against these names;
+docs/adding-a-method.md shows both halves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tunekit.config.methodsettings import DpoSettings, GrpoSettings, KtoSettings, OrpoSettings
+from tunekit.config.section import Section
+
+PAIRS = "(prompt, chosen, rejected) pairs"
+PAIR_FORMATS = ("preference",)  # the data formats holding such pairs
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    summary: str  # one sentence for the recipe reference's training.method
+    settings: type[Section] | None = None  # its recipe section, named `name` (None: no section)
+    old_sections: tuple[str, ...] = ()  # earlier names of that section, still read with a note
+    data_formats: tuple[str, ...] | None = None  # data.format values it trains on; None: any format no other
+    #                                              method owns
+    data_description: str = ""  # what those formats hold, for error messages
+    owned_formats: tuple[str, ...] = ()  # formats of its data_formats no other method trains on
+    has_reference: bool = False  # the loss compares the policy with a reference model
+    reference_switch: str | None = None  # the section's setting whose 0 leaves the reference out (grpo.beta)
+    chunked_loss: bool = False  # training.chunked_loss applies (tunekit's own loss path)
+    packs: bool = False  # data.packing applies (examples packed padding-free)
+    groups_by_length: bool = False  # training.group_by_length applies (the Trainer's length sampler)
+    prompt_loss_optional: bool = False  # data.mask_prompt: false applies (else answers only, always)
+    # evaluations during training log eval_loss beside an eval section's generation metrics (metric_for_best)
+    eval_loss_beside_generation: bool = True
+    # training.learning_rate: auto applies: the training loss falls as the model learns (not so for a policy
+    # gradient's loss), so a range test over it finds a rate
+    loss_tracks_learning: bool = True
+
+    @property
+    def section(self) -> str | None:
+        """The recipe section holding the method's settings."""
+        return self.name if self.settings is not None else None
+
+    def settings_of(self, recipe) -> Section | None:
+        return getattr(recipe, self.section) if self.section else None
+
+    def trains_on(self, data_format: str) -> bool:
+        return self.data_formats is None or data_format in self.data_formats
+
+
+DECLARED: dict[str, MethodSpec] = {}
+DEFAULT = "sft"  # training.method when a recipe names none
+
+
+def declare(spec: MethodSpec) -> MethodSpec:
+    """Add a method to the declarations (before the recipe schema is built: tunekit.config.schema)."""
+    if spec.name in DECLARED:
+        raise ValueError(f"training method {spec.name!r} is declared twice")
+    for other in DECLARED.values():
+        if other.section is not None and other.section in (spec.section, *spec.old_sections):
+            raise ValueError(f"recipe section {other.section!r} of {spec.name!r} belongs to {other.name!r}")
+    DECLARED[spec.name] = spec
+    return spec
+
+
+def of(recipe) -> MethodSpec:
+    """The recipe's training method, as declared."""
+    return DECLARED[recipe.training.method]
+
+
+def renamed_sections(raw: dict) -> list[tuple[str, str]]:
+    """(old, new) for each method section the raw recipe spells by an earlier name."""
+    return [(old, m.section) for m in DECLARED.values() for old in m.old_sections if old in raw]
+
+
+# The built-in methods, in the order the recipe reference lists them.
+declare(MethodSpec(
+    "sft", "supervised fine-tuning on answers",
+    chunked_loss=True, packs=True, groups_by_length=True, prompt_loss_optional=True))
+declare(MethodSpec(
+    "dpo", "direct preference optimization on (prompt, chosen, rejected) pairs (data.format: preference) "
+    "with TRL's DPOTrainer",
+    settings=DpoSettings, old_sections=("preference",), data_formats=PAIR_FORMATS, data_description=PAIRS,
+    has_reference=True))
+declare(MethodSpec(
+    "kto", "Kahneman-Tversky optimization on completions labelled desirable or not (data.format: "
+    "unpaired_preference), TRL's KTOTrainer",
+    settings=KtoSettings, data_formats=("unpaired_preference",),
+    data_description="(prompt, completion, desirable or not) examples", owned_formats=("unpaired_preference",),
+    has_reference=True))
+declare(MethodSpec(
+    "orpo", "odds-ratio preference optimization on the same pairs as dpo, SFT and preference in one loss "
+    "without a reference model, TRL's ORPOTrainer",
+    settings=OrpoSettings, data_formats=PAIR_FORMATS, data_description=PAIRS))
+declare(MethodSpec(
+    "grpo", "group relative policy optimization: sampled completions scored by rewards a program checks "
+    "(exact match, BLEU, chrF, ROUGE, a format pattern, JSON, tool calls, length, your function), "
+    "TRL's GRPOTrainer",
+    settings=GrpoSettings, data_formats=("prompt", "prompt_completion", "alpaca", "chat"),
+    data_description="prompts (data.format: prompt, or the prompts of prompt_completion, alpaca or chat records)",
+    owned_formats=("prompt",), has_reference=True, reference_switch="beta", loss_tracks_learning=False,
+    eval_loss_beside_generation=False))

@@ -1,0 +1,116 @@
+"""The training methods' recipe sections (dpo:, kto:, orpo:, grpo:), each a Section named after its method and
+declared with it in tunekit.config.methods; the methods' trainers (tunekit.training.methods) read them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tunekit.config import rewards
+from tunekit.config.section import Section
+
+DEFAULT_BETA = 0.1  # TRL's default beta: the implicit reward's scale when the recipe sets none
+
+# ---------------------------------------------------------------- dpo
+
+# DPO losses TRL's DPOTrainer implements (trl 1.16, DPOConfig.loss_type)
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft")
+SMOOTHED = ("robust", "exo_pair", "aot", "aot_unpaired")  # the losses that read label_smoothing (trl 1.16)
+
+
+class DpoSettings(Section):
+    beta: float = Field(DEFAULT_BETA, gt=0, description="DPO: how far the policy may move from the reference "
+                        "(higher: closer to it). For loss_type ipo, the regularization strength.")
+    loss_type: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
+        "sigmoid", description="DPO loss, as TRL names them: " + ", ".join(DPO_LOSSES) + ".")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="DPO: assumed probability that a pair's "
+                                   "preference is flipped; TRL reads it in the losses " + ", ".join(SMOOTHED) + ".")
+
+    @model_validator(mode="after")
+    def _smoothing_where_read(self):
+        if self.label_smoothing and self.loss_type not in SMOOTHED:
+            raise ValueError(f"dpo.label_smoothing applies to loss_type {', '.join(SMOOTHED)}; TRL's "
+                             f"{self.loss_type} loss takes none: set one of those or remove label_smoothing")
+        return self
+
+
+# ---------------------------------------------------------------- kto
+
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
+KL_LOSSES = ("kto",)  # the losses that estimate a KL term from the other examples of a micro-batch
+
+
+class KtoSettings(Section):
+    beta: float = Field(DEFAULT_BETA, gt=0, description="KTO: how far the policy may move from the reference "
+                        "(higher: closer).")
+    loss_type: Literal[KTO_LOSSES] = Field(  # type: ignore[valid-type]
+        "kto", description="KTO loss, as TRL names them: kto (with the KL estimate from mismatched completions in "
+        "each micro-batch, which needs micro_batch_size >= 2) or apo_zero_unpaired.")
+    desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable examples' loss (to balance "
+                                    "unequal numbers of desirable and undesirable examples).")
+    undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable examples' loss.")
+
+
+# ---------------------------------------------------------------- orpo
+
+class OrpoSettings(Section):
+    beta: float = Field(DEFAULT_BETA, gt=0, description="ORPO: weight of the odds-ratio term added to the chosen "
+                        "answers' SFT loss (lambda in the paper; TRL's beta). There is no reference model.")
+
+
+# ---------------------------------------------------------------- grpo
+
+# GRPOConfig.loss_type values of trl 1.16 that need no further settings
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo")
+
+
+class RewardSpec(Section):
+    reward: str = Field(description="The reward's kind: " + rewards.names() + " (docs/methods.md, GRPO).")
+    weight: float = Field(1.0, description="Its weight in the sum GRPO trains on.")
+    name: str | None = Field(None, description="The name it is logged under (rewards/<name>/mean); default its kind.")
+    pattern: str | None = Field(None, description="regex: the pattern the whole completion must match.")
+    target: int | None = Field(None, ge=0, description="length: completion tokens allowed before the penalty starts "
+                               "(default 0).")
+    function: str | None = Field(None, description="function: `module:function`, importable from the working "
+                                 "directory (needs grpo.trust_local_code: true).")
+
+
+class GrpoSettings(Section):
+    rewards: list[RewardSpec] = Field(default_factory=list, description="What a completion earns: a list of "
+                                      "{reward, weight, ...} (docs/methods.md, GRPO has the table); at least one.")
+    completions: int = Field(4, ge=2, description="Completions sampled per prompt (a group). training."
+                             "micro_batch_size x gradient_accumulation_steps counts completions and must be a "
+                             "multiple of it.")
+    max_completion_length: int = Field(128, ge=1, description="Most tokens a sampled completion may have.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens holding this "
+                         "much probability.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient toward the reference (the base model); 0 (TRL's "
+                        "default) computes no reference at all.")
+    loss_type: Literal[GRPO_LOSSES] = Field(  # type: ignore[valid-type]
+        "dapo", description="GRPO loss, as TRL names them: " + ", ".join(GRPO_LOSSES) + ".")
+    epsilon: float = Field(0.2, gt=0, description="Clipping of the probability ratio (lower bound 1 - epsilon).")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clipping bound 1 + epsilon_high (DAPO: 0.28); "
+                                       "null: epsilon.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages divided by the rewards' spread in each group, the batch, or not at all.")
+    iterations: int = Field(1, ge=1, description="Optimizer steps on each batch of completions (TRL's mu).")
+    trust_local_code: bool = Field(False, description="Allow rewards of kind function (Python code of yours).")
+    vllm: bool = Field(False, description="Sample with vLLM (colocated on the training GPU; pip install "
+                       "'tunekit[vllm]').")
+
+    @model_validator(mode="after")
+    def _clipping_where_read(self):
+        """TRL's cispo caps the ratio at epsilon_high itself (recommended 5.0; with the null default it would take
+        epsilon, 0.2, and scale every update down about five times); cispo and sapo do not read epsilon."""
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError("grpo.epsilon_high: loss_type cispo caps the probability ratio at epsilon_high (not "
+                             "1 + epsilon_high); set it, e.g. 5.0 (TRL's recommendation)")
+        if self.loss_type in ("cispo", "sapo") and self.epsilon != GrpoSettings.model_fields["epsilon"].default:
+            raise ValueError(f"grpo.epsilon: loss_type {self.loss_type} does not clip by it; remove it")
+        if self.loss_type == "sapo" and self.epsilon_high is not None:
+            raise ValueError("grpo.epsilon_high: loss_type sapo does not clip by it; remove it")
+        return self
+

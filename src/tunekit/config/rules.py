@@ -1,0 +1,160 @@
+"""The recipe rules across sections, one function per topic, run in one order (RULES) by the schema's
+validation, so every command that loads a recipe refuses the same recipes. Each reads the validated recipe and
+the declarations (config.methods, config.metrics, config.rewards) and raises ValueError with one line naming
+the setting. Rules within one section sit beside its fields (config.schema)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from tunekit.config import methods, metrics, rewards
+from tunekit.config.methodsettings import KL_LOSSES
+
+
+def method_sections(recipe) -> None:
+    """No section or data format that belongs to another method than the recipe's."""
+    chosen = recipe.training.method
+    for other in methods.DECLARED.values():
+        if other.name == chosen:
+            continue
+        if other.section is not None and getattr(recipe, other.section) is not None:
+            raise ValueError(f"{other.section}: these settings belong to training.method {other.name}; set "
+                             f"training.method: {other.name} or remove the {other.section} section")
+        for fmt in recipe.data.formats():
+            if fmt in other.owned_formats:
+                raise ValueError(f"data.format: {fmt} is training data for training.method {other.name}; "
+                                 f"set training.method: {other.name} or use another format")
+
+
+def starting_adapter(recipe) -> None:
+    if recipe.model.adapter_from and (recipe.full_finetuning or (recipe.lora and recipe.lora.init != "default")):
+        raise ValueError("model.adapter_from continues a LoRA adapter: use adapter: lora with lora.init: default")
+
+
+def data_formats(recipe) -> None:
+    """Every data source's format is one the method trains on."""
+    method = methods.of(recipe)
+    wrong = [f for f in recipe.data.formats() if not method.trains_on(f)]
+    if wrong:
+        raise ValueError(f"training.method: {method.name} trains on {method.data_description}; set data.format "
+                         f"(and each source's format): {' or '.join(method.data_formats)} (got {wrong[0]})")
+
+
+def learning_rate(recipe) -> None:
+    method = methods.of(recipe)
+    if recipe.training.learning_rate == "auto" and not method.loss_tracks_learning:
+        raise ValueError(f"training.learning_rate: auto runs a range test on the training loss, which "
+                         f"training.method: {method.name} does not lower as it learns; set a rate, e.g. 1e-5")
+
+
+def settings_apply(recipe) -> None:
+    """A setting the method's trainer would not use is refused, not ignored (training.chunked_loss, on by
+    default and written into every run's recipe.yaml, is documented as SFT's instead)."""
+    method, t, d = methods.of(recipe), recipe.training, recipe.data
+    unused = [
+        (t.group_by_length and not method.groups_by_length, "training.group_by_length", "samples in its own order"),
+        (d.packing is True and not method.packs, "data.packing: true", "pads its batches"),
+        (not d.mask_prompt and not method.prompt_loss_optional, "data.mask_prompt: false", "trains the answers only"),
+    ]
+    for hit, key, why in unused:
+        if hit:
+            raise ValueError(f"{key} does not apply to training.method: {method.name}, which {why}; remove it")
+
+
+def reference(recipe) -> None:
+    """The reference is the base model, which a lora.init other than default rewrites."""
+    method, lora = methods.of(recipe), recipe.lora
+    if not method.has_reference or lora is None or lora.init == "default":
+        return
+    switch = method.reference_switch
+    if switch is None:
+        raise ValueError(f"training.method: {method.name} takes the base model as its reference, which lora.init="
+                         f"{lora.init} rewrites; use lora.init: default")
+    if getattr(method.settings_of(recipe), switch) > 0:
+        key = f"{method.section}.{switch}"
+        raise ValueError(f"{key}: the reference is the base model, which lora.init={lora.init} rewrites; use "
+                         f"lora.init: default or {key}: 0")
+
+
+def grpo_rewards(recipe) -> None:
+    """At least one reward, each well formed, logged under its own name, code run only when trusted."""
+    g = recipe.grpo
+    if g is None:
+        return
+    if not g.rewards:
+        raise ValueError("grpo.rewards: name at least one reward, e.g. [{reward: exact_match}] "
+                         "(docs/methods.md, GRPO)")
+    seen = set()
+    for i, spec in enumerate(g.rewards):
+        rewards.check(spec, i)
+        name = rewards.label(spec, i, g.rewards)
+        if name in seen:
+            raise ValueError(f"grpo.rewards[{i}].name: {name!r} is logged twice; give each reward its own name")
+        seen.add(name)
+        if spec.reward == "function" and not g.trust_local_code:
+            raise ValueError(f"grpo.rewards[{i}]: a function reward runs your Python code ({spec.function}); set "
+                             "grpo.trust_local_code: true to allow it")
+
+
+def installed(recipe) -> None:
+    """An optional package a setting needs is there."""
+    if recipe.grpo is not None and recipe.grpo.vllm and importlib.util.find_spec("vllm") is None:
+        raise ValueError("grpo.vllm: vLLM is not installed; pip install 'tunekit[vllm]' (on a CUDA machine) or set "
+                         "grpo.vllm: false")
+
+
+def batch(recipe) -> None:
+    """The micro-batch suits the method's loss: KTO's KL estimate needs neighbours, GRPO's groups fill it."""
+    t, kto, grpo = recipe.training, recipe.kto, recipe.grpo
+    if kto is not None and kto.loss_type in KL_LOSSES and t.micro_batch_size < 2:
+        raise ValueError("training.micro_batch_size: KTO's loss kto estimates its KL term from the other "
+                         "examples of a micro-batch; use 2 or more (or kto.loss_type: apo_zero_unpaired)")
+    if grpo is not None and (t.micro_batch_size * t.gradient_accumulation_steps) % grpo.completions:
+        raise ValueError(f"training.micro_batch_size: GRPO batches count completions, and micro_batch_size x "
+                         f"gradient_accumulation_steps ({t.micro_batch_size} x {t.gradient_accumulation_steps}) "
+                         f"must be a multiple of grpo.completions ({grpo.completions})")
+
+
+def best_metric_is_logged(recipe) -> None:
+    """metric_for_best names a metric the evaluations log: a generation metric of the eval section that runs
+    during training, or eval_loss (beside those only where the method computes it: not GRPO)."""
+    name = recipe.training.metric_for_best
+    if name is None:
+        return
+    key = name.removeprefix("eval_")
+    during = recipe.eval is not None and recipe.eval.during_training
+    logs_loss = not during or methods.of(recipe).eval_loss_beside_generation
+    declared = metrics.DECLARED
+    generated = []
+    if during:
+        generated = [k for m in recipe.eval.metrics if declared[m].scored for k, _ in declared[m].rows]
+    if (key != "loss" or not logs_loss) and key not in generated and not (recipe.eval and "/" in key):
+        hint = ("add an eval section (it logs " + ", ".join(k for m in declared.values() if m.scored for k, _ in
+                                                           m.rows) + " during training)") if not generated else \
+            "logged: " + ", ".join(["eval_loss"] * logs_loss + generated)
+        raise ValueError(f"training.metric_for_best: {name} is not logged at evaluations; {hint}")
+
+
+def sharding_fits_the_quantization(recipe) -> None:
+    if recipe.training.fsdp is not None and recipe.quantization is not None and recipe.quantization.bits == 8:
+        raise ValueError("quantization.bits 8 with training.fsdp: FSDP2 shards bitsandbytes' int8 weights "
+                         "apart from their scales, which the forward pass needs together; use bits: 4 (QLoRA) "
+                         "or training.deepspeed")
+
+
+def precision_agrees(recipe) -> None:
+    q, p = recipe.quantization, recipe.training.precision
+    if q is not None and q.compute_dtype != "auto" and p not in ("auto", "fp32") and q.compute_dtype != p:
+        raise ValueError(f"training.precision is {p} but quantization.compute_dtype is {q.compute_dtype}: "
+                         f"{p} and {q.compute_dtype} both on; make them agree")
+
+
+# the order a recipe breaking several rules is told of the first
+RULES = (method_sections, starting_adapter, data_formats, learning_rate, settings_apply, reference, grpo_rewards,
+         installed, batch, best_metric_is_logged, sharding_fits_the_quantization, precision_agrees)
+
+
+def run(recipe) -> None:
+    """Every rule, in order; the first broken one raises ValueError."""
+    for rule in RULES:
+        rule(recipe)
