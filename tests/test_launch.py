@@ -4,6 +4,7 @@ no training here."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -59,7 +60,8 @@ def test_fsdp_settings_become_the_trainers_fsdp2_arguments():
     assert "cpu_offload skipped" in fsdpconfig.describe(f, cuda=False)
     assert fsdpconfig.trainer_arguments(None, cuda=True) == {}
     assert fsdpconfig.mixed_precision_policy(f, "fp32") is None
-    assert fsdpconfig.mixed_precision_policy(f, "bf16") == {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
+    assert fsdpconfig.mixed_precision_policy(f, "bf16") == {"param_dtype": torch.bfloat16,
+                                                            "reduce_dtype": torch.bfloat16,
                                                             "output_dtype": torch.bfloat16}
     assert fsdpconfig.mixed_precision_policy(FsdpConfig(), "fp16")["reduce_dtype"] == torch.float32
 
@@ -83,7 +85,8 @@ def started(tmp_path, tiny_model):
 def test_resume_on_another_number_of_processes_keeps_the_examples_per_step(started):
     recipe, run = started
     assert layout.check_resume(recipe, run, world_size=2).name == "checkpoint-2"
-    twice = recipe.model_copy(update={"training": recipe.training.model_copy(update={"gradient_accumulation_steps": 2})})
+    twice = recipe.model_copy(
+        update={"training": recipe.training.model_copy(update={"gradient_accumulation_steps": 2})})
     assert layout.check_resume(twice, run, world_size=1).name == "checkpoint-2"  # 1 x 8 x 2 = 16
     with pytest.raises(TunekitError, match=r"1 process\(es\) x .* = 8 examples per step, but the run trained with 16 "
                                            r"\(2 process\(es\)\); set training.gradient_accumulation_steps"):
@@ -108,3 +111,49 @@ def test_a_stuck_process_prints_every_threads_stack_on_sigusr1(tmp_path):
         proc.kill()
     err = proc.communicate()[1]
     assert "most recent call first" in err and "waiting_here" in err, err[-2000:]
+
+
+NODE = ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "10.0.0.1:29511"]
+LAUNCH_CASES = {  # argv after `tunekit launch` -> the one line's cause
+    "zero nodes": (["--nnodes", "0", "train", "r.yaml"], "--nnodes 0: expected a number of nodes of at least 1"),
+    "a node range upside down": (["--nnodes", "3:2", "train", "r.yaml"], "--nnodes 3:2: expected a number of nodes"),
+    "a node count that is no number": (["--nnodes", "two", "train", "r.yaml"], "--nnodes two: expected"),
+    "zero processes": (["--nproc-per-node", "0", "train", "r.yaml"],
+                       "--nproc-per-node 0: expected a number of processes of at least 1"),
+    "a node rank past the count": (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "10.0.0.1:29511",
+                                    "train", "r.yaml"], "--node-rank 2: with --nnodes 2 the nodes are numbered 0 to 1"),
+    "an endpoint with a word for a port": ([*NODE[:-1], "10.0.0.1:port", "train", "r.yaml"],
+                                           "--rdzv-endpoint 10.0.0.1:port: expected HOST:PORT"),
+    "an endpoint past the last port": ([*NODE[:-1], "10.0.0.1:70000", "train", "r.yaml"],
+                                       "--rdzv-endpoint 10.0.0.1:70000: expected HOST:PORT"),
+    "an endpoint with no host": ([*NODE[:-1], ":29511", "train", "r.yaml"], "--rdzv-endpoint :29511: expected"),
+    "a command tunekit does not have": ([*NODE, "trian", "r.yaml"], "invalid choice: 'trian'"),
+    "an option train does not have": ([*NODE, "train", "RECIPE", "--epochs", "2"], "unrecognized arguments: --epochs"),
+    "a recipe that is not there": ([*NODE, "train", "missing.yaml"], "missing.yaml"),
+    "a recipe that train refuses": ([*NODE, "train", "RECIPE", "--set", "training.epochs=0"], "training.epochs"),
+}
+
+
+@pytest.mark.parametrize("case", LAUNCH_CASES)
+def test_launch_refuses_what_cannot_run_before_starting_anything(case, tmp_path, tiny_model, capsys, monkeypatch):
+    """In-process (the parse, the checks and the recipe's need no process): exit 2, one line naming the option
+    and the fix, no traceback, nothing written, within seconds and without waiting for any other node."""
+    from tunekit.cli.main import main
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl",
+                                                                                   reverse_rows(8)),
+                                                           tmp_path / "run"))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv, expected = LAUNCH_CASES[case]
+    started = time.monotonic()
+    try:
+        code = main(["launch", *[str(recipe) if a == "RECIPE" else a for a in argv]])
+    except SystemExit as e:  # argparse's own refusals of the launched command
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert re.match(r"tunekit( \w+)?: error: ", err[0]) and expected in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert time.monotonic() - started < 30

@@ -3,8 +3,10 @@ with launch failures said in one line.
 
 torch's launcher (torch.distributed.run) is used as it is: same options, same rendezvous, same elastic agent.
 What it does not do, this adds: a rendezvous port already taken on the rendezvous host is found before the
-launch (torch's c10d rendezvous would connect to whatever listens there and wait until killed); a node that
-never joins, and a rank that fails, end in one line instead of torch's tracebacks."""
+launch (torch's c10d rendezvous would connect to whatever listens there and wait until killed); every option
+torchrun takes on trust (node and process counts, the node's rank, the endpoint) and the tunekit command itself
+are checked before anything starts, so a node that could never take part says so at once; a node that never
+joins, and a rank that fails, end in one line instead of torch's tracebacks."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import errno
 import logging
 import socket
 import sys
+from typing import Callable
 
 from tunekit.core.errors import TunekitError
 
@@ -37,6 +40,44 @@ def _parse(argv: list[str]):
     return args
 
 
+def endpoint(text: str) -> tuple[str, int]:
+    """HOST[:PORT] -> (host, port); a malformed endpoint is refused in one line."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host, port_text = text, ""
+    host = host.strip("[]")
+    if not host or (port_text and not port_text.isdigit()) or not 0 < int(port_text or DEFAULT_PORT) < 65536:
+        raise TunekitError(f"--rdzv-endpoint {text}: expected HOST:PORT with a port from 1 to 65535, e.g. "
+                           f"--rdzv-endpoint 10.0.0.1:{DEFAULT_PORT}")
+    return host, int(port_text or DEFAULT_PORT)
+
+
+def node_counts(args) -> tuple[int, int]:
+    """(min, max) of --nnodes N or MIN:MAX."""
+    low, _, high = args.nnodes.partition(":")
+    if not low.isdigit() or not (high or low).isdigit() or int(low) < 1 or int(high or low) < int(low):
+        raise TunekitError(f"--nnodes {args.nnodes}: expected a number of nodes of at least 1 (or MIN:MAX with "
+                           "1 <= MIN <= MAX), e.g. --nnodes 2")
+    return int(low), int(high or low)
+
+
+def check(args) -> None:
+    """What torchrun takes on trust and then fails on late or waits on forever, refused before anything starts."""
+    _, most = node_counts(args)
+    nproc = str(args.nproc_per_node)
+    if nproc not in ("auto", "cpu", "gpu", "xpu") and not (nproc.isdigit() and int(nproc) >= 1):
+        raise TunekitError(f"--nproc-per-node {nproc}: expected a number of processes of at least 1 (or auto, gpu, "
+                           "cpu), e.g. --nproc-per-node 2")
+    if not 0 <= args.node_rank < most:
+        raise TunekitError(f"--node-rank {args.node_rank}: with --nnodes {args.nnodes} the nodes are numbered 0 to "
+                           f"{most - 1}; give each node its own rank in that range (0 on the node that serves the "
+                           "rendezvous)")
+    if args.rdzv_endpoint:
+        endpoint(args.rdzv_endpoint)
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise TunekitError(f"--master-port {args.master_port}: expected a port from 1 to 65535")
+
+
 def _rendezvous_address(args) -> tuple[str, int] | None:
     """(host, port) this node serves the rendezvous on, or None when another node does."""
     if args.standalone:
@@ -44,8 +85,7 @@ def _rendezvous_address(args) -> tuple[str, int] | None:
     if args.rdzv_backend == "static" or not args.rdzv_endpoint:
         host, port = args.master_addr, args.master_port or DEFAULT_PORT
     else:
-        host, _, port_text = args.rdzv_endpoint.rpartition(":")
-        host, port = (host, int(port_text)) if host else (args.rdzv_endpoint, DEFAULT_PORT)
+        host, port = endpoint(args.rdzv_endpoint)
     return (host, int(port)) if args.node_rank == 0 else None
 
 
@@ -76,13 +116,17 @@ def _first_failure(err) -> str:
     return f"rank {rank} on this node ({socket.gethostname()}) ended with {what}"
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], check_command: Callable[[list[str]], None] | None = None) -> int:
+    """Launch; `check_command` refuses a tunekit command (its arguments, its recipe) before anything starts."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
     args = _parse(argv)
+    check(args)
+    if check_command is not None:
+        check_command(args.training_script_args)
     served = _rendezvous_address(args)
     if served is not None:
         check_port(*served)
