@@ -418,6 +418,25 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
 
 
+def cmd_chat(a) -> int:
+    from tunekit.evaluation import conversation  # imports no torch: a missing run is one line before loading
+
+    conversation.chat(a.target, a.recipe, a.once, a.system, a.max_new_tokens, a.dtype)
+    return 0
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", help="run directory, merged directory, or base model (hub id, directory, GGUF)")
+    p.add_argument("--once", metavar="TEXT", help="send one message, print the answer and exit (for scripts)")
+    p.add_argument("--system", metavar="TEXT", help="system message (default: the recipe's data.system_prompt)")
+    p.add_argument("--max-new-tokens", type=positive_int,
+                   help="answer length cap (default: the recipe's eval.max_new_tokens, else 64)")
+    p.add_argument("--recipe", help="recipe whose prompt settings a base-model target uses (default: its chat "
+                                    "template, else the bare text)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="model dtype, as for eval (auto: bf16/fp16 on GPU, fp32 on CPU)")
+
+
 def _launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("torchrun_options_and_command", nargs="*", metavar="...",
                    help="torchrun's options (--nnodes, --nproc-per-node, --node-rank, --rdzv-endpoint HOST:PORT, "
@@ -459,6 +478,8 @@ VERBS = {
     "push": ("upload a run's adapter, merged weights or GGUF file to the Hugging Face Hub as one commit, with a "
              "model card (recipe, data, eval before/after, contamination, training curves)", _push_args, cmd_push),
     "eval": ("generate on held-out data and score BLEU, chrF, ROUGE, exact match, loss", _eval_args, cmd_eval),
+    "chat": ("talk to a run, merged directory or base model in the terminal, prompts and answers as eval makes "
+             "them; history kept, /reset, /exit; --once TEXT for one answer", _chat_args, cmd_chat),
     "runs": ("list the runs under a directory: status, steps, scores, wall time, output", _runs_args, cmd_runs),
     "report": ("one self-contained HTML page: curves, scores, best step, predictions; several runs overlaid",
                _report_args, cmd_report),

@@ -81,19 +81,14 @@ def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, bat
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     mine = batches[rank::world]
     found: dict[int, str] = {}
-    device = next(model.parameters()).device
     model.eval()
     bar = console.Progress("eval: generating", len(order), unit="answers")
     try:
         for k in range(-(-len(batches) // world)):
             idx = mine[k] if k < len(mine) else batches[0]
-            batch = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True,
-                              add_special_tokens=add_special_tokens).to(device)
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            answers = generate_batch(model, tokenizer, [prompts[i] for i in idx], add_special_tokens, max_new_tokens)
             if k < len(mine):
-                new = out[:, batch["input_ids"].shape[1]:]
-                found.update({i: tokenizer.decode(ids, skip_special_tokens=True).strip() for i, ids in zip(idx, new)})
+                found.update(zip(idx, answers))
             bar.update_to(min((k + 1) * batch_size * world, len(order)))
     finally:
         bar.close()
@@ -101,6 +96,19 @@ def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, bat
     for part in distributed.gather_objects(found) if world > 1 else []:
         found.update(part)
     return [found[i] for i in range(len(prompts))]
+
+
+@torch.no_grad()
+def generate_batch(model, tokenizer, prompts: list[str], add_special_tokens: bool, max_new_tokens: int,
+                   streamer=None) -> list[str]:
+    """One generate() call: greedy continuations of `prompts` (padded on the tokenizer's side; `generate` sets
+    left), decoded without special tokens and stripped. Eval's decoding, which `tunekit chat` shares
+    (evaluation.conversation), there with a transformers streamer showing the answer as it is generated."""
+    device = next(model.parameters()).device
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, streamer=streamer)
+    return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in out[:, batch["input_ids"].shape[1]:]]
 
 
 @torch.no_grad()
