@@ -8,7 +8,6 @@ import argparse
 import contextlib
 import faulthandler
 import logging
-import os
 import signal
 import sys
 
@@ -108,184 +107,65 @@ def say_defaults(recipe) -> None:
 
 
 def cmd_validate(a) -> int:
-    from tunekit.config import loading as recipe_mod
-    from tunekit.data import precheck
+    from tunekit import api
 
-    # torch-free: a model or data set that cannot be had here is named in a warning, not refused
-    recipe = precheck.check(recipe_mod.load(a.recipe, a.overrides), data_needed=False, model="optional")
-    print(recipe_mod.to_yaml(recipe), end="")
-    say_defaults(recipe)
-    if recipe.training.deepspeed and not a.world_size:
-        logging.getLogger("tunekit").info("training.deepspeed checked against the recipe; DeepSpeed's own check of "
-                                          "its settings runs with --world-size N and when training starts")
-    if recipe.training.deepspeed and a.world_size:
+    # torch-free unless the recipe names a DeepSpeed config: a model or data set that cannot be had here is named
+    # in a warning, not refused
+    result = api.validate(a.recipe, a.overrides, a.world_size)
+    print(result.yaml, end="")
+    say_defaults(result.recipe)
+    if result.deepspeed is not None:
         import json
 
-        from tunekit.config import deepspeed as dsconfig
-        from tunekit.core.hardware import resolve_precision
-        from tunekit.training.runner import deepspeed_config
-
-        dsconfig.check_file(recipe.training.deepspeed)
-        precision = resolve_precision(recipe.training.precision)
-        ds = deepspeed_config(recipe, precision, a.world_size, shipped=True)
-        print(f"# DeepSpeed config for world size {a.world_size}, precision {precision.name} ({precision.reason})")
-        print(json.dumps(ds, indent=2))
+        print(f"# DeepSpeed config for world size {result.world_size}, precision {result.precision}")
+        print(json.dumps(result.deepspeed, indent=2))
     return 0
 
 
 def cmd_train(a) -> int:
-    from pathlib import Path
+    from tunekit import api
 
-    from tunekit.config import loading as recipe_mod
-    from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
-
-    recipe = recipe_mod.load(a.recipe, a.overrides)
-    out = Path(recipe.output_dir)
-    main_process = os.environ.get("RANK", "0") == "0"
-    if a.resume:
-        require_dir(out, "--resume: output_dir")
-    elif main_process:  # fail fast, before torch is imported
-        check_writable(out, "output_dir")
-        with exclusive(out):  # a run in progress is named, not reported as "exists"
-            check_free(out, a.force, "output_dir")
-    if main_process:  # data and model before torch; then DeepSpeed's own check, which imports it
-        from tunekit.config import deepspeed as dsconfig
-        from tunekit.data import precheck
-
-        recipe = precheck.check(recipe, data_needed=True, model="needed")
-        if recipe.training.deepspeed:
-            dsconfig.check_file(recipe.training.deepspeed)
-    from tunekit.core import distributed
-    from tunekit.evaluation import runner as evaluation
-    from tunekit.training import runner as train
-
-    requested = distributed.accelerate_cpu_request()
-    if requested:
-        logging.getLogger("tunekit").info(
-            "accelerate started one process for --num_processes %d on a machine without GPUs; "
-            "starting %d CPU processes (gloo) with torch.distributed.run", requested, requested)
-        return distributed.relaunch(requested, sys.argv[1:])
-
-    if not main_process:
-        train.run(recipe, force=a.force, resume=a.resume)
-        return 0
-    with exclusive(out):  # held from training through the end-of-training eval
-        result = train.run(recipe, force=a.force, resume=a.resume)
-        if result.recipe.eval is not None:
-            evaluation.end_of_training(result.recipe, out)
-        from tunekit.reporting import report
-
-        logging.getLogger("tunekit").info("report: %s", report.write([out]))
-    return 0
+    return api.train(a.recipe, a.overrides, force=a.force, resume=a.resume, argv=sys.argv[1:]).exit_code
 
 
 def cmd_merge(a) -> int:
-    from pathlib import Path
+    from tunekit import api
 
-    from tunekit.config.loading import load
-    from tunekit.data import precheck
-    from tunekit.runs.layout import RECIPE_FILE, adapter_run
-
-    run_dir, _ = adapter_run(Path(a.run_dir))  # the run and its base model, before torch
-    precheck.check_model(load(run_dir / RECIPE_FILE).model)
-    from tunekit.export import merge
-
-    merge.merge(run_dir, Path(a.out) if a.out else None, a.dtype, a.force, a.tolerance)
+    api.merge(a.run_dir, a.out, a.dtype, a.force, a.tolerance)
     return 0
 
 
 def cmd_export(a) -> int:
-    from pathlib import Path
+    from tunekit import api
 
-    from tunekit.export import source
-
-    source.check_first(a.target)  # before torch
-    from tunekit.export import run as export
-
-    export.export(a.target, a.quant, Path(a.out) if a.out else None, a.force, a.format, a.dtype)
+    api.export(a.target, a.format, a.quant, a.dtype, a.out, a.force)
     return 0
 
 
 def cmd_eval(a) -> int:
-    from pathlib import Path
+    from tunekit import api
 
-    from tunekit.config.schema import EvalConfig
-    from tunekit.data import precheck
-    from tunekit.runs.layout import ADAPTER_DIR, resolve_target
-
-    for flag, value in (("--data", a.data), ("--recipe", a.recipe)):
-        if value is not None and not Path(value).is_file():
-            raise TunekitError(f"{flag} {value}: " + ("is a directory; give a file" if Path(value).is_dir() else
-                                                      "file not found"))
-    targets = [resolve_target(t, a.recipe, a.data) for t in [a.target] + ([a.compare] if a.compare else [])]
-    for target in targets:  # before torch: a merged directory or a full fine-tuning run is its own model
-        lora_run = target.kind == "run" and (target.location / ADAPTER_DIR).is_dir()
-        precheck.check_eval(target.recipe, a.data, base_model=target.kind == "base" or lora_run,
-                            tokenizer=target.kind == "base")
-    from tunekit.evaluation import runner as evaluation
-    from tunekit.evaluation.table import format_table
-
-    columns = []
-    for i, target in enumerate(targets):
-        base = target.recipe.eval or EvalConfig()
-        updates = {k: v for k, v in (("limit", a.limit), ("batch_size", a.batch_size),
-                                    ("max_new_tokens", a.max_new_tokens)) if v is not None}
-        cfg = EvalConfig.model_validate({**base.model_dump(), **updates})
-        out = Path(a.out) / ("target" if i == 0 else "compare") if a.out and a.compare else (Path(a.out) if a.out else None)
-        result = evaluation.evaluate(target, cfg, a.data, out, a.dtype, a.force)
-        columns.append((target.label, result["scores"]))
-    print(format_table(columns))
+    result = api.evaluate(a.target, a.recipe, a.data, a.compare, a.out, a.limit, a.batch_size, a.max_new_tokens,
+                          a.dtype, a.force)
+    print(result.table())
     return 0
 
 
 def cmd_plan(a) -> int:
-    from tunekit.config import loading as recipe_mod
-    from tunekit.data import precheck
+    from tunekit import api
 
-    # torch-free first; a model given by --model-config need not be here
-    recipe = precheck.check(recipe_mod.load(a.recipe, a.overrides), data_needed=False,
-                            model="skip" if a.model_config else "shipped")
-    from tunekit.core.hardware import resolve_precision
-    from tunekit.models.info import config_file, fit_max_length
-    from tunekit.plan import estimate as plan
-
-    given = config_file(a.model_config) if a.model_config else None
-    recipe = fit_max_length(recipe, shipped=True, given=given)
-    precision = recipe.training.precision  # planned as written: a GPU's precision need not exist here
-    if precision == "auto":
-        precision = resolve_precision("auto").name
-    settings = plan.settings_from(recipe, a.world_size, precision, peak_tflops=a.peak_tflops,
-                                  utilization=a.utilization,
-                                  memory_bandwidth=a.memory_bandwidth * 1e9 if a.memory_bandwidth else None)
-    cfg, model = plan.meta_model(recipe, given)
-    result = plan.make(recipe, settings, cfg, model)
-    budget = a.gpu_memory
-    fixes = plan.suggestions(recipe, result, budget, cfg, model) if budget and result.peak > budget else []
-    print(plan.to_json(result) if a.json else plan.report(recipe, result, budget, fixes))
+    result = api.plan(a.recipe, a.overrides, a.world_size, a.gpu_memory, a.peak_tflops, a.utilization,
+                      a.memory_bandwidth, a.model_config)
+    print(result.to_json() if a.json else result.report())
     return 0
 
 
 def cmd_data(a) -> int:
-    from tunekit.config import loading as recipe_mod
-    from tunekit.data import precheck
-
-    recipe = precheck.check(recipe_mod.load(a.recipe, a.overrides), data_needed=True, model="needed")  # before torch
-    from tunekit.training import methods
-
-    method = methods.of(recipe)
-    if method.data_formats is not None:  # a method with its own data (pairs, labelled completions)
-        raise TunekitError(f"training.method: {method.name} trains on {method.data_description}; tunekit data "
-                           f"shows the examples of methods that train on every data format ({methods.DEFAULT})")
-    from tunekit.data import preview
-    from tunekit.models import info, tokenizer
+    from tunekit import api
     from tunekit.reporting import dataview
 
-    recipe = info.fit_max_length(recipe)  # as training fits it
-    renderer = preview.renderer_for(recipe.data, tokenizer.load(recipe.model))
-    records, facts, found = preview.training_records(recipe.data, recipe.training.seed)
-    result = preview.preview(records, renderer, recipe.data, a.show)
-    print(dataview.json_lines(result, facts, found) if a.json else
-          dataview.text(result, facts, found, dataview.colour_wanted()), end="")
+    result = api.data(a.recipe, a.overrides, a.show)
+    print(result.json_lines() if a.json else result.text(dataview.colour_wanted()), end="")
     return 0
 
 
@@ -314,9 +194,10 @@ def cmd_report(a) -> int:
 
 
 def cmd_push(a) -> int:
-    from tunekit.export import push  # imports no torch: a LoRA run is merged (--what merged) only once all is checked
+    from tunekit import api  # imports no torch: a LoRA run is merged (--what merged) only once all is checked
 
-    print(f"pushed to {push.push(a.target, a.repo, a.what, a.private, a.revision, a.force, a.baseline, a.base_model)}")
+    pushed = api.push(a.target, a.repo, a.what, a.private, a.revision, a.force, a.baseline, a.base_model)
+    print(f"pushed to {pushed.url}")
     return 0
 
 
@@ -446,7 +327,15 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
 def cmd_launch(a) -> int:
     from tunekit.cli import launch
 
-    return launch.main(a.torchrun_options_and_command)
+    def check_command(argv: list[str]) -> None:
+        """The launched command's arguments, and a training recipe's checks, before any process starts."""
+        command = build_parser().parse_args(argv)  # a wrong verb or option: one line, exit 2
+        if command.func is cmd_train:
+            from tunekit import api
+
+            api.validate(command.recipe, command.overrides)
+
+    return launch.main(a.torchrun_options_and_command, check_command)
 
 
 def _runs_args(p: argparse.ArgumentParser) -> None:
@@ -504,14 +393,7 @@ def _setup_logging(verbose: bool) -> None:
     from tunekit.core import console, quiet
 
     quiet.install(verbose)
-    log = logging.getLogger("tunekit")
-    if not log.handlers:
-        handler = console.LogHandler(sys.stderr)  # above any progress bar (core.console)
-        handler.setFormatter(logging.Formatter("tunekit: %(message)s"))
-        log.addHandler(handler)
-        # one voice in multi-process runs: other ranks report only problems
-        log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
-        log.propagate = False
+    console.attach(sys.stderr)  # tunekit's log lines, above any progress bar; INFO on the main process only
 
 
 def main(argv: list[str] | None = None) -> int:

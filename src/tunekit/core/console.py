@@ -1,11 +1,14 @@
 """What a command shows while it works, on stderr: tunekit's log lines and one progress display per phase.
 
-On a terminal a phase is a bar redrawn in place, and log lines are written above the bars; elsewhere (CI, a
-pipe, `| tee`) there are no carriage returns, only lines. TUNEKIT_PROGRESS=bars or =lines chooses instead
-of the terminal test. Nothing here imports a heavy library: tqdm is imported only to draw a bar."""
+On a terminal a phase is a bar redrawn in place, and log lines are written above the bars; in a Jupyter
+notebook (an IPython kernel) with ipywidgets installed a phase is a notebook bar (tqdm.notebook); elsewhere (CI,
+a pipe, `| tee`, a notebook without ipywidgets) there are no carriage returns, only lines. TUNEKIT_PROGRESS=bars
+or =lines chooses instead of these tests. Nothing here imports a heavy library: tqdm is imported only to draw a
+bar."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -16,12 +19,61 @@ MODES = ("bars", "lines")
 log = logging.getLogger("tunekit")
 
 
+def in_notebook() -> bool:
+    """Running in an IPython kernel (Jupyter, JupyterLab, VS Code's notebooks, Colab): IPython is imported and its
+    shell is a kernel's, not the terminal's. Imports nothing."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        shell = ipython.get_ipython()
+    except Exception:
+        return False
+    if shell is None:
+        return False
+    try:
+        kernel = "IPKernelApp" in shell.config
+    except Exception:
+        kernel = False
+    return kernel or type(shell).__name__ == "ZMQInteractiveShell" or "google.colab" in sys.modules
+
+
+def notebook_bars() -> bool:
+    """A notebook that can draw a notebook bar (tqdm.notebook needs ipywidgets)."""
+    return in_notebook() and importlib.util.find_spec("ipywidgets") is not None
+
+
 def mode() -> str:
-    """'bars' when stderr is a terminal, else 'lines'; TUNEKIT_PROGRESS (bars|lines) overrides."""
+    """'bars' when stderr is a terminal or in a notebook that can draw bars, else 'lines'; TUNEKIT_PROGRESS
+    (bars|lines) overrides."""
     chosen = os.environ.get(MODE_VAR, "").strip().lower()
     if chosen in MODES:
         return chosen
-    return "bars" if sys.stderr.isatty() else "lines"
+    return "bars" if sys.stderr.isatty() or notebook_bars() else "lines"
+
+
+def bar_class():
+    """tqdm's notebook bar (a widget, no carriage returns) in a notebook that can draw one, else its text bar."""
+    if notebook_bars():
+        from tqdm.notebook import tqdm
+    else:
+        from tqdm import tqdm
+    return tqdm
+
+
+def attach(stream=None, when_unconfigured: bool = False) -> None:
+    """tunekit's log lines ("tunekit: ...") on `stream` (default stderr), above any bar; INFO on the main process,
+    only problems on the others. Once: nothing is done when tunekit's logger has a handler already.
+    `when_unconfigured` (the Python API): nothing either when the application configured logging (the root
+    logger has handlers), so that its own configuration decides."""
+    if log.handlers or (when_unconfigured and logging.getLogger().handlers):
+        return
+    handler = LogHandler(stream or sys.stderr)  # above any progress bar
+    handler.setFormatter(logging.Formatter("tunekit: %(message)s"))
+    log.addHandler(handler)
+    # one voice in multi-process runs: other ranks report only problems
+    log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+    log.propagate = False
 
 
 def duration(seconds: float) -> str:
@@ -58,8 +110,7 @@ class Progress:
         if not log.isEnabledFor(logging.INFO):
             return
         if mode() == "bars":
-            from tqdm import tqdm
-
+            tqdm = bar_class()
             fmt = ("{desc} {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} [{elapsed}"
                    + ("<{remaining}, {rate_fmt}" if rate else "") + "{postfix}]")
             self.bar = tqdm(total=self.total, desc=desc, unit=f" {unit}" if unit else "it", initial=initial,

@@ -1,0 +1,63 @@
+"""The checks a recipe passes before any weights are loaded, in one order for `validate`, `train`, `plan` and
+`data`: the output directory can be written (validate and train), the data parse and the model can be had
+(data.precheck), then DeepSpeed's own check of training.deepspeed and its "auto" values resolved against the
+recipe (validate and train; they import deepspeed and torch, seconds). What each verb asks of the data and
+the model differs (`data_needed`, `model`: see data.precheck.check); the rules and their order do not."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunekit.config.schema import Recipe
+
+log = logging.getLogger("tunekit")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a verb asks of the recipe's surroundings: see data.precheck.check for `data_needed` and `model`.
+    `output_dir`: the run directory must be creatable and writable. `deepspeed`: DeepSpeed's own check runs."""
+
+    data_needed: bool
+    model: str
+    output_dir: bool = False
+    deepspeed: bool = False
+
+
+VALIDATE = Needs(data_needed=False, model="optional", output_dir=True, deepspeed=True)
+TRAIN = Needs(data_needed=True, model="needed", deepspeed=True)  # train checks output_dir itself: --resume, locks
+PLAN = Needs(data_needed=False, model="shipped")
+PLAN_GIVEN_CONFIG = Needs(data_needed=False, model="skip")
+DATA = Needs(data_needed=True, model="needed")
+
+
+def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) -> Recipe:
+    """Every check that refuses the recipe before a weight is loaded; returns the recipe as data.precheck
+    fits it. `world_size`: DeepSpeed's batch size is checked for this many processes (None: not checked here;
+    training checks it at its real world size)."""
+    if needs.output_dir:
+        from tunekit.core.outputs import check_writable
+
+        check_writable(Path(recipe.output_dir), "output_dir")
+    from tunekit.data import precheck
+
+    recipe = precheck.check(recipe, data_needed=needs.data_needed, model=needs.model)
+    if needs.deepspeed and recipe.training.deepspeed:
+        deepspeed(recipe, world_size)
+    return recipe
+
+
+def deepspeed(recipe: Recipe, world_size: int | None) -> None:
+    """DeepSpeed's own check of training.deepspeed (it imports deepspeed and torch), then its "auto" values
+    filled from the recipe at the precision training would take here; a contradiction raises."""
+    from tunekit.config import deepspeed as dsconfig
+
+    path = recipe.training.deepspeed
+    dsconfig.check_file(path)
+    from tunekit.core.hardware import resolve_precision
+
+    where = f"training.deepspeed {path}"
+    dsconfig.resolve(dsconfig.read(path, where), recipe, world_size, resolve_precision(recipe.training.precision).name,
+                     where)

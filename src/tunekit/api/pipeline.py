@@ -1,0 +1,220 @@
+"""validate, train, evaluate: a recipe checked, trained into its run directory (then scored and reported), and
+runs or models scored on held-out data. Heavy libraries are imported inside, after the checks that need none."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from tunekit.api import checks, recipes
+from tunekit.api.recipes import Overrides, RecipeLike
+from tunekit.config.schema import Recipe
+from tunekit.core import console
+from tunekit.core.errors import TunekitError
+
+log = logging.getLogger("tunekit")
+
+
+@dataclass
+class Validated:
+    """A recipe that passed every check `train` runs before loading weights."""
+
+    recipe: Recipe  # every default filled, files made absolute
+    deepspeed: dict | None = None  # the DeepSpeed config resolved for `world_size`, when asked for
+    world_size: int | None = None
+    precision: str | None = None  # and why, for the resolved DeepSpeed config
+
+    @property
+    def yaml(self) -> str:
+        from tunekit.config import loading
+
+        return loading.to_yaml(self.recipe)
+
+
+def validate(recipe: RecipeLike, overrides: Overrides = None, world_size: int | None = None) -> Validated:
+    """Refuse (TunekitError) whatever `train` would refuse before loading weights. A model or hub data set that
+    cannot be had here is named in a warning. With `world_size`, the DeepSpeed config is also resolved for that
+    many processes and returned; DeepSpeed's own check runs in any case (it imports torch: seconds)."""
+    console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
+    loaded = checks.before_weights(recipes.load(recipe, overrides), checks.VALIDATE, world_size or 1)
+    if not (loaded.training.deepspeed and world_size):
+        return Validated(loaded)
+    from tunekit.core.hardware import resolve_precision
+    from tunekit.training.runner import deepspeed_config
+
+    precision = resolve_precision(loaded.training.precision)
+    return Validated(loaded, deepspeed_config(loaded, precision, world_size, shipped=True), world_size,
+                     f"{precision.name} ({precision.reason})")
+
+
+@dataclass
+class TrainingRun:
+    """A trained run: its directory, the recipe as trained, the end-of-training scores and the report page."""
+
+    run_dir: Path
+    recipe: Recipe
+    scores: dict | None = None  # eval/metrics.json's scores, when the recipe has an eval section
+    report: Path | None = None
+    exit_code: int = 0  # of the processes started again under torch.distributed.run (see `train`)
+
+    @property
+    def files(self) -> list[Path]:
+        return _files(self.run_dir)
+
+
+def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, resume: bool = False,
+          argv: Sequence[str] | None = None) -> TrainingRun:
+    """Train the recipe into its run directory (output_dir), then its end-of-training eval and report.html.
+    `force`: replace an existing run; `resume`: continue it from its newest complete checkpoint. Everything
+    that can be checked without torch is checked first, and the run directory is held (a second process on it
+    is refused) from the checks through the report. Under several processes (torchrun) every process calls
+    this; only the main one evaluates and reports. `argv`: the command line (`train RECIPE ...`) to start
+    again as CPU processes when `accelerate launch --num_processes N` started one on a machine without GPUs."""
+    console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
+    from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
+
+    loaded = recipes.load(recipe, overrides)
+    out = Path(loaded.output_dir)
+    main_process = os.environ.get("RANK", "0") == "0"
+    if resume:
+        require_dir(out, "--resume: output_dir")
+    elif main_process:  # fail fast, before torch is imported
+        check_writable(out, "output_dir")
+        with exclusive(out):  # a run in progress is named, not reported as "exists"
+            check_free(out, force, "output_dir")
+    if main_process:  # data and model before torch; then DeepSpeed's own check, which imports it
+        world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+        loaded = checks.before_weights(loaded, checks.TRAIN, world)
+    from tunekit.core import distributed
+    from tunekit.evaluation import runner as evaluation
+    from tunekit.training import runner
+
+    requested = distributed.accelerate_cpu_request()
+    if requested:
+        if argv is None:
+            raise TunekitError(f"accelerate started one process for --num_processes {requested} on a machine "
+                               "without GPUs; run tunekit train under torchrun (tunekit launch) instead")
+        log.info("accelerate started one process for --num_processes %d on a machine without GPUs; "
+                 "starting %d CPU processes (gloo) with torch.distributed.run", requested, requested)
+        return TrainingRun(out, loaded, exit_code=distributed.relaunch(requested, list(argv)))
+
+    if not main_process:
+        result = runner.run(loaded, force=force, resume=resume)
+        return TrainingRun(out, result.recipe)
+    with exclusive(out):  # held from training through the end-of-training eval
+        result = runner.run(loaded, force=force, resume=resume)
+        scores = None
+        if result.recipe.eval is not None:
+            scores = evaluation.end_of_training(result.recipe, out)["scores"]
+        from tunekit.reporting import report
+
+        page = report.write([out])
+        log.info("report: %s", page)
+    return TrainingRun(out, result.recipe, scores, page)
+
+
+@dataclass
+class Evaluation:
+    """One target's scores, as written to `out`/metrics.json (with predictions.jsonl beside it)."""
+
+    label: str  # run:NAME, merged:NAME or base:MODEL
+    scores: dict
+    out: Path
+    metrics: dict = field(repr=False)  # the whole metrics.json: target, kind, scores, settings
+
+    @property
+    def files(self) -> list[Path]:
+        return _files(self.out)
+
+
+@dataclass
+class Evaluations:
+    """`evaluate`'s result: the target's evaluation, then the compared one's."""
+
+    evaluations: list[Evaluation]
+
+    @property
+    def scores(self) -> dict:
+        """The (first) target's scores."""
+        return self.evaluations[0].scores
+
+    def table(self) -> str:
+        from tunekit.evaluation.table import format_table
+
+        return format_table([(e.label, e.scores) for e in self.evaluations])
+
+
+def _file_given(flag: str, value) -> None:
+    if value is not None and not Path(value).is_file():
+        raise TunekitError(f"{flag} {value}: " + ("is a directory; give a file" if Path(value).is_dir() else
+                                                  "file not found"))
+
+
+def _target(spec: str, recipe: RecipeLike | None, data: str | None):
+    """What `spec` names: a run, a merged directory, or a base model read with `recipe`'s data and prompt
+    settings (or with `data` alone)."""
+    from tunekit.runs.layout import MERGED_MARKER, Target, is_run, resolve_target
+
+    if recipe is None or recipes.is_path(recipe):
+        return resolve_target(spec, None if recipe is None else str(recipe), data)
+    path = Path(spec)
+    if is_run(path) or (path.is_dir() and (path / MERGED_MARKER).is_file()):
+        return resolve_target(spec, None, data)
+    from tunekit.config.modelsource import resolve_model
+
+    resolve_model(spec, "eval target")
+    return Target("base", spec, recipes.load(recipe, {"model.name_or_path": spec}))
+
+
+def evaluate(target: str | os.PathLike, recipe: RecipeLike | None = None, data: str | os.PathLike | None = None,
+             compare: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
+             limit: int | None = None, batch_size: int | None = None, max_new_tokens: int | None = None,
+             dtype: str = "auto", force: bool = False) -> Evaluations:
+    """Generate on held-out data and score it, as `tunekit eval` does. `target` (and `compare`): a run directory,
+    a merged directory or a base model (hub id, directory, GGUF file), which takes its data and prompt settings
+    from `recipe` (path, dict or Recipe) or reads `data` alone. `data`: an eval file in place of the recipe's
+    held-out data. `out`: where metrics.json and predictions.jsonl go (default TARGET/eval for a run; with
+    `compare`, OUT/target and OUT/compare)."""
+    console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
+    from pydantic import ValidationError
+
+    from tunekit.config.loading import format_validation_error
+    from tunekit.config.schema import EvalConfig
+    from tunekit.data import precheck
+    from tunekit.runs.layout import ADAPTER_DIR
+
+    data = None if data is None else str(data)
+    _file_given("--data", data)
+    if recipes.is_path(recipe):
+        _file_given("--recipe", str(recipe))
+    resolved = [_target(str(t), recipe, data) for t in [target] + ([compare] if compare else [])]
+    for t in resolved:  # before torch: a merged directory or a full fine-tuning run is its own model
+        lora_run = t.kind == "run" and (t.location / ADAPTER_DIR).is_dir()
+        precheck.check_eval(t.recipe, data, base_model=t.kind == "base" or lora_run, tokenizer=t.kind == "base")
+    from tunekit.evaluation import runner as evaluation
+
+    found = []
+    for i, t in enumerate(resolved):
+        base = t.recipe.eval or EvalConfig()
+        updates = {k: v for k, v in (("limit", limit), ("batch_size", batch_size),
+                                    ("max_new_tokens", max_new_tokens)) if v is not None}
+        try:
+            cfg = EvalConfig.model_validate({**base.model_dump(), **updates})
+        except ValidationError as e:
+            raise TunekitError(format_validation_error(e, "eval")) from None
+        where = (Path(out) / ("target" if i == 0 else "compare") if out and compare
+                 else (Path(out) if out else evaluation.default_out(t)))
+        result = evaluation.evaluate(t, cfg, data, where, dtype, force)
+        found.append(Evaluation(t.label, result["scores"], where, result))
+    return Evaluations(found)
+
+
+def _files(path: Path) -> list[Path]:
+    """The files under a directory (or the file itself), sorted."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
