@@ -44,7 +44,8 @@ def ctx(tmp_path, tiny_model):
 def _with(c, **sections) -> dict:
     raw = {"model": {"name_or_path": c["model"]}, "data": {"train": c["data"]}}
     for key, value in sections.items():
-        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) and isinstance(raw.get(key), dict) else value
+        raw[key] = ({**raw.get(key, {}), **value} if isinstance(value, dict) and isinstance(raw.get(key), dict)
+                    else value)
     return raw
 
 
@@ -74,7 +75,8 @@ RECIPES = {
                            "model.name_or_path: Input should be a valid string"),
     "lr not a number": (lambda c: _with(c, training={"learning_rate": "fast"}),
                         "training.learning_rate: Input should be a valid number"),
-    "lr negative": (lambda c: _with(c, training={"learning_rate": -1}), "training.learning_rate: Input should be greater than 0"),
+    "lr negative": (lambda c: _with(c, training={"learning_rate": -1}),
+                    "training.learning_rate: Input should be greater than 0"),
     "lr too large": (lambda c: _with(c, training={"learning_rate": 5}),
                      "training.learning_rate: Input should be less than or equal to 1"),
     "batch zero": (lambda c: _with(c, training={"micro_batch_size": 0}),
@@ -83,7 +85,8 @@ RECIPES = {
                     "training.micro_batch_size: Input should be a valid integer"),
     "bad precision": (lambda c: _with(c, training={"precision": "fp8"}),
                       "training.precision: Input should be 'auto', 'bf16', 'fp16' or 'fp32'"),
-    "bad scheduler": (lambda c: _with(c, training={"lr_scheduler": "zigzag"}), "training.lr_scheduler: Input should be"),
+    "bad scheduler": (lambda c: _with(c, training={"lr_scheduler": "zigzag"}),
+                      "training.lr_scheduler: Input should be"),
     "bad optimizer": (lambda c: _with(c, training={"optimizer": "adam9"}), "training.optimizer: Input should be"),
     "bad adapter": (lambda c: _with(c, adapter="dora"), "adapter: Input should be 'lora' or 'none'"),
     "bad format": (lambda c: _with(c, data={"format": "sharegpt"}), "data.format: Input should be"),
@@ -95,7 +98,8 @@ RECIPES = {
     "max_length beyond the context window": (lambda c: _with(c, data={"max_length": 100000}),  # read from config.json
                                              "data.max_length=100000 is beyond the model's context window of 512 "
                                              "tokens (max_position_embeddings in the config of"),
-    "eval fraction 1": (lambda c: _with(c, data={"eval_fraction": 1.0}), "data.eval_fraction: Input should be less than 1"),
+    "eval fraction 1": (lambda c: _with(c, data={"eval_fraction": 1.0}),
+                        "data.eval_fraction: Input should be less than 1"),
     "bool as string": (lambda c: _with(c, training={"gradient_checkpointing": "maybe"}),
                        "training.gradient_checkpointing: Input should be a valid boolean"),
     "quantization with full fine-tuning": (lambda c: _with(c, adapter="none", quantization={"bits": 4}),
@@ -139,7 +143,8 @@ RECIPES = {
     "8-bit base under fsdp": (lambda c: _with(c, quantization={"bits": 8}, training={"fsdp": {}}),
                               "quantization.bits 8 with training.fsdp"),
     "unknown fsdp key": (lambda c: _with(c, training={"fsdp": {"shard": "full"}}), "training.fsdp.shard"),
-    "lora with adapter none": (lambda c: _with(c, adapter="none", lora={"r": 4}), "lora settings given but adapter is 'none'"),
+    "lora with adapter none": (lambda c: _with(c, adapter="none", lora={"r": 4}),
+                               "lora settings given but adapter is 'none'"),
     "fp16 and bf16 both on": (lambda c: _with(c, quantization={"compute_dtype": "bf16"},
                                               training={"precision": "fp16"}), "fp16 and bf16 both on"),
     "eval and eval_fraction": (lambda c: _with(c, data={"eval": c["data"], "eval_fraction": 0.1}),
@@ -167,7 +172,8 @@ RECIPES = {
                           "data.eval: file 'missing_eval.jsonl' not found"),
     "missing model dir": (lambda c: _with(c, model={"name_or_path": "./models/none"}),
                           "model.name_or_path: no such model directory"),
-    "missing gguf": (lambda c: _with(c, model={"name_or_path": "nopkg/none.gguf"}), "GGUF file 'nopkg/none.gguf' not found"),
+    "missing gguf": (lambda c: _with(c, model={"name_or_path": "nopkg/none.gguf"}),
+                     "GGUF file 'nopkg/none.gguf' not found"),
     "model dir without config": (lambda c: _with(c, model={"name_or_path": str(c["tmp"])}), "has no config.json"),
     "missing deepspeed file": (lambda c: _with(c, training={"deepspeed": "ds_configs/zero9.json"}),
                                "training.deepspeed: file 'ds_configs/zero9.json' not found"),
@@ -187,7 +193,8 @@ RECIPES = {
                                 "dup_ds.json: duplicate key 'stage'; keep one"),
     "unwritable output dir": (lambda c: _with(c, output_dir="/proc/tunekit-run"),
                               "output_dir /proc/tunekit-run: /proc is not writable"),
-    "output dir under a file": (lambda c: _with(c, output_dir=str(Path(c["data"]) / "run")), "is a file, not a directory"),
+    "output dir under a file": (lambda c: _with(c, output_dir=str(Path(c["data"]) / "run")),
+                                "is a file, not a directory"),
     "invalid YAML": (lambda c: "model:\n  name_or_path: x\n data: [\n", "line 3: invalid YAML"),
     "python tag": (lambda c: 'model: !!python/object/apply:os.system ["true"]\n', "invalid YAML"),
 }
@@ -210,6 +217,41 @@ def test_bad_recipe(case, ctx):
     assert_refused(run_cli("train", str(path)), expected, tmp, before)
 
 
+def _in_process(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str]]:
+    """A command run in this process (the library's import is paid once): its exit code and stderr lines."""
+    import logging
+
+    from tunekit.cli import main as cli
+
+    monkeypatch.setattr(logging.getLogger("tunekit"), "handlers", [])  # its log lines on this test's stderr
+    capsys.readouterr()
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_RECIPES else c for c in RECIPES])
+def test_validate_refuses_what_train_refuses_before_loading_weights(case, ctx, capsys, monkeypatch):
+    """Each recipe above breaks one rule that `tunekit train` refuses before loading weights: `tunekit validate`
+    refuses it too, with the same one line and exit code 2 (both run the checks of tunekit.api.checks), and
+    writes nothing."""
+    build, expected = RECIPES[case]
+    raw = build(ctx)
+    tmp = ctx["tmp"]
+    if isinstance(raw, dict) and "output_dir" not in raw:
+        raw["output_dir"] = str(tmp / "out")
+    path = tmp / "r.yaml"
+    path.write_text("" if raw is None else raw if isinstance(raw, str) else yaml.safe_dump(raw))
+    before = sorted(p.name for p in tmp.iterdir())
+    trained = _in_process(["train", str(path)], capsys, monkeypatch)
+    validated = _in_process(["validate", str(path)], capsys, monkeypatch)
+    assert trained[0] == validated[0] == 2, (trained, validated)
+    # validate may say first what it fitted (data.max_length to a model's window); the error is the one line after
+    errors = [line for line in validated[1] if line.startswith("tunekit: error: ")]
+    assert errors == validated[1][-1:] == trained[1][-1:], (trained, validated)
+    assert expected in errors[0]
+    assert sorted(p.name for p in tmp.iterdir()) == before, "wrote something"
+
+
 def test_duplicate_key_in_an_override_value(ctx):
     path = write_recipe(ctx["tmp"] / "r.yaml", _with(ctx))
     assert_refused(run_cli("validate", str(path), "--set", "training={epochs: 1, epochs: 2}"),
@@ -227,7 +269,8 @@ ARGS = {
                                   "argument --gpu-memory: '24XB' is not a size; write e.g. 24GiB"),
     "plan negative gpu memory": (["plan", "RECIPE", "--gpu-memory=-1G"], "'-1G' is not a positive size"),
     "plan utilization above 1": (["plan", "RECIPE", "--utilization", "2"], "argument --utilization: must be in (0, 1]"),
-    "plan peak tflops nan": (["plan", "RECIPE", "--peak-tflops", "nan"], "argument --peak-tflops: must be a finite number"),
+    "plan peak tflops nan": (["plan", "RECIPE", "--peak-tflops", "nan"],
+                             "argument --peak-tflops: must be a finite number"),
     "validate world size 0": (["validate", "RECIPE", "--world-size", "0"], "argument --world-size: must be at least 1"),
     "override without =": (["validate", "RECIPE", "--set", "training.seed"],
                            "argument --set: expected dotted.key=value"),
@@ -241,8 +284,10 @@ ARGS = {
     "merge tolerance 0": (["merge", "TMP", "--tolerance", "0"], "argument --tolerance: must be greater than 0"),
     "merge bad dtype": (["merge", "TMP", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     "eval limit 0": (["eval", "TMP", "--limit", "0"], "argument --limit: must be at least 1, got 0"),
-    "eval batch size not a number": (["eval", "TMP", "--batch-size", "x"], "argument --batch-size: expected a whole number"),
-    "eval max new tokens negative": (["eval", "TMP", "--max-new-tokens", "-3"], "argument --max-new-tokens: must be at least 1"),
+    "eval batch size not a number": (["eval", "TMP", "--batch-size", "x"],
+                                     "argument --batch-size: expected a whole number"),
+    "eval max new tokens negative": (["eval", "TMP", "--max-new-tokens", "-3"],
+                                     "argument --max-new-tokens: must be at least 1"),
     "train without a recipe": (["train"], "the following arguments are required: recipe"),
     "unknown command": (["fit", "RECIPE"], "invalid choice: 'fit'"),
     # a wrong path is named as what it is, not as some later symptom
@@ -254,7 +299,8 @@ ARGS = {
     "eval of a path that does not exist": (["eval", "TMP/nope/run"], "eval target: no such model directory"),
     "eval of a relative path that does not exist": (["eval", "runs/nope"], "runs/nope: no such directory here"),
     "eval of a directory that is no run or model": (["eval", "TMP"], "neither a run directory"),
-    "eval with a missing data file": (["eval", "TMP", "--data", "TMP/nope.jsonl"], "--data TMP/nope.jsonl: file not found"),
+    "eval with a missing data file": (["eval", "TMP", "--data", "TMP/nope.jsonl"],
+                                      "--data TMP/nope.jsonl: file not found"),
     "eval with a directory as recipe": (["eval", "TMP", "--recipe", "TMP"], "--recipe TMP: is a directory"),
     "resume of a path that does not exist": (["train", "RECIPE", "--resume"], "--resume: output_dir"),
 }
@@ -294,19 +340,23 @@ def _agent_line(call: dict | None, after: list | None = None) -> str:
 
 
 BAD_DATA = {
-    "malformed": ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"}\n{"instruction": "a" "output": "b"}\n',
+    "malformed": ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"}\n'
+                  '{"instruction": "a" "output": "b"}\n',
                   r"bad.jsonl line 3: malformed JSON"),
     "missing_field": ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "answer": "b"}\n',
                       r"bad.jsonl line 2: missing field 'output' \(fields present: instruction, answer\)"),
-    "wrong_type": ('{"instruction": "a", "output": ["b"]}\n', r"bad.jsonl line 1: field 'output' must be text, got list"),
+    "wrong_type": ('{"instruction": "a", "output": ["b"]}\n',
+                   r"bad.jsonl line 1: field 'output' must be text, got list"),
     "not_object": ('["a", "b"]\n', r"bad.jsonl line 1: expected a JSON object, got list"),
     "non_utf8": (b'{"instruction": "a", "output": "b"}\n{"instruction": "caf\xe9", "output": "b"}\n',
                  r"bad.jsonl line 2: not UTF-8 text \(byte 0xe9\)"),
     "empty": ("\n\n", r"data.train: .*bad.jsonl holds no examples"),
     "all_dropped": ('{"instruction": "' + "word " * 200 + '", "output": "b"}\n',
                     r"no example has a trained token left after truncation to 64 tokens; raise data.max_length"),
-    "chat_unknown_role": (json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistent", "content": "b"}]}) + "\n",
-                          r"bad.jsonl line 1: message 1 has role 'assistent'; use one of system, user, assistant, tool"),
+    "chat_unknown_role": (json.dumps({"messages": [{"role": "user", "content": "a"},
+                                                   {"role": "assistent", "content": "b"}]}) + "\n",
+                          r"bad.jsonl line 1: message 1 has role 'assistent'; "
+                          r"use one of system, user, assistant, tool"),
     "chat_no_assistant": (json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n",
                           r"bad.jsonl line 1: conversation has no assistant message to train on"),
     "chat_arguments_not_json": (_agent_line({"name": "f", "arguments": "{city: Paris}"}),
@@ -317,7 +367,8 @@ BAD_DATA = {
         r"bad.jsonl line 2: message 2: a tool result without a call: the assistant message before it calls no tool"),
     "chat_tool_result_wrong_id": (
         _agent_line({"name": "f", "arguments": "{}"}, [{"role": "tool", "content": "21", "tool_call_id": "c9"}]),
-        r"bad.jsonl line 2: message 2: tool_call_id 'c9' matches no call of the assistant message before it \(ids: c1\)"),
+        r"bad.jsonl line 2: message 2: tool_call_id 'c9' matches no call of the assistant message before it "
+        r"\(ids: c1\)"),
     "chat_tools_not_json": ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], '
                             '"tools": "[{name: f}]"}\n', r"bad.jsonl line 1: field 'tools' is not JSON"),
     "chat_train_true_on_user": (json.dumps({"messages": [{"role": "user", "content": "a", "train": True},
