@@ -144,3 +144,20 @@ def test_resume_cuts_the_history_back_past_a_line_a_kill_left_half_written(tmp_p
     history.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
     with pytest.raises(TunekitError, match=r"loss_history.jsonl: line 2: cut short"):
         truncate_history(history, 3)
+
+
+@pytest.mark.parametrize("gone", ["adapter_model.safetensors", "adapter_config.json"])
+def test_export_merge_and_push_name_an_adapter_whose_files_were_deleted(tmp_path, gone):
+    """The same line from every command that reads a LoRA run's adapter, before any weight or the Hub is touched."""
+    run = make_run(tmp_path)
+    write_recipe(run / "recipe.yaml", {"model": {"name_or_path": str(tmp_path / "base")},
+                                       "data": {"train": str(tmp_path / "d.jsonl")}})
+    (run / "adapter").mkdir()
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        if name != gone:
+            (run / "adapter" / name).write_text("{}")
+    before = sorted(p.name for p in run.iterdir())
+    expected = f"{run / 'adapter'}: no adapter_config.json or adapter weights (safetensors); train the run again"
+    for argv in (["export", str(run)], ["merge", str(run)], ["push", str(run), "--repo", "me/model"]):
+        one_line_error(run_cli(*argv), expected)
+        assert sorted(p.name for p in run.iterdir()) == before

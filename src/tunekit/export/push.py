@@ -24,7 +24,6 @@ from tunekit.evaluation.table import baseline_scores
 from tunekit.export import card as cards
 from tunekit.runs import curves, history
 from tunekit.runs.layout import (
-    ADAPTER_DIR,
     MERGED_FIX,
     MERGED_MARKER,
     MODEL_DIR,
@@ -32,6 +31,7 @@ from tunekit.runs.layout import (
     RUN_FILE,
     RunRecord,
     is_run,
+    require_adapter_files,
 )
 
 log = logging.getLogger("tunekit")
@@ -117,9 +117,7 @@ def _from_run(path: Path, what: str | None) -> Upload:
             raise TunekitError(f"{path}: a full fine-tuning run has no adapter; push --what merged (its weights in "
                                f"{MODEL_DIR}/) or --what gguf")
         return Upload("merged", path, path, _files(path / MODEL_DIR, {"README.md"}))
-    adapter = path / ADAPTER_DIR
-    if not (adapter / "adapter_config.json").is_file() or not list(adapter.glob("*.safetensors")):
-        raise TunekitError(f"{adapter}: no adapter_config.json or adapter weights (safetensors); train the run again")
+    adapter = require_adapter_files(path)
     if what == "merged":
         return Upload("merged", path, path, merge_run=path)
     return Upload("adapter", path, path, _files(adapter, {"README.md"}))  # PEFT's own card: ours replaces it
@@ -319,7 +317,8 @@ class Hub:
         if revision and revision != "main":
             self.call(f"creating branch {revision}", self.api.create_branch, self.repo, branch=revision, exist_ok=True)
         remote = self.info(self.repo, revision) if exists else None
-        stale = sorted({s.rfilename for s in (remote.siblings or [])} - set(files) - {".gitattributes"}) if remote else []
+        stale = (sorted({s.rfilename for s in (remote.siblings or [])} - set(files) - {".gitattributes"}) if remote
+                 else [])
         operations = [CommitOperationAdd(path_in_repo=k, path_or_fileobj=str(v) if isinstance(v, Path) else v)
                       for k, v in files.items()] + [CommitOperationDelete(path_in_repo=p) for p in stale]
         try:

@@ -9,9 +9,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunekit.config.modelsource import looks_like_path, resolve_model
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
-from tunekit.models.sources import looks_like_path, resolve_model
 from tunekit.runs import layout as rundir
 
 # models, merge and transformers are imported where they are used: they load torch
@@ -46,7 +46,7 @@ def _finetune(run: Path, recipe) -> dict:
 
 
 def _require_exists(target: str) -> None:
-    """A TARGET written as a local path (as models.sources reads it) that is not there is named as missing,
+    """A TARGET written as a local path (as config.modelsource reads it) that is not there is named as missing,
     before anything else is tried. `org/name` stays a hub id (a missing one is named by the hub check), and so
     does a .gguf name (it may be packaged)."""
     if target.endswith(".gguf") or Path(target).expanduser().exists():
@@ -69,6 +69,7 @@ def check_first(target: str) -> None:
     if rundir.is_run(path):
         if (path / rundir.ADAPTER_DIR).is_dir() and (path / rundir.RECIPE_FILE).is_file() and \
                 rundir.RunRecord.load(path).status == "completed":
+            rundir.require_adapter_files(path)
             precheck.check_model(load(path / rundir.RECIPE_FILE).model)
         return
     if (path / rundir.MERGED_MARKER).is_file():

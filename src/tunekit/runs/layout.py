@@ -13,11 +13,11 @@ import yaml
 
 from tunekit.config.loading import load as load_recipe
 from tunekit.config.loading import to_yaml, yaml_value
+from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import Recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import DamagedFile, read_json
-from tunekit.models.sources import resolve_model
 from tunekit.runs import checkpoints as checkpoint_dir
 
 RUN_FILE = "run.json"
@@ -119,7 +119,16 @@ def adapter_run(spec: Path) -> tuple[Path, RunRecord]:
         raise TunekitError(f"{run_dir}: a full fine-tuning run; its weights in {MODEL_DIR}/ are already merged")
     if record.status != "completed" or not (run_dir / ADAPTER_DIR).is_dir():
         raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
+    require_adapter_files(run_dir)
     return run_dir, record
+
+
+def require_adapter_files(run_dir: Path) -> Path:
+    """A completed LoRA run's adapter/ holds its config and its weights (merge, export and push read them)."""
+    adapter = run_dir / ADAPTER_DIR
+    if not (adapter / "adapter_config.json").is_file() or not any(adapter.glob("*.safetensors")):
+        raise TunekitError(f"{adapter}: no adapter_config.json or adapter weights (safetensors); train the run again")
+    return adapter
 
 
 @dataclass
@@ -245,6 +254,7 @@ def resolve_target(spec: str, recipe_path: str | None = None, data: str | None =
         raise TunekitError(f"{spec}: no such directory here; as a hub model id, a base model needs --recipe RECIPE "
                            "(for its data and prompt settings) or --data FILE")
     else:
-        raise TunekitError(f"{spec}: a base model needs --recipe RECIPE (for its data and prompt settings) or --data FILE")
+        raise TunekitError(f"{spec}: a base model needs --recipe RECIPE "
+                           "(for its data and prompt settings) or --data FILE")
     return Target("base", spec, recipe)
 
