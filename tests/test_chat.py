@@ -20,11 +20,6 @@ from tunekit.evaluation import conversation
 SYSTEM = "Reverse the word you are given."
 
 
-def _user_text(row: dict) -> str:
-    """The user message the alpaca format makes of a record (instruction, blank line, input)."""
-    return f"{row['instruction']}\n\n{row['input']}"
-
-
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tiny_model):
     """A tiny LoRA run trained in-process, with its end-of-training eval (predictions.jsonl) and a system prompt."""
@@ -135,11 +130,11 @@ def test_once_answers_what_eval_generated_for_the_same_prompt(lora_run, capsys):
     target = conversation.target_for(str(lora_run))
     chat = conversation.load(target)
     for row in rows[:3]:
-        text = row["prompt"].split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        text = _user_message(row["prompt"])
         assert chat.prompter.render([], text) == row["prompt"]  # the run's template and system prompt
         assert chat.reply(text) == row["prediction"]
         chat.reset()
-    text = rows[0]["prompt"].split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+    text = _user_message(rows[0]["prompt"])
     capsys.readouterr()
     assert cli.main(["chat", str(lora_run), "--once", text]) == 0
     assert capsys.readouterr().out == rows[0]["prediction"] + "\n"
@@ -185,3 +180,23 @@ def test_a_merged_directory_answers_as_its_run(lora_run, tmp_path, capsys):
     from_run = capsys.readouterr().out
     assert cli.main(["chat", str(tmp_path / "merged"), "--once", text]) == 0
     assert capsys.readouterr().out == from_run
+
+
+def _user_message(prompt: str) -> str:
+    """The user message of a ChatML prompt eval wrote (the tiny tokenizer's template)."""
+    return prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+
+
+@pytest.mark.slow
+def test_a_full_fine_tuning_run_and_a_base_model(tmp_path, tiny_model, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(20))
+    raw = tiny_recipe(tiny_model, data, tmp_path / "full", adapter="none", lora=None, data={"eval_fraction": 0.2},
+                      training={"max_steps": 4, "learning_rate": 1e-3},
+                      eval={"max_new_tokens": 6, "metrics": ["exact_match"]})
+    assert cli.main(["train", str(write_recipe(tmp_path / "r.yaml", raw))]) == 0
+    row = json.loads((tmp_path / "full" / "eval" / "predictions.jsonl").read_text().splitlines()[0])
+    capsys.readouterr()
+    assert cli.main(["chat", str(tmp_path / "full"), "--once", _user_message(row["prompt"])]) == 0
+    assert capsys.readouterr().out == row["prediction"] + "\n"
+    assert cli.main(["chat", str(tiny_model), "--once", "hello", "--max-new-tokens", "4"]) == 0  # no recipe needed
+    assert capsys.readouterr().out.endswith("\n")
