@@ -99,7 +99,8 @@ def test_pissa_and_olora_adapters_are_saved_against_the_original_base(init, tmp_
     tok = models.load_tokenizer(recipe.model, result.run_dir / "adapter")
     batch = merge_mod.parity_batch(recipe, tok)
     trained = merge_mod.logits(result.trainer.model.float(), batch)
-    reloaded = merge_mod.logits(trained_mod.load_trained(rundir.resolve_target(str(result.run_dir)), torch.float32), batch)
+    reloaded = merge_mod.logits(trained_mod.load_trained(rundir.resolve_target(str(result.run_dir)), torch.float32),
+                                batch)
     mask = batch["attention_mask"].bool()
     assert (trained[mask] - reloaded[mask]).abs().max().item() < 1e-4
     config = json.loads((result.run_dir / "adapter" / "adapter_config.json").read_text())
@@ -226,3 +227,31 @@ def test_save_and_eval_schedules(tmp_path, tiny_model, data_file, training, has_
     for key, value in expected.items():
         got = getattr(args, key)
         assert (got.value if hasattr(got, "value") else got) == value, key
+
+
+@pytest.mark.slow
+def test_a_run_that_ends_before_its_first_step_is_marked_failed_and_retried_without_force(tmp_path, tiny_model,
+                                                                                          monkeypatch):
+    """The Trainer cannot be built (run.json already written "running"): run.json says failed with the cause,
+    and the same command again starts over without --force; a run with a step done still needs --force."""
+    from tunekit.runs.layout import RunRecord
+
+    path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl",
+                                                                                 reverse_rows(16)),
+                                                         tmp_path / "run", training={"max_steps": 2}))
+
+    def no_trainer(*args, **kwargs):
+        raise RuntimeError("no trainer today")
+
+    monkeypatch.setattr(train, "build_trainer", no_trainer)
+    with pytest.raises(RuntimeError, match="no trainer today"):
+        train.run(recipe_mod.load(path))
+    record = RunRecord.load(tmp_path / "run")
+    assert (record.status, record.error, record.failed_at_step) == ("failed", "no trainer today", 0)
+    monkeypatch.undo()
+    res = run_cli("train", str(path))  # the same command: no --force
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "ended before its first step (no trainer today); starting it again" in res.stderr
+    assert RunRecord.load(tmp_path / "run").status == "completed"
+    again = run_cli("train", str(path))
+    assert again.returncode == 2 and "already exists; pass --force" in again.stderr

@@ -84,7 +84,10 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
     elif main_process:  # fail fast, before torch is imported
         check_writable(out, "output_dir")
         with exclusive(out):  # a run in progress is named, not reported as "exists"
-            check_free(out, force, "output_dir")
+            from tunekit.runs.layout import ended_before_training
+
+            # a run that ended before its first step is started again without --force (training.runner says so)
+            check_free(out, force or ended_before_training(out) is not None, "output_dir")
     if main_process:  # data and model before torch; then DeepSpeed's own check, which imports it
         world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
         loaded = checks.before_weights(loaded, checks.TRAIN, world)

@@ -49,7 +49,8 @@ def truncate_history(history: Path, step: int) -> None:
 def resume_point(ckpt_dir: Path) -> Path:
     """The newest complete checkpoint in `ckpt_dir`, after removing those a kill left incomplete."""
     if not ckpt_dir.is_dir():
-        raise TunekitError(f"--resume: {ckpt_dir.parent} has no {ckpt_dir.name}/ to resume from; train without --resume")
+        raise TunekitError(f"--resume: {ckpt_dir.parent} has no {ckpt_dir.name}/ to resume from; "
+                           "train without --resume")
     for p in discard_incomplete(ckpt_dir):
         log.warning("removed incomplete checkpoint %s (interrupted while being written)", p.name)
     found = newest_complete(ckpt_dir)

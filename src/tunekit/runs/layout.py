@@ -5,6 +5,7 @@ merge is (a run, a merged model, a base model). Files only: no torch, transforme
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
@@ -121,6 +122,35 @@ def adapter_run(spec: Path) -> tuple[Path, RunRecord]:
         raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
     require_adapter_files(run_dir)
     return run_dir, record
+
+
+def ended_before_training(run_dir: Path) -> str | None:
+    """Why the run in `run_dir` ended before its first optimizer step (run.json "failed", or "running" though no
+    process holds the directory: callers hold its lock), when it did; a retry of the same command replaces such
+    a run without --force, since nothing in it is worth keeping. None for anything else."""
+    if not is_run(run_dir) or any((run_dir / CHECKPOINTS_DIR).glob("*")):
+        return None
+    try:
+        record = RunRecord.load(run_dir)
+    except TunekitError:
+        return None
+    if record.status not in ("failed", "running") or (record.failed_at_step or record.global_step or 0) > 0:
+        return None
+    return record.error or "the process ended"
+
+
+def mark_ended(run_dir: Path, error: BaseException) -> None:
+    """run.json says "failed" once its process ends by an error, wherever the error came from."""
+    try:
+        record = RunRecord.load(run_dir)
+    except (TunekitError, OSError):
+        return
+    if record.status == "running":
+        record.status = "failed"
+        record.error = str(error).splitlines()[0] if str(error) else type(error).__name__
+        record.failed_at_step = record.global_step or 0
+        with contextlib.suppress(OSError):  # the disk may be full
+            record.save(run_dir)
 
 
 def require_adapter_files(run_dir: Path) -> Path:

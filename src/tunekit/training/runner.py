@@ -25,7 +25,7 @@ from tunekit.core import distributed, outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision, resolve_precision
 from tunekit.data import packing, preview
-from tunekit.data import records as data_mod
+from tunekit.data.collating import CountingCollator
 from tunekit.models import info as modelinfo
 from tunekit.models import loading as models
 from tunekit.runs import checkpoints as checkpoint_dir
@@ -169,7 +169,7 @@ class Prepared:
     launch: distributed.Launch
     resume_from: Path | None
     trainer: Trainer
-    collate: data_mod.CountingCollator
+    collate: CountingCollator
     record: RunRecord
 
 
@@ -187,10 +187,24 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
         if resume and resume_from is None:
             log.info("training in %s completed before; only its end-of-training eval is left", run_dir)
             return TrainResult(run_dir, recipe, None)
-        prepared = prepare(recipe, run_dir, launch, force, resume_from)
-        result = fit(prepared)
-        finalize(prepared, result)
+        force = force or replaces_failed_start(run_dir, launch, resume_from)
+        try:
+            prepared = prepare(recipe, run_dir, launch, force, resume_from)
+            result = fit(prepared)
+            finalize(prepared, result)
+        except BaseException as e:
+            if launch.is_main and rundir.is_run(run_dir):
+                rundir.mark_ended(run_dir, e)  # run.json never stays "running" once this process ends
+            raise
     return TrainResult(run_dir, recipe, prepared.trainer)
+
+
+def replaces_failed_start(run_dir: Path, launch: distributed.Launch, resume_from: Path | None) -> bool:
+    """A run that ended before its first optimizer step is replaced by a new start without --force."""
+    why = rundir.ended_before_training(run_dir) if resume_from is None else None
+    if why and launch.is_main:
+        log.info("output_dir %s holds a run that ended before its first step (%s); starting it again", run_dir, why)
+    return why is not None
 
 
 def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bool,
