@@ -37,7 +37,7 @@ try:
     from tunekit.data import arrow as arrowdata
     bundle = arrowdata.build(cfg, tok, 0)
 except ImportError:
-    from tunekit.data import records as data
+    from tunekit import data  # an older tree's flat data module
     bundle = data.build(cfg, tok, 0)
 elapsed = time.perf_counter() - start
 print(json.dumps({"seconds": elapsed, "peak_rss_above_start_mb": (status("VmHWM") - before) / 2**20,
@@ -65,7 +65,8 @@ def measure(name: str, train: Path, model_dir: str, cache: Path, src: Path, sett
     if done.returncode != 0:
         sys.exit(f"bench: {name} failed:\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{name:<28}{row['seconds']:>9.1f} s{row['peak_rss_above_start_mb']:>10.0f} MB peak RSS above start", flush=True)
+    print(f"{name:<28}{row['seconds']:>9.1f} s{row['peak_rss_above_start_mb']:>10.0f} MB peak RSS above start",
+          flush=True)
     return row
 
 
@@ -91,7 +92,8 @@ def main() -> int:
 
     results = {"examples": a.examples, "file_mb": train.stat().st_size / 2**20, "machine": machine.facts(),
                "settings": settings}
-    results["tunekit_first_run"] = measure("tunekit, empty cache", train, model_dir, work / "cache", ROOT / "src", settings)
+    results["tunekit_first_run"] = measure("tunekit, empty cache", train, model_dir, work / "cache", ROOT / "src",
+                                           settings)
     results["tunekit_cached_run"] = measure("tunekit, cached", train, model_dir, work / "cache", ROOT / "src", settings)
     if a.old_src:
         results["old_code"] = measure(f"old code ({a.old_src})", train, model_dir, work / "old-cache", a.old_src,

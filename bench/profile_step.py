@@ -37,7 +37,7 @@ def main() -> int:
     from tunekit.config.loading import from_dict
     from tunekit.core.hardware import Precision
     from tunekit.data import arrow as arrowdata
-    from tunekit.data import records as data_mod
+    from tunekit.data.collating import collator
     from tunekit.models import loading as models
     from tunekit.models import losspath
 
@@ -55,7 +55,7 @@ def main() -> int:
         model.train()
         head = losspath.TrainedPositionsHead(model)
         padded = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
-        packed = data_mod.collator(tok, packing=True)
+        packed = collator(tok, packing=True)
         variants = {"script: padded, stock loss": (padded, False), "tunekit: padded, chunked loss": (padded, True),
                     "tunekit: packed, chunked loss": (packed, True)}
         results[name] = {}

@@ -90,7 +90,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     from tunekit.core.hardware import Precision
     from tunekit.data import arrow as arrowdata
     from tunekit.data import packing
-    from tunekit.data import records as data_mod
+    from tunekit.data.collating import collator
     from tunekit.models import loading as models
     from tunekit.models import losspath
 
@@ -105,7 +105,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     model = models.load_for_training(recipe, Precision("bf16", "bench"))
     model.train()
     if tunekit_defaults:
-        batch = data_mod.collator(tok, packing.use(model, recipe.data.packing))(features)
+        batch = collator(tok, packing.use(model, recipe.data.packing))(features)
     else:
         from transformers import DataCollatorForSeq2Seq
 
@@ -126,7 +126,9 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
 def eval_loss(adapter: str, model_dir: str, eval_file: Path) -> float:
     """Held-out loss on the answer tokens, the same code for every adapter."""
     from tunekit.config.schema import DataConfig, ModelConfig
-    from tunekit.data import records as data_mod
+    from tunekit.data.reading import read_records
+    from tunekit.data.rendering import Renderer
+    from tunekit.data.tokenizing import build_examples
     from tunekit.evaluation import runner as evaluation
     from tunekit.models import loading as models
 
@@ -134,23 +136,24 @@ def eval_loss(adapter: str, model_dir: str, eval_file: Path) -> float:
     tok = models.load_tokenizer(cfg)
     model = models.load_adapter_model(cfg, Path(adapter), torch.float32)
     data_cfg = DataConfig(train=str(eval_file), max_length=256)
-    renderer = data_mod.Renderer(data_cfg, tok)
-    records = data_mod.read_records(str(eval_file), "train", "eval")
-    examples, _ = data_mod.build_examples([renderer.render(r) for r in records], tok, data_cfg)
+    renderer = Renderer(data_cfg, tok)
+    records = read_records(str(eval_file), "train", "eval")
+    examples, _ = build_examples([renderer.render(r) for r in records], tok, data_cfg)
     return evaluation.token_loss(model, tok, examples, batch_size=8)
 
 
 def generation(model_dir: str, eval_file: Path, n: int, batch_size: int, max_new_tokens: int) -> dict:
     from tunekit.config.schema import DataConfig, ModelConfig
-    from tunekit.data import records as data_mod
+    from tunekit.data.reading import read_records
+    from tunekit.data.rendering import Renderer
     from tunekit.evaluation import runner as evaluation
     from tunekit.models import loading as models
 
     cfg = ModelConfig(name_or_path=model_dir)
     tok = models.load_tokenizer(cfg)
     model = models.load_base(cfg, torch.float32)
-    renderer = data_mod.Renderer(DataConfig(train=str(eval_file)), tok)
-    prompts = [renderer.render(r).prompt for r in data_mod.read_records(str(eval_file), "train", "eval")[:n]]
+    renderer = Renderer(DataConfig(train=str(eval_file)), tok)
+    prompts = [renderer.render(r).prompt for r in read_records(str(eval_file), "train", "eval")[:n]]
 
     start = time.perf_counter()  # one at a time, as a hand-written loop does
     single = []

@@ -15,10 +15,13 @@ from conftest import write_jsonl
 from tunekit.config.schema import DataConfig
 from tunekit.data import arrow, chat
 from tunekit.data.chat import DEFAULTS
-from tunekit.data.records import IGNORE, Record, Renderer, tokenize
+from tunekit.data.formats import Record
+from tunekit.data.rendering import Renderer
+from tunekit.data.tokenizing import IGNORE, tokenize
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
 CALL = {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
@@ -76,7 +79,8 @@ def test_reasoning_trained_or_not_and_never_empty(tiny_tokenizer):
     record = Record(conversation(reasoning="The user wants Paris."), "t line 1")
     r = renderer(tiny_tokenizer)
     [with_reasoning] = r.examples(record)
-    assert trained_pieces(tiny_tokenizer, with_reasoning)[0] == "<think>\nThe user wants Paris.\n</think>\n\n" + CALL_TEXT
+    assert (trained_pieces(tiny_tokenizer, with_reasoning)[0]
+            == "<think>\nThe user wants Paris.\n</think>\n\n" + CALL_TEXT)
     assert DEFAULTS["reasoning"] in r.notes
     [without] = renderer(tiny_tokenizer, train_reasoning=False).examples(record)
     assert without.text == with_reasoning.text
@@ -187,7 +191,8 @@ def test_empty_arguments_null_results_and_empty_call_lists(tiny_tokenizer):
     record["messages"][3]["content"] = None
     record["messages"][4]["tool_calls"] = "[]"
     [rendered] = renderer(tiny_tokenizer).examples(Record(record, "t line 1"))
-    assert '{"name": "get_weather", "arguments": {}}' in rendered.text and "<|im_start|>tool\nnull<|im_end|>" in rendered.text
+    assert ('{"name": "get_weather", "arguments": {}}' in rendered.text
+            and "<|im_start|>tool\nnull<|im_end|>" in rendered.text)
     assert trained_pieces(tiny_tokenizer, rendered)[1] == "It is 21 C.<|im_end|>"
 
 
@@ -195,4 +200,5 @@ def test_a_tool_call_reference_is_the_turn_as_written_reasoning_included(tiny_to
     record = conversation(reasoning="Paris, so the weather tool.")
     record["messages"] = record["messages"][:3]
     rendered = renderer(tiny_tokenizer).render(Record(record, "t line 1"))
-    assert rendered.reference == "<think>\nParis, so the weather tool.\n</think>\n\n" + CALL_TEXT.removesuffix("<|im_end|>")
+    assert (rendered.reference
+            == "<think>\nParis, so the weather tool.\n</think>\n\n" + CALL_TEXT.removesuffix("<|im_end|>"))

@@ -139,7 +139,7 @@ def tokenizers(families):
 
 def runs(labels, ids, tokenizer) -> list[str]:
     """The trained tokens, one decoded string per run of consecutive trained positions."""
-    from tunekit.data.records import IGNORE
+    from tunekit.data.tokenizing import IGNORE
 
     out, current = [], []
     for token, label in zip(ids, labels):
@@ -156,7 +156,8 @@ def runs(labels, ids, tokenizer) -> list[str]:
 
 def trained(tokenizer, record: dict, **data) -> tuple[list[str], list[str], set]:
     """(trained runs over all the record's examples, each example's text, the renderer's notes)."""
-    from tunekit.data.records import Renderer, tokenize
+    from tunekit.data.rendering import Renderer
+    from tunekit.data.tokenizing import tokenize
 
     cfg = DataConfig(train="x.jsonl", format="chat", max_length=4096, **data)
     renderer = Renderer(cfg, tokenizer)
@@ -230,7 +231,7 @@ def test_tool_call_and_result(name, arguments, families, tokenizers):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_generation_prompt_and_reference(name, families, tokenizers):
     """render(): the conversation through its last answer, the prompt generation starts from, that answer."""
-    from tunekit.data.records import Renderer
+    from tunekit.data.rendering import Renderer
 
     renderer = Renderer(DataConfig(train="x.jsonl", format="chat"), tokenizers[name])
     rendered = renderer.render(Record(tool_chat(families[name]), "x.jsonl line 1"))

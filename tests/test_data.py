@@ -8,9 +8,11 @@ from conftest import write_jsonl
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import arrow as arrowdata
-from tunekit.data import records as data_mod
 from tunekit.data import split
-from tunekit.data.records import IGNORE, Record, Renderer, tokenize
+from tunekit.data.collating import collator
+from tunekit.data.formats import Record
+from tunekit.data.rendering import Renderer
+from tunekit.data.tokenizing import IGNORE, tokenize
 
 
 def cfg(**kw) -> DataConfig:
@@ -111,7 +113,8 @@ def test_field_mapping(tiny_tokenizer):
 
 def test_missing_field_lists_present_fields(tiny_tokenizer):
     r = Renderer(cfg(format="alpaca"), tiny_tokenizer)
-    with pytest.raises(TunekitError, match=r"f.jsonl line 3: missing field 'output' \(fields present: instruction, answer\)"):
+    with pytest.raises(TunekitError, match=r"f.jsonl line 3: missing field 'output' "
+                                           r"\(fields present: instruction, answer\)"):
         r.render(Record({"instruction": "x", "answer": "y"}, "f.jsonl line 3"))
     with pytest.raises(TunekitError, match="field 'output' must be text, got int"):
         r.render(Record({"instruction": "x", "output": 3}, "f.jsonl line 3"))
@@ -157,7 +160,7 @@ def test_csv_and_parquet_files(tmp_path, tiny_tokenizer):
 
 
 def test_collator_pads_labels_with_ignore(tiny_tokenizer):
-    collate = data_mod.collator(tiny_tokenizer)
+    collate = collator(tiny_tokenizer)
     batch = collate([{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [IGNORE, 6, 7]},
                      {"input_ids": [5], "attention_mask": [1], "labels": [5]}])
     assert batch["input_ids"].shape == (2, 8)

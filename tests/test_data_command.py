@@ -14,7 +14,7 @@ import pytest
 from conftest import reverse_rows, run_cli, run_watching_imports, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config.schema import DataConfig
 from tunekit.data import preview, split
-from tunekit.data.records import IGNORE, build_examples, tokenize_batch
+from tunekit.data.tokenizing import IGNORE, build_examples, tokenize_batch
 from tunekit.reporting import dataview
 
 NOT_LOADED = ("peft", "deepspeed", "bitsandbytes", "trl", "datasets")
@@ -111,7 +111,8 @@ def test_command_shows_training_records_only_and_loads_no_model(tiny_model, tiny
 @pytest.mark.parametrize("problem,expected", [
     ({"data": {"train": "/nonexistent/train.jsonl"}}, "data.train: file '/nonexistent/train.jsonl' not found"),
     ({"data": {"max_lenght": 64}}, "unknown key data.max_lenght"),
-    ({"training": {"method": "dpo"}, "data": {"format": "preference"}}, "training.method: dpo trains on (prompt, chosen, rejected) pairs; tunekit data shows"),
+    ({"training": {"method": "dpo"}, "data": {"format": "preference"}},
+     "training.method: dpo trains on (prompt, chosen, rejected) pairs; tunekit data shows"),
 ])
 def test_a_bad_recipe_is_one_line_and_exit_2(tiny_model, tmp_path, problem, expected):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(4))

@@ -64,7 +64,8 @@ def hub_at(monkeypatch, tmp_path):
 
     def _set(endpoint: str):
         monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            endpoint + "/{repo_id}/resolve/{revision}/{filename}")
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -181,11 +182,11 @@ def test_flagship_plan_runs_offline_from_the_shipped_config():
 def test_unreachable_hub_data_set_fails_at_once_in_one_line(hub_at):
     from huggingface_hub import constants
 
-    from tunekit.data import records as data
+    from tunekit.data.reading import iter_records
 
     hub_at(closed_port())
     started = time.monotonic()
     with pytest.raises(TunekitError, match=r"^data\.train: data set 'org/some-data' is not in the local datasets cache "
                                            r"and the Hub cannot be used here .*set data\.train to a local"):
-        list(data.iter_records("org/some-data", "train", "data.train"))
+        list(iter_records("org/some-data", "train", "data.train"))
     assert constants.HF_HUB_OFFLINE is True and time.monotonic() - started < 5

@@ -13,7 +13,7 @@ from conftest import reverse_rows, tiny_recipe, write_jsonl
 from tunekit.config.loading import from_dict
 from tunekit.core.hardware import Precision
 from tunekit.data import arrow as arrowdata
-from tunekit.data import records as data_mod
+from tunekit.data.collating import collator
 from tunekit.models import loading as models
 from tunekit.models import losspath
 from tunekit.training.runner import training_arguments
@@ -61,7 +61,7 @@ def _trainer(recipe, model, chunked):
 def _batch(recipe, tokenizer, packing):
     bundle = arrowdata.build(recipe.data, tokenizer, 0)
     features = [bundle.train[i] for i in range(5)]
-    batch = data_mod.collator(tokenizer, packing)(features)
+    batch = collator(tokenizer, packing)(features)
     return {k: v for k, v in batch.items() if torch.is_tensor(v)}
 
 

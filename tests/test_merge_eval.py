@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import loading as recipe_mod
 from tunekit.core.errors import TunekitError
-from tunekit.data import records as data_mod
 from tunekit.data import split
+from tunekit.data.rendering import Renderer
 from tunekit.export import merge as merge_mod
 from tunekit.models import loading as models
 from tunekit.runs import layout as rundir
@@ -136,7 +136,7 @@ def test_train_with_eval_section_scores_the_run(lora_run):
     recipe = recipe_mod.load(lora_run / "recipe.yaml")
     tok = models.load_tokenizer(recipe.model, lora_run / "adapter")
     held = split.held_out(recipe.data, recipe.training.seed)
-    rendered = [data_mod.Renderer(recipe.data, tok).render(r) for r in held]
+    rendered = [Renderer(recipe.data, tok).render(r) for r in held]
     assert [r["prompt"] for r in rows] == [r.prompt for r in rendered]
     assert [r["reference"] for r in rows] == [r.values["output"] for r in held]
     assert [r["where"] for r in rows] == [r.where for r in held]
@@ -176,7 +176,7 @@ def test_batched_generation_matches_one_at_a_time(lora_run):
     target = rundir.resolve_target(str(lora_run))
     tok = models.load_tokenizer(recipe.model, lora_run / "adapter")
     model = trained.load_trained(target, torch.float32)
-    prompts = [r.prompt for r in (data_mod.Renderer(recipe.data, tok).render(x)
+    prompts = [r.prompt for r in (Renderer(recipe.data, tok).render(x)
                                   for x in split.held_out(recipe.data, 0))]
     batched = evaluation.generate(model, tok, prompts, False, batch_size=8, max_new_tokens=6)
     single = evaluation.generate(model, tok, prompts, False, batch_size=1, max_new_tokens=6)

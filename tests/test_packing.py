@@ -14,7 +14,7 @@ from tunekit.config import schema
 from tunekit.core.hardware import Precision
 from tunekit.data import arrow as arrowdata
 from tunekit.data import packing
-from tunekit.data import records as data_mod
+from tunekit.data.collating import collator
 from tunekit.models import loading as models
 from tunekit.training import runner as train
 
@@ -42,7 +42,7 @@ def test_each_example_has_the_same_per_token_loss_packed_and_alone(tiny_model, t
     bundle = arrowdata.build(schema.DataConfig(train=str(write_jsonl(tmp_path / "d.jsonl", mixed_rows(6)))),
                             tiny_tokenizer, seed=0)
     features = [bundle.train[i] for i in range(len(bundle.train))]
-    batch = data_mod.collator(tiny_tokenizer, packing=True)(features)
+    batch = collator(tiny_tokenizer, packing=True)(features)
     assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
@@ -71,7 +71,7 @@ def _packed_and_alone(model, lengths):
     model.config.use_cache = False  # as in training: with a cache, the mask ignores packed position ids
     features = [{"input_ids": [3 + (i * 5 + j) % 120 for j in range(n)], "labels": [0] * n}
                 for i, n in enumerate(lengths)]
-    batch = data_mod.collator(None, packing=True)(features)
+    batch = collator(None, packing=True)(features)
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
         start, worst = 0, 0.0
@@ -139,7 +139,7 @@ def test_group_by_length_reduces_padding(tmp_path, tiny_model, tiny_tokenizer):
         args = train.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", False)
         model = models.load_for_training(recipe, Precision("fp32", "test"))
         trainer = Trainer(model=model, args=args, train_dataset=bundle.train,
-                          data_collator=data_mod.collator(tiny_tokenizer))
+                          data_collator=collator(tiny_tokenizer))
         real = total = 0
         for batch in trainer.get_train_dataloader():
             real += int(batch["attention_mask"].sum())

@@ -13,7 +13,10 @@ from safetensors.torch import load_file
 from conftest import in_full, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import loading as recipe_mod
 from tunekit.core.errors import TunekitError
-from tunekit.data import records as data_mod
+from tunekit.data.formats import Record
+from tunekit.data.reading import read_records
+from tunekit.data.rendering import Renderer
+from tunekit.data.tokenizing import IGNORE, tokenize
 from tunekit.evaluation import runner as evaluation
 from tunekit.models import loading as models
 from tunekit.training import methods
@@ -61,13 +64,13 @@ def test_pairs_are_tokenized_exactly_as_sft_renders_them(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "p.jsonl", pairs(1))
     recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
     tok = models.load_tokenizer(recipe.model)
-    renderer = data_mod.Renderer(recipe.data, tok)
-    for record in data_mod.read_records(str(data), "train", "data.train"):
+    renderer = Renderer(recipe.data, tok)
+    for record in read_records(str(data), "train", "data.train"):
         pair = pairs_mod.tokenize_pair(record, renderer, tok)
         for answer in ("chosen", "rejected"):
-            as_sft = data_mod.Record({**record.values, "chosen": record.values[answer]}, record.where)
-            ex, _ = data_mod.tokenize(renderer.render(as_sft), tok, 10**6, mask_prompt=True)
-            trained = [i for i, label in zip(ex.input_ids, ex.labels) if label != data_mod.IGNORE]
+            as_sft = Record({**record.values, "chosen": record.values[answer]}, record.where)
+            ex, _ = tokenize(renderer.render(as_sft), tok, 10**6, mask_prompt=True)
+            trained = [i for i, label in zip(ex.input_ids, ex.labels) if label != IGNORE]
             n = len(pair["prompt_ids"]) + len(pair[f"{answer}_ids"])
             assert ex.input_ids[:n] == pair["prompt_ids"] + pair[f"{answer}_ids"]
             assert pair[f"{answer}_ids"] == trained and tok.decode(ex.input_ids[n:]).strip() == ""
@@ -143,10 +146,10 @@ def test_a_base_model_that_prefers_the_rejected_answers_scores_low(tmp_path, tin
     recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
     tok = models.load_tokenizer(recipe.model)
     model = models.load_base(recipe.model, torch.float32)
-    records = data_mod.read_records(str(data), "train", "data.train")
+    records = read_records(str(data), "train", "data.train")
     scores = methods.of(recipe).measures(model, tok, recipe, records, None, 3)
     assert "reward_accuracy" not in scores and scores["preference_pairs"] == len(WORDS)
-    renderer = data_mod.Renderer(recipe.data, tok)
+    renderer = Renderer(recipe.data, tok)
     wins = 0
     for record in records:
         pair = pairs_mod.tokenize_pair(record, renderer, tok)
@@ -257,7 +260,7 @@ def test_orpo_learns_the_preference_without_a_reference(tmp_path, tiny_model):
         stock = trainer.model(input_ids=batch["chosen_input_ids"], attention_mask=batch["chosen_attention_mask"],
                               labels=batch["chosen_labels"]).loss
     torch.testing.assert_close(nll, stock)
-    answer = batch["chosen_labels"] != data_mod.IGNORE
+    answer = batch["chosen_labels"] != IGNORE
     assert answer.sum() == sum(len(trainer.eval_dataset[i]["chosen_ids"]) for i in (0, 3))
 
 
@@ -288,7 +291,7 @@ def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_mo
     assert "eval_chrf" in last
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["training_method"] == "kto" and record["data"]["train"]["examples"] == len(unpaired_rows())
-    records = data_mod.read_records(str(data), "train", "data.train")
+    records = read_records(str(data), "train", "data.train")
     rendered = evaluation.rendered_examples(recipe, models.load_tokenizer(recipe.model), records, recipe.eval)
     assert [r.reference for r in rendered] == [row["completion"] for row in unpaired_rows() if row["label"]]
 

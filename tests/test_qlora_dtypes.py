@@ -15,7 +15,7 @@ from conftest import reverse_rows, tiny_recipe, write_jsonl
 from tunekit.config.loading import from_dict
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.data import arrow as arrowdata
-from tunekit.data import records as data_mod
+from tunekit.data.collating import collator
 from tunekit.models import loading, losspath
 
 
@@ -74,7 +74,7 @@ def _held_out_loss_after_training(recipe, tokenizer, precision: str, prepare, st
     """Held-out loss after `steps` AdamW steps under autocast, as the Trainer runs them (the chunked loss), with
     `prepare` in place of prepare_quantized; and the model."""
     bundle = arrowdata.build(recipe.data, tokenizer, 0)
-    collate = data_mod.collator(tokenizer, False)
+    collate = collator(tokenizer, False)
 
     def batch(rows, indices):
         return {k: v for k, v in collate([rows[i] for i in indices]).items() if torch.is_tensor(v)}

@@ -72,14 +72,15 @@ def test_packaged_template_renders_every_eval_call_as_a_scoreable_reference():
     <tool_call> JSON in the assistant text; the eval references are those texts, and the metric reads back exactly
     the calls the records make (a perfect answer scores 100, small talk no spurious call)."""
     from tunekit.config import loading
-    from tunekit.data import records as data_mod
+    from tunekit.data.formats import Record
+    from tunekit.data.rendering import Renderer
     from tunekit.models import loading as models
 
     recipe = loading.load(RECIPE)
     tokenizer = models.load_tokenizer(recipe.model)
-    renderer = data_mod.Renderer(recipe.data, tokenizer)
+    renderer = Renderer(recipe.data, tokenizer)
     evals = _rows(ROOT / recipe.data.eval)
-    rendered = [renderer.render(data_mod.Record(r, f"eval line {i + 1}")) for i, r in enumerate(evals)]
+    rendered = [renderer.render(Record(r, f"eval line {i + 1}")) for i, r in enumerate(evals)]
     for row, r in zip(evals, rendered):
         assert metrics.tool_calls_in(r.reference) == _calls(row["messages"][-1]), r.reference
         assert "<tools>" in r.prompt and r.prompt.endswith("<|im_start|>assistant\n")
@@ -89,7 +90,7 @@ def test_packaged_template_renders_every_eval_call_as_a_scoreable_reference():
     reasoned = [r.reference for row, r in zip(evals, rendered) if row["messages"][-1].get("reasoning_content")]
     assert reasoned and all(ref.startswith("<think>\n") for ref in reasoned)
     examples = [x for r in _rows(ROOT / recipe.data.train)[:40]
-                for x in renderer.examples(data_mod.Record(r, "train"))]
+                for x in renderer.examples(Record(r, "train"))]
     assert all(len(tokenizer(x.text)["input_ids"]) <= recipe.data.max_length for x in examples)
 
 

@@ -23,15 +23,17 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tunekit.config.schema import DataConfig
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
 from tunekit.core.outputs import cache_root
 from tunekit.data import chat, mixture, split
-from tunekit.data import records as data_mod
-from tunekit.data.records import DataBundle, DataStats
+from tunekit.data.rendering import Rendered
+from tunekit.data.tokenizing import DataStats, tokenize_batch, trained_count
 
 log = logging.getLogger("tunekit")
 
@@ -40,6 +42,21 @@ TRAIN_SET, EVAL_SET, EVAL_RECORDS = "train-set", "eval-set", "eval-records.jsonl
 BATCH = 1000  # rows per map batch and per Arrow record batch
 PARALLEL_FROM = 20_000  # rows; below this, worker start-up costs more than it saves
 _CODE = sorted(Path(__file__).parent.glob("*.py"))  # the data package: parsing, rendering, spans, split, mix
+
+
+@dataclass
+class DataBundle:
+    """The prepared data sets a method trains on (Method.build_data), with their counts and the held-out
+    records' renderings."""
+
+    train: Any  # datasets.Dataset
+    eval: Any | None
+    train_stats: DataStats
+    eval_stats: DataStats | None
+    eval_rendered: list[Rendered] = field(default_factory=list)
+    template: str = "raw"
+    split: dict = field(default_factory=dict)  # tunekit.data.split.summary
+    contamination: dict = field(default_factory=dict)  # tunekit.data.contamination.report
 
 
 def _file_digest(path: Path) -> str:
@@ -108,7 +125,7 @@ def _records(rows) -> list[mixture.Sourced]:
 
 def _encode(batch, renderer: mixture.Renderers, cfg: DataConfig):
     renders = [r for record in _records(batch) for r in renderer.examples(record)]
-    examples = data_mod.tokenize_batch(renders, renderer.tok, cfg.max_length, cfg.mask_prompt)
+    examples = tokenize_batch(renders, renderer.tok, cfg.max_length, cfg.mask_prompt)
     notes = [""] * len(examples)  # the default renderings used (Renderer.notes), on a batch's first row
     if notes:
         notes[0] = "\n".join(sorted(renderer.notes))
@@ -116,7 +133,7 @@ def _encode(batch, renderer: mixture.Renderers, cfg: DataConfig):
         "input_ids": [ex.input_ids for ex, _ in examples],
         "labels": [ex.labels for ex, _ in examples],
         "truncated": [t for _, t in examples],
-        "trained": [data_mod.trained_count(ex.labels) for ex, _ in examples],
+        "trained": [trained_count(ex.labels) for ex, _ in examples],
         "notes": notes,
     }
 
@@ -155,7 +172,8 @@ def _tokenized(raw, renderer: mixture.Renderers, cfg: DataConfig, work: Path, na
     trained = table.column("trained")
     keep = pc.greater(trained, 0)
     lengths = pc.list_value_length(table.column("input_ids"))
-    stats = DataStats(examples=int(pc.sum(keep).as_py() or 0), truncated=int(pc.sum(table.column("truncated")).as_py() or 0),
+    stats = DataStats(examples=int(pc.sum(keep).as_py() or 0),
+                      truncated=int(pc.sum(table.column("truncated")).as_py() or 0),
                       tokens=int(pc.sum(pc.filter(lengths, keep)).as_py() or 0),
                       trained_tokens=int(pc.sum(trained).as_py() or 0))
     stats.dropped_no_target = len(ds) - stats.examples

@@ -30,7 +30,7 @@ from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import contamination
 from tunekit.data.formats import FORMATS, Record
-from tunekit.data.records import Renderer
+from tunekit.data.rendering import Renderer
 
 
 @dataclass(frozen=True)

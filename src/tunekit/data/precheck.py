@@ -3,9 +3,10 @@ transformers, peft, TRL, DeepSpeed, datasets, bitsandbytes take about ten second
 a bad data line, a missing file or a model that cannot be had here is one line within a second or two.
 train, validate, eval and plan run this first; the steps after it keep their own checks.
 
-Data files: JSON and JSON lines through data.records (streamed, with line numbers), CSV with the
-standard library's reader (cells as text, as preparation reads them), Parquet with pyarrow; each record
-is parsed under data.format and data.fields. A hub data set is asked about once (models.hub), not read.
+Data files: read by data.reading, the reader of their file type that data preparation reads them with
+(JSON and JSON lines streamed with line numbers, CSV with the standard library's reader, Parquet with
+pyarrow; none imports `datasets`); each record is parsed under data.format and data.fields. A hub data set
+is asked about once (models.hub), not read.
 
 Big files: parsing a record (JSON and the format's field checks) takes about 15 us on a loaded 2-core
 machine, so the 200,000 lines of a 40 MB JSON lines file take about 3 s, more than the whole budget
@@ -18,20 +19,18 @@ from __future__ import annotations
 import itertools
 import logging
 from pathlib import Path
-from typing import Iterator
 
+from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import DataConfig, ModelConfig, Recipe
-from tunekit.core.errors import TunekitError, first_line
+from tunekit.core.errors import TunekitError
 from tunekit.data import mixture
-from tunekit.data.formats import FORMATS, Record
-from tunekit.data.records import iter_records
+from tunekit.data.formats import FORMATS
+from tunekit.data.reading import file_records
 from tunekit.models import hub, info
-from tunekit.models.sources import resolve_model
 
 log = logging.getLogger("tunekit")
 
 CHECKED = 20_000  # records parsed per file
-SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def data_files(recipe: Recipe) -> list[tuple[str, str, str, DataConfig]]:
@@ -111,62 +110,16 @@ def check_data(spec: str, split: str, key: str, cfg: DataConfig, needed: bool = 
                 raise
             log.warning("%s; its records were not checked", e)
         return
-    if not path.is_file() or path.suffix not in SUFFIXES:
-        raise TunekitError(f"{key}: {spec!r} is not a .jsonl, .json, .csv or .parquet file")
+    records = file_records(spec, key)  # refuses a path that is not a data file
     parse = FORMATS[cfg.format].parse
     count = 0
     for count, record in enumerate(  # noqa: B007 (count is read after the loop)
-            itertools.islice(_records(path, split, key), min(CHECKED, limit or CHECKED)), 1):
+            itertools.islice(records, min(CHECKED, limit or CHECKED)), 1):
         parse(record, cfg.fields)
     if count == 0:
         raise TunekitError(f"{key}: {spec} holds no examples")
     if count == CHECKED:
         log.info("%s: the first %d records checked; the rest are checked as data is prepared", key, CHECKED)
-
-
-def _records(path: Path, split: str, key: str) -> Iterator[Record]:
-    if path.suffix == ".csv":
-        return _csv_records(path, key)
-    if path.suffix == ".parquet":
-        return _parquet_records(path, key)
-    return iter_records(str(path), split, key)
-
-
-def _csv_records(path: Path, key: str) -> Iterator[Record]:
-    """Rows as `datasets` reads them for preparation: every cell text, blank lines skipped, "row N"."""
-    import csv
-
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            n = 0
-            for row in reader:
-                if all(v is None or not v.strip() for v in row.values()):  # pandas skips a blank line
-                    continue
-                n += 1
-                if None in row:
-                    raise TunekitError(f"{key}: {path} line {reader.line_num}: more cells than the header's "
-                                       f"{len(reader.fieldnames or [])} columns")
-                yield Record(row, f"{path} row {n}")
-    except UnicodeDecodeError as e:
-        raise TunekitError(f"{key}: {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); re-save the file "
-                           "as UTF-8") from None
-    except csv.Error as e:
-        raise TunekitError(f"{key}: {path}: malformed CSV ({e})") from None
-
-
-def _parquet_records(path: Path, key: str) -> Iterator[Record]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    n = 0
-    try:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1000):
-            for row in batch.to_pylist():
-                n += 1
-                yield Record(row, f"{path} row {n}")
-    except (pa.ArrowException, OSError) as e:
-        raise TunekitError(f"{key}: {path}: not a readable Parquet file ({first_line(e)[:200]})") from None
 
 
 def check_eval(recipe: Recipe, data: str | None, base_model: bool, tokenizer: bool) -> None:

@@ -2,9 +2,9 @@
 makes (examples, tokens, trained tokens, truncated, dropped with no trained token), tokens per role
 (trained and not), a length histogram, and examples as segments of trained and untrained tokens.
 
-Labels come from data.records.tokenize_batch, the call preparation makes, so a token shown as trained is
+Labels come from data.tokenizing.tokenize_batch, the call preparation makes, so a token shown as trained is
 one whose label is not -100, at the position the loss reads it: the first token of an example is never a
-target (labels are shifted inside the model) and is shown untrained, as records.trained_count counts it.
+target (labels are shifted inside the model) and is shown untrained, as tokenizing.trained_count counts it.
 Each token's text is the stretch of the rendered text up to its end (so whitespace a tokenizer leaves out
 of offsets still shows); a special token the tokenizer adds (BOS, EOS) shows as its token string.
 
@@ -25,7 +25,8 @@ from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import mixture, split
 from tunekit.data.formats import Record
-from tunekit.data.records import IGNORE, DataStats, Rendered, tokenize_batch
+from tunekit.data.rendering import Rendered
+from tunekit.data.tokenizing import IGNORE, DataStats, tokenize_batch
 
 EXAMPLES_FILE = "data-examples.jsonl"  # a run's first training examples as segments, for the report
 RUN_EXAMPLES = 3  # examples a run writes there
@@ -92,7 +93,7 @@ def rendered(renderer: mixture.Renderers, records: Iterable[Record]) -> Iterator
 
 
 def trained_flags(labels: list[int]) -> list[bool]:
-    """Whether each position is a target of the loss (records.trained_count counts the same)."""
+    """Whether each position is a target of the loss (tokenizing.trained_count counts the same)."""
     return [j > 0 and label != IGNORE for j, label in enumerate(labels)]
 
 
@@ -137,7 +138,7 @@ def merge(pieces: list[str], trained: list[bool], roles: list[str | None]) -> li
 
 
 def _encoded(renders: list[Rendered], tokenizer) -> list[tuple[list[int], list]]:
-    """(ids, offsets) of each example, tokenized as records.tokenize_batch tokenizes it."""
+    """(ids, offsets) of each example, tokenized as tokenizing.tokenize_batch tokenizes it."""
     out: list = [None] * len(renders)
     for flag in {r.add_special_tokens for r in renders}:
         idx = [i for i, r in enumerate(renders) if r.add_special_tokens == flag]
@@ -183,7 +184,8 @@ def preview(records: Iterable[Record], renderer: mixture.Renderers, cfg: DataCon
     stream = rendered(renderer, records)
     while batch := list(itertools.islice(stream, BATCH)):
         _add(p, batch, renderer.tok, show, histogram)
-    p.lengths = [{"from": lo, "to": hi, "examples": n} for (lo, hi), n in zip(length_buckets(cfg.max_length), histogram)]
+    p.lengths = [{"from": lo, "to": hi, "examples": n}
+                 for (lo, hi), n in zip(length_buckets(cfg.max_length), histogram)]
     p.notes = sorted(renderer.notes)
     return p
 

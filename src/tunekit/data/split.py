@@ -27,7 +27,7 @@ from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import mixture
 from tunekit.data.formats import Record
-from tunekit.data.records import iter_records
+from tunekit.data.reading import iter_records
 
 
 @dataclass(frozen=True)

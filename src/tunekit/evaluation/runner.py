@@ -16,7 +16,10 @@ from tunekit.core import console, distributed, outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
 from tunekit.data import chat, mixture, split
-from tunekit.data import records as data_mod
+from tunekit.data.collating import collator
+from tunekit.data.formats import Record
+from tunekit.data.reading import read_records
+from tunekit.data.tokenizing import IGNORE, Example, build_examples
 from tunekit.evaluation import metrics
 from tunekit.evaluation.table import format_table, table_rows  # noqa: F401  (evaluation.table_rows: tests, demo)
 from tunekit.models import loading as models
@@ -34,7 +37,7 @@ def eval_dtype(requested: str) -> torch.dtype:
     return torch.float32  # on CPU, bf16 generation changes greedy outputs with batch composition
 
 
-def records_for(target: Target, data: str | None) -> list[data_mod.Record]:
+def records_for(target: Target, data: str | None) -> list[Record]:
     records = held_out_records(target.recipe, data)
     if not records:
         raise TunekitError(f"{target.spec}: no eval data; pass --data FILE or set data.eval / data.eval_fraction")
@@ -43,15 +46,15 @@ def records_for(target: Target, data: str | None) -> list[data_mod.Record]:
     return records
 
 
-def held_out_records(recipe: Recipe, data: str | None = None) -> list[data_mod.Record]:
+def held_out_records(recipe: Recipe, data: str | None = None) -> list[Record]:
     """--data, else the recipe's eval.data, else its held-out records exactly as training split them."""
     source = data or (recipe.eval.data if recipe.eval else None)
     if source:
-        return data_mod.read_records(source, recipe.data.eval_split, "--data" if data else "eval.data")
+        return read_records(source, recipe.data.eval_split, "--data" if data else "eval.data")
     return split.held_out(recipe.data, recipe.training.seed)
 
 
-def check_held_out(target: Target, records: list[data_mod.Record]) -> None:
+def check_held_out(target: Target, records: list[Record]) -> None:
     """The records about to be scored are the ones the run held out: its data files have not changed since."""
     recorded = (RunRecord.load(target.location).data.get("split") or {}).get("held_out_fingerprint")
     d = target.recipe.data
@@ -112,10 +115,10 @@ def generate_batch(model, tokenizer, prompts: list[str], add_special_tokens: boo
 
 
 @torch.no_grad()
-def token_loss(model, tokenizer, examples: list[data_mod.Example], batch_size: int) -> float:
+def token_loss(model, tokenizer, examples: list[Example], batch_size: int) -> float:
     """Mean cross-entropy per trained token (the training objective on held-out data)."""
     tokenizer.padding_side = "right"
-    collate = data_mod.collator(tokenizer)
+    collate = collator(tokenizer)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
@@ -125,13 +128,13 @@ def token_loss(model, tokenizer, examples: list[data_mod.Example], batch_size: i
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
         labels = batch["labels"][:, 1:]
         losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels,
-                                                   ignore_index=data_mod.IGNORE, reduction="sum")
+                                                   ignore_index=IGNORE, reduction="sum")
         total += losses.item()
-        count += int((labels != data_mod.IGNORE).sum())
+        count += int((labels != IGNORE).sum())
     return total / max(count, 1)
 
 
-def rendered_examples(recipe: Recipe, tokenizer, records: list[data_mod.Record], cfg: EvalConfig) -> list:
+def rendered_examples(recipe: Recipe, tokenizer, records: list[Record], cfg: EvalConfig) -> list:
     renderer = mixture.Renderers(recipe.data, tokenizer)  # each record by its source's format and fields
     # unpaired preference data: only the completions labelled desirable are references
     rendered = [x for x in map(renderer.render, records) if x.desirable is not False]
@@ -153,7 +156,7 @@ def generation_scores(model, tokenizer, rendered: list, cfg: EvalConfig) -> tupl
     return scores, predictions
 
 
-def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Record], cfg: EvalConfig) -> tuple[dict, list[dict]]:
+def evaluate_model(model, tokenizer, recipe: Recipe, records: list[Record], cfg: EvalConfig) -> tuple[dict, list[dict]]:
     rendered = rendered_examples(recipe, tokenizer, records, cfg)
     started = time.perf_counter()
     scores, predictions = generation_scores(model, tokenizer, rendered, cfg)
@@ -162,7 +165,7 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[data_mod.Reco
         renderer = mixture.Renderers(recipe.data, tokenizer)
         scored = {r.where for r in rendered}
         pieces = [x for record in records if record.where in scored for x in renderer.examples(record)]
-        examples, _ = data_mod.build_examples(pieces, tokenizer, recipe.data)
+        examples, _ = build_examples(pieces, tokenizer, recipe.data)
         if examples:
             loss = token_loss(model, tokenizer, examples, cfg.batch_size)
             scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
@@ -187,7 +190,7 @@ class DuringTraining:
     the first `eval.limit` held-out examples, batched and split over the processes as `generate` does;
     the Trainer logs them beside eval_loss (SafeStateTrainer.evaluation_loop)."""
 
-    def __init__(self, recipe: Recipe, tokenizer, records: list[data_mod.Record], samples: Path | None = None):
+    def __init__(self, recipe: Recipe, tokenizer, records: list[Record], samples: Path | None = None):
         self.recipe, self.tokenizer, self.records, self.samples = recipe, tokenizer, records, samples
         self.cfg = recipe.eval
         self.rendered = rendered_examples(recipe, tokenizer, records, recipe.eval)

@@ -15,11 +15,11 @@ import yaml
 from tunekit import __version__
 from tunekit.config.loading import load as load_recipe
 from tunekit.config.loading import to_yaml
+from tunekit.config.modelsource import looks_like_path, resolve_model
+from tunekit.config.schema import DATA_SUFFIXES
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
-from tunekit.data.precheck import SUFFIXES
 from tunekit.evaluation.table import table_rows
-from tunekit.models.sources import looks_like_path, resolve_model
 from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RECIPE_FILE, RunRecord, is_run
 
 CURVES_FILE = "training_curves.svg"
@@ -58,7 +58,7 @@ def hub_id(spec: str) -> str | None:
 
 
 def _hub_dataset(spec: str) -> bool:
-    return not looks_like_path(spec) and Path(spec).suffix.lower() not in SUFFIXES and not Path(spec).exists()
+    return not looks_like_path(spec) and Path(spec).suffix.lower() not in DATA_SUFFIXES and not Path(spec).exists()
 
 
 def data_sources(recipe) -> list[str]:

@@ -21,7 +21,8 @@ from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
 from tunekit.data import mixture, split
-from tunekit.data import records as data_mod
+from tunekit.data.collating import collator
+from tunekit.data.tokenizing import build_examples
 from tunekit.export import card
 from tunekit.models import loading as models
 from tunekit.models.info import model_config
@@ -45,13 +46,14 @@ class Parity:
 def parity_batch(recipe, tokenizer, n: int = 4):
     """A few real examples from the run's own data, each rendered as for generation (through its last assistant
     message) and tokenized as in training."""
-    records = split.held_out(recipe.data, recipe.training.seed) or list(itertools.islice(split.train_source(recipe.data), n))
+    records = (split.held_out(recipe.data, recipe.training.seed)
+               or list(itertools.islice(split.train_source(recipe.data), n)))
     renderer = mixture.Renderers(recipe.data, tokenizer)  # each record by its source's format and fields
-    examples, _ = data_mod.build_examples([renderer.render(r) for r in records[:n]], tokenizer, recipe.data)
+    examples, _ = build_examples([renderer.render(r) for r in records[:n]], tokenizer, recipe.data)
     if not examples:
         raise TunekitError("merge: no usable example in the run's data for the parity check")
     tokenizer.padding_side = "right"
-    return data_mod.collator(tokenizer)(
+    return collator(tokenizer)(
         [{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels} for e in examples])
 
 
@@ -140,8 +142,9 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
         tokenizer.save_pretrained(tmp)
         shutil.copy(run_dir / RECIPE_FILE, tmp / RECIPE_FILE)
         outputs.write_json(tmp / MERGED_MARKER, {
-            "source_run": str(run_dir.resolve()), "base_model": recipe.model.name_or_path, "adapter": recipe.adapter_kind,
-            "dtype": dtype, "parity": vars(parity), "tolerance": tolerance, "versions": outputs.versions(),
+            "source_run": str(run_dir.resolve()), "base_model": recipe.model.name_or_path,
+            "adapter": recipe.adapter_kind, "dtype": dtype, "parity": vars(parity), "tolerance": tolerance,
+            "versions": outputs.versions(),
         })
         (tmp / "README.md").write_text(model_card(run_dir, parity, dtype), encoding="utf-8")
     log.info("merged model written to %s (%s)", out, dtype)

@@ -1,0 +1,47 @@
+"""Collating: tokenized examples into batches (padded, or packed into one row), and the count of real and
+computed tokens the batches hold."""
+
+from __future__ import annotations
+
+from tunekit.data.tokenizing import IGNORE
+
+
+class CountingCollator:
+    """Wraps a collator and counts real (non-padding) and computed tokens, for throughput and padding
+    numbers. Counts every batch it builds, eval batches during training included."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.real = 0
+        self.computed = 0
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        real, computed = self.count(batch, features)
+        self.real += real
+        self.computed += computed
+        return batch
+
+    @staticmethod
+    def count(batch, features) -> tuple[int, int]:
+        """(real, computed) tokens of one batch."""
+        mask = batch.get("attention_mask")  # absent in packed batches, which hold no padding
+        real = int(mask.sum()) if mask is not None else sum(len(f["input_ids"]) for f in features)
+        return real, batch["input_ids"].numel()
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1 - self.real / self.computed if self.computed else 0.0
+
+
+def collator(tokenizer, packing: bool = False, boundaries: bool = False):
+    """Padded batches: input_ids padded with the pad token, labels with -100 (DataCollatorForSeq2Seq).
+    Packed: DataCollatorWithFlattening concatenates the micro-batch into one row, restarts position
+    ids per example and sets each example's first label to -100; attention builds a block-diagonal
+    causal mask from the position ids or, with `boundaries`, reads the sequence boundaries
+    (flash-attention), so no example sees another."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    if packing:
+        return DataCollatorWithFlattening(separator_id=IGNORE, return_flash_attn_kwargs=boundaries)
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)
