@@ -159,6 +159,56 @@ def test_csv_and_parquet_files(tmp_path, tiny_tokenizer):
         assert bundle.train_stats.examples == 2
 
 
+def test_the_pre_check_and_preparation_read_a_file_with_the_same_reader(tmp_path, tiny_tokenizer):
+    """One reader per file type (data.reading): a row the pre-check refuses, preparation refuses in the same
+    words, and the two see the same records."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tunekit.data import precheck
+    from tunekit.data.reading import file_records, iter_records
+
+    csv = tmp_path / "d.csv"
+    csv.write_text("instruction,output\nReverse cat,tac\n\nReverse dog\n", encoding="utf-8")
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"instruction": ["a", "b"], "output": ["x", None]}), parquet)
+    for path in (csv, parquet):
+        cfg = DataConfig(train=str(path), format="alpaca")
+        with pytest.raises(TunekitError) as checked:
+            precheck.check_data(str(path), "train", "data.train", cfg)
+        with pytest.raises(TunekitError) as prepared:
+            arrowdata.build(cfg, tiny_tokenizer, 0)
+        assert str(checked.value) == str(prepared.value)
+        assert str(checked.value).startswith(f"{path} row 2: missing field 'output'")
+        assert ([(r.values, r.where) for r in iter_records(str(path), "train", "data.train")]
+                == [(r.values, r.where) for r in file_records(str(path), "data.train")])
+    wide = tmp_path / "wide.csv"
+    wide.write_text("instruction,output\na,b,c\n", encoding="utf-8")
+    with pytest.raises(TunekitError, match=r"^data\.train: .*wide\.csv line 2: more cells than the header's 2 "):
+        arrowdata.build(DataConfig(train=str(wide), format="alpaca"), tiny_tokenizer, 0)
+
+
+def test_the_data_suffixes_are_named_once():
+    """config.schema.DATA_SUFFIXES is the one list of data file suffixes (no other tuple, list or set in tunekit
+    holds them all); the readers and their messages use it."""
+    import ast
+    from pathlib import Path
+
+    import tunekit
+    from tunekit.config.schema import DATA_SUFFIXES
+    from tunekit.data import reading
+
+    assert DATA_SUFFIXES == (".jsonl", ".json", ".csv", ".parquet")
+    package = Path(tunekit.__file__).parent
+    lists = [path.relative_to(package).as_posix() for path in sorted(package.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+             and set(DATA_SUFFIXES) <= {e.value for e in node.elts if isinstance(e, ast.Constant)}]
+    assert lists == ["config/schema.py"]
+    with pytest.raises(TunekitError, match=r"^k: 'x\.txt' is not a \.jsonl, \.json, \.csv or \.parquet file$"):
+        reading.file_records("x.txt", "k")
+
+
 def test_collator_pads_labels_with_ignore(tiny_tokenizer):
     collate = collator(tiny_tokenizer)
     batch = collate([{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [IGNORE, 6, 7]},
