@@ -202,3 +202,62 @@ def test_a_tool_call_reference_is_the_turn_as_written_reasoning_included(tiny_to
     rendered = renderer(tiny_tokenizer).render(Record(record, "t line 1"))
     assert (rendered.reference
             == "<think>\nParis, so the weather tool.\n</think>\n\n" + CALL_TEXT.removesuffix("<|im_end|>"))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+RATE = {"type": "function", "function": {"name": "get_rate", "parameters": {"type": "object"}}}
+
+
+def _call(name: str, call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}
+
+
+BAD_AGENT_RECORDS = {  # a chat record whose links contradict each other -> the cause the one line names
+    "two calls sharing one id": (
+        {"tools": [WEATHER, RATE], "messages": [
+            {"role": "user", "content": "weather and rate?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("get_weather", "c1"), _call("get_rate", "c1")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."}]},
+        "message 1: two tool calls share the id 'c1'; give each call of a message its own id"),
+    "a result whose id and name name different calls": (
+        {"tools": [WEATHER, RATE], "messages": [
+            {"role": "user", "content": "weather and rate?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("get_weather", "c1"), _call("get_rate", "c2")]},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_rate", "content": "1.1"},
+            {"role": "assistant", "content": "1.1"}]},
+        "message 2: tool_call_id 'c1' is the call of 'get_weather', but the result's name is 'get_rate'"),
+    "nothing trainable": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "train": False}]},
+        "nothing to train on: every assistant message has 'train': false"),
+    "a call of a function the tools do not offer": (
+        {"tools": [WEATHER], "messages": [
+            {"role": "user", "content": "rate?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("get_rate", "c1")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "1.1"},
+            {"role": "assistant", "content": "1.1"}]},
+        "message 1 calls 'get_rate', which the example's tools do not offer (get_weather)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_AGENT_RECORDS)
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_contradicting_agent_records_are_refused_before_any_weight_loads(case, command, tmp_path, tiny_model,
+                                                                         capsys, monkeypatch):
+    """In-process, by validate as by train: exit 2, one line naming the file and line, nothing written."""
+    from conftest import reverse_rows, tiny_recipe, write_recipe
+    from tunekit.cli.main import main
+
+    good = [{"messages": [{"role": "user", "content": r["instruction"]},
+                          {"role": "assistant", "content": r["output"]}]} for r in reverse_rows(3)]
+    record, expected = BAD_AGENT_RECORDS[case]
+    data = write_jsonl(tmp_path / "d.jsonl", [*good, record])
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, tmp_path / "run",
+                                                           data={"format": "chat"}))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main([command, str(recipe)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("tunekit: error: ") and f"{data} line 4: " in err[0] and expected in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -26,10 +26,17 @@ def extras(m: dict, f, role: str, where: str, earlier: list[dict]) -> dict:
         if role == "assistant":
             out["train"] = train
     calls = m.get(f.tool_calls)
-    calls = [] if calls is None else [_call(c, f"{where} tool call {k}") for k, c in _listed(calls, f"{where} {f.tool_calls!r}")]
+    calls = [] if calls is None else [_call(c, f"{where} tool call {k}")
+                                      for k, c in _listed(calls, f"{where} {f.tool_calls!r}")]
     if calls:  # the key only where there are calls: Llama 3.1's template branches on its presence
+        ids = [c["id"] for c in calls if "id" in c]
+        shared = next((i for i in ids if ids.count(i) > 1), None)
+        if shared is not None:  # each result would be linked to the first of them
+            raise TunekitError(f"{where}: two tool calls share the id {shared!r}; give each call of a message its "
+                               "own id (tool results name the call they answer by it)")
         if role != "assistant":
-            raise TunekitError(f"{where}: a {role} message carries {f.tool_calls!r}; only assistant messages call tools")
+            raise TunekitError(f"{where}: a {role} message carries {f.tool_calls!r}; "
+                               "only assistant messages call tools")
         out["tool_calls"] = calls
     reasoning = _reasoning(m, f, where)
     if reasoning:
@@ -62,7 +69,8 @@ def _call(c, where: str) -> dict:
     fn = c.get("function", c)
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name:
-        raise TunekitError(f"{where} has no function name (expected {{\"function\": {{\"name\": ..., \"arguments\": ...}}}})")
+        raise TunekitError(f"{where} has no function name "
+                           f"(expected {{\"function\": {{\"name\": ..., \"arguments\": ...}}}})")
     args = fn.get("arguments", fn.get("parameters"))
     if args is None or (isinstance(args, str) and not args.strip()):  # a function called without arguments
         args = {}
@@ -104,6 +112,11 @@ def _result_link(m: dict, where: str, earlier: list[dict]) -> dict:
                                f"it (ids: {', '.join(ids)})")
         out["tool_call_id"] = str(call_id)
     names = [c["function"]["name"] for c in calls]
+    if name is not None and call_id is not None and str(call_id) in ids:
+        called = calls[ids.index(str(call_id))]["function"]["name"]
+        if name != called:
+            raise TunekitError(f"{where}: tool_call_id {call_id!r} is the call of {called!r}, but the result's name "
+                               f"is {name!r}; make the two agree")
     if name is not None:
         if name not in names:
             raise TunekitError(f"{where}: tool result for {name!r}, but the assistant message before it calls "
@@ -114,6 +127,20 @@ def _result_link(m: dict, where: str, earlier: list[dict]) -> dict:
     elif len(set(names)) == 1:
         out["name"] = names[0]
     return out
+
+
+def check_offered(messages: list[dict], schemas: list[dict] | None, where: str) -> None:
+    """A call of a function the example's `tools` does not offer is refused: trained on, it teaches the model to
+    call functions that do not exist. Examples without `tools` are not checked (nothing says what is offered)."""
+    if not schemas:
+        return
+    offered = {t["function"]["name"] for t in schemas}
+    for i, m in enumerate(messages):
+        for c in m.get("tool_calls", []):
+            if c["function"]["name"] not in offered:
+                raise TunekitError(f"{where}: message {i} calls {c['function']['name']!r}, which the example's tools "
+                                   f"do not offer ({', '.join(sorted(offered))}); add its schema to tools or fix "
+                                   "the call")
 
 
 def call_json(call: dict, sort_keys: bool = False) -> str:
