@@ -113,10 +113,18 @@ def prompt_completion(record: Record, f) -> Parsed:
 def chat(record: Record, f) -> Parsed:
     """OpenAI-style messages: roles system/user/assistant/tool, assistant tool_calls and reasoning, tool results
     linked to their call, and a per-example list of tool (function) schemas."""
+    from tunekit.data import agent
+
     messages = _messages(record, f)
-    if not any(m["role"] == "assistant" for m in messages):
+    assistant = [m for m in messages if m["role"] == "assistant"]
+    if not assistant:
         raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
-    return Parsed(messages=messages, tools=_tools(record, f))
+    if all(m.get("train") is False for m in assistant):
+        raise TunekitError(f"{record.where}: nothing to train on: every assistant message has {f.train!r}: false; "
+                           "set it true on the answers to learn, or leave the record out")
+    tools = _tools(record, f)
+    agent.check_offered(messages, tools, record.where)
+    return Parsed(messages=messages, tools=tools)
 
 
 def _messages(record: Record, f) -> list[dict]:
