@@ -25,8 +25,15 @@ def quantization_as_trained(recipe: Recipe, record: RunRecord, compute: torch.dt
 
 
 def load_trained(target: Target, dtype: torch.dtype):
-    """The model as the target defines it: base + adapter (quantized base for QLoRA), full weights,
-    a merged directory, or the base model alone."""
+    """The model as the target defines it (base + adapter, quantized base for QLoRA; full weights; a merged
+    directory; the base model alone), on this process's GPU where there is one: eval and chat generate there."""
+    model = _load_trained(target, dtype)
+    if torch.cuda.is_available() and next(model.parameters()).device.type == "cpu":  # a 4-bit base is there already
+        model = model.to(f"cuda:{torch.cuda.current_device()}")
+    return model
+
+
+def _load_trained(target: Target, dtype: torch.dtype):
     recipe = target.recipe
     if target.kind == "merged":
         return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location)}), dtype)
