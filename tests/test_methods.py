@@ -1,6 +1,7 @@
-"""The training-method registry (tunekit.training.methods): the recipe's allowed training.method values, the method
-sections and their cross-checks, plan and eval all come from it, and no module outside methods/ compares
-method names. A method registered before the schema is built is a valid training.method, with its section."""
+"""The training methods: declared in tunekit.config.methods (the recipe's allowed training.method values, the
+method sections, the facts the recipe rules and the planner read) and implemented in tunekit.training.methods,
+registered under the declared names; no module outside methods/ compares method names. A method declared
+before the schema is built is a valid training.method, with its section."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 import tunekit
 from conftest import tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import loading as recipe_mod
-from tunekit.config import schema
+from tunekit.config import methods as declared
+from tunekit.config import rules, schema
 from tunekit.core.errors import TunekitError
 from tunekit.training import methods
 
@@ -25,7 +27,7 @@ PACKAGE = Path(tunekit.__file__).parent
 
 def test_the_allowed_methods_and_sections_are_the_registry():
     allowed = typing.get_args(schema.TrainingConfig.model_fields["method"].annotation)
-    assert allowed == tuple(methods.METHODS) == ("sft", "dpo", "kto", "orpo", "grpo")
+    assert allowed == tuple(declared.DECLARED) == tuple(methods.METHODS) == ("sft", "dpo", "kto", "orpo", "grpo")
     sections = {m.section for m in methods.METHODS.values() if m.section}
     assert sections == {"dpo", "kto", "orpo", "grpo"} and sections <= set(schema.Recipe.model_fields)
     for m in methods.METHODS.values():
@@ -44,23 +46,23 @@ def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_
 FAKE = '''
 import logging, sys, yaml
 from pydantic import Field
-from tunekit.config.section import Section
-from tunekit.training.methods import METHODS, Method, register
+from tunekit.config.methods import MethodSpec, declare
+from tunekit.config.methodsettings import MethodSettings
 
-class ToySettings(Section):
+class ToySettings(MethodSettings):
     alpha: float = Field(1.0, gt=0)
+
+declare(MethodSpec("toy", "a method declared by a test", settings=ToySettings, data_formats=("alpaca",),
+                   data_description="alpaca rows", sequences=3))
+from tunekit.training.methods import METHODS, Method, register
 
 class Toy(Method):
     name = "toy"
-    summary = "a method registered by a test"
-    settings = ToySettings
-    data_formats = ("alpaca",)
-    data_description = "alpaca rows"
-    sequences = 3
 
 register(Toy())
+assert METHODS["toy"].summary == "a method declared by a test" and METHODS["toy"].section == "toy"
 from tunekit.config import loading as recipe
-from tunekit.plan import estimate as plan  # the schema is built after the registration
+from tunekit.plan import estimate as plan  # the schema is built after the declaration
 raw = yaml.safe_load(open(sys.argv[1]))
 raw["training"]["method"] = "toy"
 r = recipe.from_dict(raw)
@@ -81,7 +83,8 @@ except Exception as e:
 
 @pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_a_registered_method_is_a_training_method_with_its_section(tmp_path, tiny_model):
-    """What docs/adding-a-method.md describes: one module's class, registered, is all the schema needs."""
+    """What docs/adding-a-method.md describes: a declaration is all the schema needs, and the implementation
+    registered under its name is the method the planner and training find."""
     raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),
                       tmp_path / "run")
     path = write_recipe(tmp_path / "r.yaml", raw)
@@ -93,6 +96,23 @@ def test_a_registered_method_is_a_training_method_with_its_section(tmp_path, tin
 def test_the_recipe_imports_no_torch():
     code = "import sys, tunekit.config.loading; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_the_recipe_imports_nothing_above_config():
+    """The schema reads the declarations beside it, not the registries' implementations."""
+    code = ("import sys, tunekit.config.loading; "
+            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('tunekit.')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "['config', 'core']\n"
+
+
+def test_the_rules_across_sections_run_in_one_order():
+    """Every rule that spans sections is one function of config.rules, run in RULES' order by the schema, so a
+    recipe breaking two is told of the first."""
+    assert [r.__name__ for r in rules.RULES] == [
+        "method_sections", "starting_adapter", "data_formats", "learning_rate", "settings_apply", "reference",
+        "grpo_rewards", "installed", "batch", "best_metric_is_logged", "sharding_fits_the_quantization",
+        "precision_agrees"]
 
 
 def dpo_raw(tmp_path, tiny_model, **sections):

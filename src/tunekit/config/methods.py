@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tunekit.config.methodsettings import DpoSettings, GrpoSettings, KtoSettings, OrpoSettings
-from tunekit.config.section import Section
+from tunekit.config.methodsettings import DpoSettings, GrpoSettings, KtoSettings, MethodSettings, OrpoSettings
 
 PAIRS = "(prompt, chosen, rejected) pairs"
 PAIR_FORMATS = ("preference",)  # the data formats holding such pairs
@@ -18,7 +17,7 @@ PAIR_FORMATS = ("preference",)  # the data formats holding such pairs
 class MethodSpec:
     name: str
     summary: str  # one sentence for the recipe reference's training.method
-    settings: type[Section] | None = None  # its recipe section, named `name` (None: no section)
+    settings: type[MethodSettings] | None = None  # its recipe section, named `name` (None: no section)
     old_sections: tuple[str, ...] = ()  # earlier names of that section, still read with a note
     data_formats: tuple[str, ...] | None = None  # data.format values it trains on; None: any format no other
     #                                              method owns
@@ -35,14 +34,27 @@ class MethodSpec:
     # training.learning_rate: auto applies: the training loss falls as the model learns (not so for a policy
     # gradient's loss), so a range test over it finds a rate
     loss_tracks_learning: bool = True
+    # `tunekit eval` on preference pairs adds the implicit reward's measures (beta x log-ratio to the base: the
+    # section's beta, else TRL's default) beside preference accuracy (evaluation.preference)
+    implicit_reward: bool = False
+    # the training step, for `tunekit plan`: sequences per example (chosen and rejected in one batch) and
+    # no-grad forwards over the batch (a reference model, a KL batch)
+    sequences: int = 1
+    no_grad_forwards: int = 0
 
     @property
     def section(self) -> str | None:
         """The recipe section holding the method's settings."""
         return self.name if self.settings is not None else None
 
-    def settings_of(self, recipe) -> Section | None:
+    def settings_of(self, recipe) -> MethodSettings | None:
         return getattr(recipe, self.section) if self.section else None
+
+    def plan_settings(self, recipe) -> dict:
+        """The training step's shape for `tunekit plan` (fields of plan.estimate.Settings)."""
+        shape = {"sequences": self.sequences, "extra_forwards": self.no_grad_forwards}
+        settings = self.settings_of(recipe)
+        return {**shape, **(settings.step_shape(recipe) if settings is not None else {})}
 
     def trains_on(self, data_format: str) -> bool:
         return self.data_formats is None or data_format in self.data_formats
@@ -76,22 +88,23 @@ def renamed_sections(raw: dict) -> list[tuple[str, str]]:
 # The built-in methods, in the order the recipe reference lists them.
 declare(MethodSpec(
     "sft", "supervised fine-tuning on answers",
-    chunked_loss=True, packs=True, groups_by_length=True, prompt_loss_optional=True))
+    chunked_loss=True, packs=True, groups_by_length=True, prompt_loss_optional=True, implicit_reward=True))
 declare(MethodSpec(
     "dpo", "direct preference optimization on (prompt, chosen, rejected) pairs (data.format: preference) "
     "with TRL's DPOTrainer",
     settings=DpoSettings, old_sections=("preference",), data_formats=PAIR_FORMATS, data_description=PAIRS,
-    has_reference=True))
+    has_reference=True, implicit_reward=True,
+    sequences=2, no_grad_forwards=1))  # chosen and rejected in one batch; the reference
 declare(MethodSpec(
     "kto", "Kahneman-Tversky optimization on completions labelled desirable or not (data.format: "
     "unpaired_preference), TRL's KTOTrainer",
     settings=KtoSettings, data_formats=("unpaired_preference",),
     data_description="(prompt, completion, desirable or not) examples", owned_formats=("unpaired_preference",),
-    has_reference=True))
+    has_reference=True, no_grad_forwards=3))  # its KL batch, the reference and the reference's KL
 declare(MethodSpec(
     "orpo", "odds-ratio preference optimization on the same pairs as dpo, SFT and preference in one loss "
     "without a reference model, TRL's ORPOTrainer",
-    settings=OrpoSettings, data_formats=PAIR_FORMATS, data_description=PAIRS))
+    settings=OrpoSettings, data_formats=PAIR_FORMATS, data_description=PAIRS, sequences=2))
 declare(MethodSpec(
     "grpo", "group relative policy optimization: sampled completions scored by rewards a program checks "
     "(exact match, BLEU, chrF, ROUGE, a format pattern, JSON, tool calls, length, your function), "
@@ -99,4 +112,4 @@ declare(MethodSpec(
     settings=GrpoSettings, data_formats=("prompt", "prompt_completion", "alpaca", "chat"),
     data_description="prompts (data.format: prompt, or the prompts of prompt_completion, alpaca or chat records)",
     owned_formats=("prompt",), has_reference=True, reference_switch="beta", loss_tracks_learning=False,
-    eval_loss_beside_generation=False))
+    eval_loss_beside_generation=False, no_grad_forwards=1))  # the reference, with grpo.beta > 0 (step_shape)

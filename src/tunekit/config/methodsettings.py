@@ -1,5 +1,5 @@
-"""The training methods' recipe sections (dpo:, kto:, orpo:, grpo:), each a Section named after its method and
-declared with it in tunekit.config.methods; the methods' trainers (tunekit.training.methods) read them."""
+"""The training methods' recipe sections (dpo:, kto:, orpo:, grpo:), each named after its method and declared
+with it in tunekit.config.methods; the methods' trainers (tunekit.training.methods) read them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,15 @@ from tunekit.config.section import Section
 
 DEFAULT_BETA = 0.1  # TRL's default beta: the implicit reward's scale when the recipe sets none
 
+
+class MethodSettings(Section):
+    """A training method's recipe section."""
+
+    def step_shape(self, recipe) -> dict:
+        """What the method's training step adds to its declared shape for `tunekit plan` (fields of
+        plan.estimate.Settings); nothing unless a setting changes it."""
+        return {}
+
 # ---------------------------------------------------------------- dpo
 
 # DPO losses TRL's DPOTrainer implements (trl 1.16, DPOConfig.loss_type)
@@ -20,7 +29,7 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
 SMOOTHED = ("robust", "exo_pair", "aot", "aot_unpaired")  # the losses that read label_smoothing (trl 1.16)
 
 
-class DpoSettings(Section):
+class DpoSettings(MethodSettings):
     beta: float = Field(DEFAULT_BETA, gt=0, description="DPO: how far the policy may move from the reference "
                         "(higher: closer to it). For loss_type ipo, the regularization strength.")
     loss_type: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
@@ -42,7 +51,7 @@ KTO_LOSSES = ("kto", "apo_zero_unpaired")
 KL_LOSSES = ("kto",)  # the losses that estimate a KL term from the other examples of a micro-batch
 
 
-class KtoSettings(Section):
+class KtoSettings(MethodSettings):
     beta: float = Field(DEFAULT_BETA, gt=0, description="KTO: how far the policy may move from the reference "
                         "(higher: closer).")
     loss_type: Literal[KTO_LOSSES] = Field(  # type: ignore[valid-type]
@@ -55,7 +64,7 @@ class KtoSettings(Section):
 
 # ---------------------------------------------------------------- orpo
 
-class OrpoSettings(Section):
+class OrpoSettings(MethodSettings):
     beta: float = Field(DEFAULT_BETA, gt=0, description="ORPO: weight of the odds-ratio term added to the chosen "
                         "answers' SFT loss (lambda in the paper; TRL's beta). There is no reference model.")
 
@@ -77,7 +86,7 @@ class RewardSpec(Section):
                                  "directory (needs grpo.trust_local_code: true).")
 
 
-class GrpoSettings(Section):
+class GrpoSettings(MethodSettings):
     rewards: list[RewardSpec] = Field(default_factory=list, description="What a completion earns: a list of "
                                       "{reward, weight, ...} (docs/methods.md, GRPO has the table); at least one.")
     completions: int = Field(4, ge=2, description="Completions sampled per prompt (a group). training."
@@ -113,4 +122,12 @@ class GrpoSettings(Section):
         if self.loss_type == "sapo" and self.epsilon_high is not None:
             raise ValueError("grpo.epsilon_high: loss_type sapo does not clip by it; remove it")
         return self
+
+    def step_shape(self, recipe) -> dict:
+        """Sequences are prompt + completion; every completion of the optimizer step is sampled at once before
+        it (TRL's generation batch: micro-batch x accumulation per process); a reference forward with beta > 0
+        (the old policy's forward that grpo.iterations > 1 adds is not counted)."""
+        t = recipe.training
+        return {"seq_len": recipe.data.max_length + self.max_completion_length, "extra_forwards": int(self.beta > 0),
+                "sampled": t.micro_batch_size * t.gradient_accumulation_steps}
 

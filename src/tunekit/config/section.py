@@ -1,6 +1,6 @@
 """The base of every recipe section: unknown keys are an error and values are frozen once validated.
-Its own module so that the training methods (methods/), whose settings are recipe sections, need not import
-the recipe."""
+Its own module so that the training methods' sections (config.methodsettings), which the schema reads, need
+not import the recipe."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Callable
 
-from tunekit.config.metrics import DECLARED
+from tunekit.config.metrics import DECLARED, defaults  # noqa: F401  (evaluation.metrics.defaults: tests)
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -60,8 +60,10 @@ METRICS: dict[str, Metric] = {}
 def register(name: str):
     """Register the scoring function of a declared metric (config.metrics)."""
     spec = DECLARED.get(name)
-    if spec is None or not spec.scored:
-        raise ValueError(f"metric {name!r} is not declared as scored in tunekit.config.metrics")
+    if spec is None:
+        raise ValueError(f"metric {name!r} is not declared in tunekit.config.metrics")
+    if not spec.scored:
+        raise ValueError(f"metric {name!r} is declared unscored (computed from the model) in tunekit.config.metrics")
     if name in METRICS:
         raise ValueError(f"metric {name!r} is registered twice")
 

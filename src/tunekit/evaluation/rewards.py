@@ -171,6 +171,20 @@ def build(specs, max_completion_length: int) -> list[Reward]:
     return [Reward(spec, i, specs, max_completion_length) for i, spec in enumerate(specs)]
 
 
+def held_out(recipe, tokenizer, records: list, rendered: list, predictions: list[str]) -> tuple[dict, list[dict]]:
+    """The recipe's rewards (grpo.rewards) on held-out generations, beside the metrics: mean_scores, and what each
+    prediction adds to its row in predictions.jsonl; `rendered` (data.rendering.Rendered) are the records'
+    renderings the predictions answer. Nothing for a recipe without rewards."""
+    g = recipe.grpo
+    if g is None:
+        return {}, [{} for _ in predictions]
+    scorers = build(g.rewards, g.max_completion_length)
+    raw = {r.where: r.values for r in records}
+    samples = [Sample(r.prompt, p, r.reference or "", len(tokenizer(p, add_special_tokens=False)["input_ids"]),
+                      raw.get(r.where, {}), r.where) for r, p in zip(rendered, predictions)]
+    return mean_scores(scorers, [s.weight for s in g.rewards], samples)
+
+
 def mean_scores(rewards: list[Reward], weights: list[float], samples: list[Sample]) -> tuple[dict, list[dict]]:
     """({reward: mean, reward/<name>: mean}, per-sample {name: value}) of held-out completions: the weighted sum
     as GRPO trains on it, and each reward alone."""

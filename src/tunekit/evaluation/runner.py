@@ -20,12 +20,11 @@ from tunekit.data.collating import collator
 from tunekit.data.formats import Record
 from tunekit.data.reading import read_records
 from tunekit.data.tokenizing import IGNORE, Example, build_examples
-from tunekit.evaluation import metrics
+from tunekit.evaluation import metrics, preference, rewards
 from tunekit.evaluation.table import format_table, table_rows  # noqa: F401  (evaluation.table_rows: tests, demo)
 from tunekit.models import loading as models
 from tunekit.runs.layout import EVAL_DIR, RunRecord, Target, resolve_target
 from tunekit.runs.trained import load_trained
-from tunekit.training import methods
 
 log = logging.getLogger("tunekit")
 
@@ -156,7 +155,8 @@ def generation_scores(model, tokenizer, rendered: list, cfg: EvalConfig) -> tupl
     return scores, predictions
 
 
-def evaluate_model(model, tokenizer, recipe: Recipe, records: list[Record], cfg: EvalConfig) -> tuple[dict, list[dict]]:
+def evaluate_model(model, tokenizer, recipe: Recipe, records: list[Record],
+                   cfg: EvalConfig) -> tuple[dict, list[dict]]:
     rendered = rendered_examples(recipe, tokenizer, records, cfg)
     started = time.perf_counter()
     scores, predictions = generation_scores(model, tokenizer, rendered, cfg)
@@ -170,9 +170,8 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[Record], cfg:
             loss = token_loss(model, tokenizer, examples, cfg.batch_size)
             scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
     # the training method's measures (preference accuracy and rewards on pairs, GRPO's rewards, ...)
-    method = methods.of(recipe)
-    scores.update(method.measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
-    more, extras = method.scores(recipe, tokenizer, records, rendered, predictions)
+    scores.update(preference.method_measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
+    more, extras = rewards.held_out(recipe, tokenizer, records, rendered, predictions)
     scores.update(more)
     scores["examples"] = len(rendered)
     scores["generation_seconds"] = round(gen_seconds, 2)
@@ -200,8 +199,7 @@ class DuringTraining:
         training = model.training
         scores, predictions = generation_scores(model, self.tokenizer, self.rendered, self.cfg)
         model.train(training)
-        more, extras = methods.of(self.recipe).scores(self.recipe, self.tokenizer, self.records, self.rendered,
-                                                       predictions)
+        more, extras = rewards.held_out(self.recipe, self.tokenizer, self.records, self.rendered, predictions)
         scores.update(more)
         self.rows = prediction_rows(self.rendered, predictions, extras)
         return {k: v for k, v in scores.items() if isinstance(v, (int, float))}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tunekit.config.modelsource import resolve_model
 from tunekit.core.errors import TunekitError
-from tunekit.models.sources import resolve_model
 
 
 def license_of(spec: str) -> str | None:

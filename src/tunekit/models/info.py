@@ -12,10 +12,10 @@ import logging
 import struct
 from pathlib import Path
 
+from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core.errors import TunekitError
 from tunekit.models import hub
-from tunekit.models.sources import resolve_model
 
 log = logging.getLogger("tunekit")
 

@@ -18,12 +18,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from tunekit.config import deepspeed as dsconfig
+from tunekit.config.modelsource import ModelSource, resolve_model
 from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
 from tunekit.models import hub, kernels
 from tunekit.models.ggufread import one_reader
-from tunekit.models.sources import ModelSource, resolve_model
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 
 log = logging.getLogger("tunekit")
@@ -80,7 +80,8 @@ def load_tokenizer(cfg: ModelConfig, directory: Path | None = None):
     spec = str(directory) if directory is not None else cfg.tokenizer or cfg.name_or_path
     key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
     location = spec if directory is not None else materialize(spec, cfg.revision, key)
-    return tokenizer_from_pretrained(location, key, spec, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    return tokenizer_from_pretrained(location, key, spec, revision=cfg.revision,
+                                     trust_remote_code=cfg.trust_remote_code)
 
 
 def quantization_config(recipe: Recipe, precision: Precision,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import ModelConfig
 from tunekit.core.errors import TunekitError
 from tunekit.models import hub
-from tunekit.models.sources import resolve_model
 
 
 def load(cfg: ModelConfig):

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from tunekit.config import deepspeed as dsconfig
+from tunekit.config import methods
 from tunekit.config.schema import Recipe
 from tunekit.plan import sharding, steptime
 from tunekit.plan.sizes import GiB, parse_size  # noqa: F401  (plan.parse_size: tests)
-from tunekit.training import methods
 
 QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
 DOUBLE_QUANT_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bit in blocks of 256

@@ -35,10 +35,6 @@ class Method:
     as attributes of the method."""
 
     name: ClassVar[str]
-    # the training step, for `tunekit plan`: sequences per example (chosen and rejected in one batch) and
-    # no-grad forwards over the batch (a reference model, a KL batch)
-    sequences: ClassVar[int] = 1
-    no_grad_forwards: ClassVar[int] = 0
 
     @property
     def spec(self) -> MethodSpec:
@@ -50,10 +46,6 @@ class Method:
         if attr.startswith("_") or attr in ("name", "spec"):
             raise AttributeError(attr)
         return getattr(self.spec, attr)
-
-    def plan_settings(self, recipe) -> dict:
-        """The training step's shape for `tunekit plan` (fields of plan.estimate.Settings)."""
-        return {"sequences": self.sequences, "extra_forwards": self.no_grad_forwards}
 
     # ------------------------------------------------------------ training stages
 
@@ -78,15 +70,18 @@ class Method:
     # ------------------------------------------------------------ evaluation
 
     def measures(self, model, tokenizer, recipe, records: list, limit: int | None, batch_size: int) -> dict:
-        """Scores beside the generation metrics in `tunekit eval` (preference accuracy, rewards, ...)."""
-        return {}
+        """Scores beside the generation metrics in `tunekit eval` (preference accuracy, implicit rewards), as
+        evaluation computes them for the method (evaluation.preference.method_measures)."""
+        from tunekit.evaluation.preference import method_measures
+
+        return method_measures(model, tokenizer, recipe, records, limit, batch_size)
 
     def scores(self, recipe, tokenizer, records: list, rendered: list,
                predictions: list[str]) -> tuple[dict, list[dict]]:
-        """Scores of held-out generations beside the metrics (GRPO's rewards), and what each prediction adds to its
-        row in predictions.jsonl; `rendered` (data.rendering.Rendered) are the records' renderings the predictions
-        answer."""
-        return {}, [{} for _ in predictions]
+        """Scores of held-out generations beside the metrics (GRPO's rewards: evaluation.rewards.held_out)."""
+        from tunekit.evaluation.rewards import held_out
+
+        return held_out(recipe, tokenizer, records, rendered, predictions)
 
 
 METHODS: dict[str, Method] = {}

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import functools
 
-from tunekit.training.methods import pairs
 from tunekit.training.methods.base import register
 from tunekit.training.methods.pairs import PreferenceMethod
 
 
 class Dpo(PreferenceMethod):
     name = "dpo"
-    sequences = 2  # chosen and rejected in one batch
-    no_grad_forwards = 1  # the reference
 
     def trainer_class(self):
         return trainer_class()
@@ -25,10 +22,6 @@ class Dpo(PreferenceMethod):
         p = recipe.dpo
         return DPOConfig(**self.trl_kwargs(args, recipe), beta=p.beta, loss_type=[p.loss_type],
                          label_smoothing=p.label_smoothing, truncation_mode="keep_start", padding_free=False)
-
-    def measures(self, model, tokenizer, recipe, records, limit, batch_size) -> dict:
-        return pairs.measures(model, tokenizer, recipe, records, limit, batch_size, reward_beta=recipe.dpo.beta)
-
 
 @functools.cache
 def trainer_class():

@@ -28,16 +28,6 @@ log = logging.getLogger("tunekit")
 
 class Grpo(Method):
     name = "grpo"
-    no_grad_forwards = 1  # the reference's log-probabilities, with beta > 0 (plan_settings)
-
-    def plan_settings(self, recipe) -> dict:
-        """Sequences are prompt + completion; every completion of the optimizer step is sampled at once before
-        it (TRL's generation batch: micro-batch x accumulation per process); a reference forward with beta > 0
-        (the old policy's forward that grpo.iterations > 1 adds is not counted)."""
-        g, t = recipe.grpo, recipe.training
-        return {"seq_len": recipe.data.max_length + g.max_completion_length,
-                "extra_forwards": int(g.beta > 0),
-                "sampled": t.micro_batch_size * t.gradient_accumulation_steps}
 
     def build_data(self, recipe, tokenizer):
         return build(recipe, tokenizer)
@@ -84,16 +74,6 @@ class Grpo(Method):
             eval_dataset=inputs.data.eval, processing_class=inputs.tokenizer, callbacks=inputs.callbacks,
             generation_eval=inputs.generation_eval, add_special_tokens=inputs.data.add_special_tokens, **ref_args)
         return trainer, trainer.tokens
-
-    def scores(self, recipe, tokenizer, records, rendered, predictions):
-        g = recipe.grpo
-        scorers = scorers_of(g.rewards, g.max_completion_length)
-        raw = {r.where: r.values for r in records}
-        samples = [reward_kinds.Sample(r.prompt, p, r.reference or "",
-                                       len(tokenizer(p, add_special_tokens=False)["input_ids"]), raw.get(r.where, {}),
-                                       r.where) for r, p in zip(rendered, predictions)]
-        return reward_kinds.mean_scores(scorers, [s.weight for s in g.rewards], samples)
-
 
 def scorers_of(specs: list[RewardSpec], max_completion_length: int) -> list:
     """The recipe's rewards as TRL's GRPOTrainer calls them (evaluation.rewards.Reward)."""

@@ -12,7 +12,6 @@ from tunekit.training.methods.pairs import PreferenceMethod, build, tokenize_unp
 
 class Kto(PreferenceMethod):
     name = "kto"
-    no_grad_forwards = 3  # its KL batch, the reference and the reference's KL
 
     def build_data(self, recipe, tokenizer):
         # KTOTrainer samples in order (its KL term pairs neighbours), so the order is drawn here

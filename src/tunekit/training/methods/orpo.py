@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import functools
 
-from tunekit.training.methods import pairs
 from tunekit.training.methods.base import register
 from tunekit.training.methods.pairs import PreferenceMethod
 
 
 class Orpo(PreferenceMethod):
     name = "orpo"
-    sequences = 2  # chosen and rejected in one batch
 
     def trainer_class(self):
         return trainer_class()
 
     def trainer_config(self, args, recipe):
         return _orpo().ORPOConfig(**self.trl_kwargs(args, recipe), beta=recipe.orpo.beta)
-
-    def measures(self, model, tokenizer, recipe, records, limit, batch_size) -> dict:
-        # no reward measures: ORPO's loss has no reference
-        return pairs.measures(model, tokenizer, recipe, records, limit, batch_size, reward_beta=None)
-
 
 def _orpo():
     """trl.experimental.orpo: TRL 1.16 keeps ORPO there and warns on import (pinned)."""

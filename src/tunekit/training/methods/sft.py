@@ -3,13 +3,10 @@ declared in tunekit.config.methods.
 
 It trains on every data format no other method owns (a preference pair's chosen answer included), packs
 examples where the model allows it and takes the chunked loss path. On preference pairs, `tunekit eval`
-adds the pair measures (pairs.measures)."""
+adds the pair measures (evaluation.preference)."""
 
 from __future__ import annotations
 
-from tunekit.config.methods import PAIR_FORMATS
-from tunekit.config.methodsettings import DEFAULT_BETA
-from tunekit.training.methods import pairs
 from tunekit.training.methods.base import Method, TrainerInputs, register
 
 
@@ -41,9 +38,5 @@ class Sft(Method):
         )
         return trainer, collate
 
-    def measures(self, model, tokenizer, recipe, records, limit, batch_size) -> dict:
-        if recipe.data.format not in PAIR_FORMATS:
-            return {}
-        return pairs.measures(model, tokenizer, recipe, records, limit, batch_size, reward_beta=DEFAULT_BETA)
 
 register(Sft())
