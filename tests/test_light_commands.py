@@ -26,7 +26,8 @@ def heavy_modules_after(body: str) -> list[str]:
 
 
 def test_the_runs_and_report_modules_import_no_torch():
-    assert heavy_modules_after("import tunekit.reporting.listing, tunekit.reporting.report, tunekit.runs.layout, tunekit.evaluation.table") == []
+    assert heavy_modules_after("import tunekit.reporting.listing, tunekit.reporting.report, tunekit.runs.layout, "
+                               "tunekit.evaluation.table") == []
 
 
 def test_the_runs_and_report_commands_load_no_torch(tmp_path):
@@ -54,3 +55,10 @@ assert cli.main(["report", str(run), "--out", {str(tmp_path / "r.html")!r}]) == 
 def test_the_command_line_parser_with_every_export_format_loads_no_torch():
     """`tunekit --help` stays instant: the export formats' flags come from a registry that loads no model code."""
     assert heavy_modules_after("from tunekit.cli import main as cli; cli.build_parser()") == []
+
+
+def test_the_python_api_imports_no_torch_until_a_function_needs_it():
+    """`import tunekit` and its functions (tunekit.api) are light: torch comes with the first function that needs
+    it (train, evaluate, merge, export, a plan), not with the import."""
+    assert heavy_modules_after("import tunekit, tunekit.api; tunekit.train, tunekit.make_plan, tunekit.preview_data; "
+                               "from tunekit.api import checks, pipeline, previews, artifacts") == []
