@@ -21,6 +21,8 @@ PACKAGES = ["core", "config", "models", "data", "runs", "evaluation", "plan", "t
             "api", "cli"]
 OPTIONAL = {"api"}  # being written: tolerated while its folder does not exist yet
 ENTRY = "__main__"  # `python -m tunekit`: above every package
+# The package root (tunekit/__init__.py: __version__, and the API's names looked up on first use) is no node of the
+# graph: `from tunekit import __version__` reads a constant, and the root reaches tunekit.api only when asked.
 
 
 def modules() -> dict[str, Path]:

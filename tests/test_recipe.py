@@ -81,3 +81,16 @@ def test_help_is_fast_and_does_not_import_torch():
     for verb in ("train", "validate"):
         res = run_cli(verb, "--help")
         assert res.returncode == 0 and "recipe" in res.stdout
+
+
+def test_a_recipe_breaking_two_rules_is_told_of_the_first_in_their_order(tmp_path, base):
+    """The rules across sections run in config.rules.RULES' order whatever loads the recipe: the reference rule
+    (lora.init rewrites the base KTO compares with) comes before the batch rule (KTO's KL term needs two)."""
+    pairs = write_jsonl(tmp_path / "u.jsonl", [{"prompt": "p", "completion": "c", "label": True}])
+    raw = {**base, "data": {"train": str(pairs), "format": "unpaired_preference"}, "lora": {"init": "pissa"},
+           "training": {"method": "kto", "micro_batch_size": 1}}
+    path = write_recipe(tmp_path / "r.yaml", raw)
+    with pytest.raises(TunekitError, match="training.method: kto takes the base model as its reference"):
+        recipe_mod.load(path)
+    with pytest.raises(TunekitError, match="training.micro_batch_size: KTO's loss kto estimates its KL term"):
+        recipe_mod.load(path, ["lora.init=default"])
