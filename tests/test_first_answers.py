@@ -128,6 +128,8 @@ def test_export_and_merge_name_an_uncached_hub_model_before_any_heavy_import(fil
                                  "export target: 'org/not-here' is not in the local Hugging Face cache")
     run = files["tmp"] / "runs" / "trained"
     (run / ADAPTER_DIR).mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):  # never read: the base model is checked first
+        (run / ADAPTER_DIR / name).write_text("{}")
     (run / RECIPE_FILE).write_text(files["hub model offline"].read_text())
     RunRecord(status="completed", started="2026-11-24T10:00:00+0000", command=["tunekit", "train"], versions={},
               precision={"name": "fp32", "reason": "test"}, adapter="lora", base_model="org/not-here",
@@ -187,4 +189,5 @@ def test_plan_needs_no_tokenizer_and_train_names_one_it_cannot_have(files):
     from tunekit.data import precheck
 
     assert precheck.check(loading.load(recipe), data_needed=False, model="shipped").model.tokenizer  # no error
-    assert_one_line_before_heavy(tunekit(files["tmp"], "train", str(recipe)), "model.tokenizer: 'org/tokenizer-not-here'")
+    assert_one_line_before_heavy(tunekit(files["tmp"], "train", str(recipe)),
+                                 "model.tokenizer: 'org/tokenizer-not-here'")
