@@ -184,3 +184,13 @@ def test_no_module_outside_methods_compares_method_names():
 def test_the_name_check_catches_comparisons_and_tables():
     code = 'a == "sft"\nb in ("dpo", "x")\n"kto" != c\nd = {"orpo": 1}\ne == "lora"\n'
     assert len(method_name_literals(ast.parse(code))) == 4
+
+
+def test_a_declaration_naming_an_undeclared_data_format_or_a_taken_section_fails():
+    with pytest.raises(ValueError, match="names data format 'nope', which is not declared"):
+        declared.declare(declared.MethodSpec("toy", "a toy", data_formats=("nope",)))
+    with pytest.raises(ValueError, match="recipe section 'dpo' of 'toy' belongs to 'dpo'"):
+        declared.declare(declared.MethodSpec("toy", "a toy", old_sections=("dpo",)))
+    with pytest.raises(ValueError, match="'sft' is declared twice"):
+        declared.declare(declared.MethodSpec("sft", "again"))
+    assert "toy" not in declared.DECLARED

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tunekit.config import dataformats
 from tunekit.config.methodsettings import DpoSettings, GrpoSettings, KtoSettings, MethodSettings, OrpoSettings
 
 PAIRS = "(prompt, chosen, rejected) pairs"
@@ -68,6 +69,10 @@ def declare(spec: MethodSpec) -> MethodSpec:
     """Add a method to the declarations (before the recipe schema is built: tunekit.config.schema)."""
     if spec.name in DECLARED:
         raise ValueError(f"training method {spec.name!r} is declared twice")
+    unknown = [f for f in (*(spec.data_formats or ()), *spec.owned_formats) if f not in dataformats.DECLARED]
+    if unknown:
+        raise ValueError(f"training method {spec.name!r} names data format {unknown[0]!r}, which is not declared "
+                         "in tunekit.config.dataformats")
     for other in DECLARED.values():
         if other.section is not None and other.section in (spec.section, *spec.old_sections):
             raise ValueError(f"recipe section {other.section!r} of {spec.name!r} belongs to {other.name!r}")
