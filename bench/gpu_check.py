@@ -184,7 +184,8 @@ def write_data(work: Path, tok, n_chat: int = 2000, n_text: int = 400) -> dict[s
     random.Random(0).shuffle(chat)
     # rows that fit max_length: the TRL script's padding-free batches do not truncate
     chat = [r for r in chat[:3 * n_chat]
-            if len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"]) <= SQL]
+            if len(tok(tok.apply_chat_template(r["messages"], tokenize=False),
+                       add_special_tokens=False)["input_ids"]) <= SQL]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text, chunk = [], 6 * SQL  # characters; a row is kept only if it has at least SQL tokens
     for path in sorted(stdlib.glob("*.py")):
@@ -235,7 +236,8 @@ def build_model(work: Path, shape: str, tok, tiny: bool, timeout: float) -> Path
     out = work / "models" / shape
     if not (out / "config.json").is_file():
         cfg = shape_config(shape, tok, tiny)
-        rc, seconds = run([sys.executable, "-c", BUILD, str(out), json.dumps(cfg)], work / f"build-{shape}.log", timeout)
+        rc, seconds = run([sys.executable, "-c", BUILD, str(out), json.dumps(cfg)], work / f"build-{shape}.log",
+                          timeout)
         if rc != 0:
             raise RuntimeError(f"building the {shape} model failed (exit {rc}): {tail(work / f'build-{shape}.log')}")
         tok.save_pretrained(out)

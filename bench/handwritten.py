@@ -54,7 +54,8 @@ def encode(row):
     n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
     enc = tok(full, add_special_tokens=False, truncation=True, max_length=a.max_length,
               padding="max_length" if a.pad_to_max_length else False)
-    labels = [t if (i >= n_prompt and m == 1) else -100 for i, (t, m) in enumerate(zip(enc["input_ids"], enc["attention_mask"]))]
+    labels = [t if (i >= n_prompt and m == 1) else -100
+              for i, (t, m) in enumerate(zip(enc["input_ids"], enc["attention_mask"]))]
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
 
 

@@ -217,7 +217,8 @@ def table(path: Path, steps: int) -> str:
         base = statistics.mean(r["scores"][metric] for r in got["script"]) if "script" in got else None
         held = next(iter(got.values()))[0].get("held_out", "?")
         lines += [f"\n**{task}**, {steps} steps ({metric} of {held} held-out answers; answer loss: mean "
-                  "cross-entropy per reference token)\n", f"| arm | seeds | {metric} | vs script | answer loss | learning rate |",
+                  "cross-entropy per reference token)\n",
+                  f"| arm | seeds | {metric} | vs script | answer loss | learning rate |",
                   "|---|---:|---:|---:|---:|---|"]
         for arm in ARMS:
             if arm not in got:

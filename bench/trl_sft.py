@@ -9,8 +9,9 @@ with padding-free batches unless it packs, so the check hands both sides rows th
 the model loaded with BitsAndBytesConfig (nf4, double quant, bf16 compute) and handed to SFTTrainer, which
 prepares it for k-bit training. Tokens/s: the tokens of every training batch over train_runtime (first step
 included, as tunekit's run.json counts), and steady: the tokens of the steps after the first --warm over their
-time, from the clock at each step's end (as bench/gpu_check.py reads tunekit's loss_history.jsonl); peak: torch.cuda.max_memory_allocated over the whole process, loading
-included, as tunekit's run.json records it (CPU: peak RSS).
+time, from the clock at each step's end (as bench/gpu_check.py reads tunekit's loss_history.jsonl); peak:
+torch.cuda.max_memory_allocated over the whole process, loading included, as tunekit's run.json records it
+(CPU: peak RSS).
 
     python bench/trl_sft.py --model DIR --train FILE --format chat|text --out FILE [--batch 8] [--steps 20]
 """

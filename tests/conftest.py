@@ -20,8 +20,8 @@ from tunekit.models.tiny import build_model, build_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# `make test-full` (and so `make test-all`) records its run in tests/test-full-last-run.json: the claims that rest on tests marked `full`
-# were last checked by that run. Written at the end of the session, passed or not.
+# `make test-full` (and so `make test-all`) records its run in tests/test-full-last-run.json: the claims that rest
+# on tests marked `full` were last checked by that run. Written at the end of the session, passed or not.
 def pytest_addoption(parser):
     parser.addoption("--record-run", metavar="FILE", default=None,
                      help="write the run's date, commit, selection, duration, outcome and per-test durations "

@@ -60,7 +60,8 @@ class StandInHub:
         self.server.server_close()
 
     def add_repo(self, repo: str, files: dict[str, bytes] | None = None, private: bool = False) -> None:
-        self.repos[repo] = {"private": private, "branches": {"main": {".gitattributes": GITATTRIBUTES, **(files or {})}}}
+        self.repos[repo] = {"private": private,
+                            "branches": {"main": {".gitattributes": GITATTRIBUTES, **(files or {})}}}
 
     def files(self, repo: str, revision: str = "main") -> dict[str, bytes]:
         return dict(self.repos[repo]["branches"][revision])
@@ -266,7 +267,8 @@ def _handler(hub: StandInHub):
                         return self._send(400, {"error": f"LFS object {value['oid']} not uploaded"})
                     tree[value["path"]] = hub.lfs[value["oid"]]
                 elif line["key"] in ("deletedFile", "deletedFolder"):
-                    tree = {k: v for k, v in tree.items() if k != value["path"] and not k.startswith(value["path"] + "/")}
+                    tree = {k: v for k, v in tree.items()
+                            if k != value["path"] and not k.startswith(value["path"] + "/")}
             sha = hashlib.sha1(body).hexdigest()
             with hub.lock:  # the whole commit at once
                 hub.repos[repo]["branches"][rev] = tree

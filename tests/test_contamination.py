@@ -231,7 +231,8 @@ def test_pairs_with_another_rejected_answer_or_label_are_not_duplicates():
 
 def test_a_system_prompt_shared_by_every_example_is_no_overlap():
     system = {"role": "system", "content": " ".join(SPAN[:20])}
-    rows = [{"messages": [system, {"role": "user", "content": f"task {i}"}, {"role": "assistant", "content": f"done {i}"}]}
+    rows = [{"messages": [system, {"role": "user", "content": f"task {i}"},
+                          {"role": "assistant", "content": f"done {i}"}]}
             for i in range(6)]
     found = _found("chat", rows[:4], rows[4:], decontaminate=True)
     assert found.eval_ngram == [] and found.overlapping == [] and found.dropped == []

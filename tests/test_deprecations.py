@@ -66,7 +66,8 @@ def _statements(path: str) -> list[tuple[int, int]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.stmt):
             body = getattr(node, "body", None)
-            last = body[0].lineno - 1 if isinstance(body, list) and body and hasattr(body[0], "lineno") else node.end_lineno
+            last = (body[0].lineno - 1 if isinstance(body, list) and body and hasattr(body[0], "lineno")
+                    else node.end_lineno)
             spans.append((node.lineno, max(node.lineno, last)))
     return spans
 
@@ -232,7 +233,8 @@ def test_a_deprecated_call_from_tunekit_during_a_command_is_caught(tiny_env, mon
     monkeypatch.setattr(merge, "_default_dtype", fake["_default_dtype"])
     recorder = Recorder()
     with recorder.active():
-        assert cli.main(["merge", str(tiny_env["sft"]), "--out", str(tiny_env["root"] / "fake-merged"), "--verbose"]) == 0
+        assert cli.main(["merge", str(tiny_env["sft"]), "--out", str(tiny_env["root"] / "fake-merged"),
+                         "--verbose"]) == 0
     assert [d.where for d in recorder.tunekit_caused] == ["_fake_merge.py:2"], recorder.found
 
 

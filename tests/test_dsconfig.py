@@ -45,11 +45,14 @@ def test_shipped_configs_resolve_every_auto(make, name):
 
 
 @pytest.mark.parametrize("ds,expected", [
-    ({"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu = 4 contradicts training.micro_batch_size = 8"),
-    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps = 4 contradicts training.gradient_accumulation_steps = 2"),
+    ({"train_micro_batch_size_per_gpu": 4},
+     "train_micro_batch_size_per_gpu = 4 contradicts training.micro_batch_size = 8"),
+    ({"gradient_accumulation_steps": 4},
+     "gradient_accumulation_steps = 4 contradicts training.gradient_accumulation_steps = 2"),
     ({"gradient_clipping": 0.3}, "gradient_clipping = 0.3 contradicts training.max_grad_norm = 1.0"),
     ({"bf16": {"enabled": True}}, "bf16.enabled = true contradicts training.precision=fp32 = false"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "optimizer.params.lr = 0.1 contradicts training.learning_rate"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
+     "optimizer.params.lr = 0.1 contradicts training.learning_rate"),
 ])
 def test_hand_set_contradictions_are_refused_naming_both(make, ds, expected):
     with pytest.raises(TunekitError, match="training.deepspeed") as e:

@@ -43,7 +43,8 @@ def test_demo_pipeline_shows_a_clear_gain(tmp_path):
     import subprocess
 
     out = tmp_path / "demo"
-    res = subprocess.run([sys.executable, "-m", "tunekit.cli.demo", "--out", str(out), "--steps", "20", "--limit", "16"],
+    res = subprocess.run([sys.executable, "-m", "tunekit.cli.demo", "--out", str(out), "--steps", "20",
+                          "--limit", "16"],
                          cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     # run with Python's default warning filters, as a user's: no message tunekit lists as hidden gets through

@@ -270,8 +270,8 @@ def test_a_k_quant_without_llama_cpp_is_refused_before_any_weight_loads(tmp_path
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     monkeypatch.setattr(formats.Gguf, "write", lambda *a, **k: pytest.fail("weights loaded"))
-    with pytest.raises(TunekitError, match=r"--quant q4_k_m: this k-quant is written by llama.cpp's quantizer, which is "
-                                           r"not installed; pip install 'llama-cpp-python==0.3.36'"):
+    with pytest.raises(TunekitError, match=r"--quant q4_k_m: this k-quant is written by llama.cpp's quantizer, "
+                                           r"which is not installed; pip install 'llama-cpp-python==0.3.36'"):
         export.export(str(tiny_model), "q4_k_m", tmp_path / "k.gguf")
 
 
@@ -315,7 +315,8 @@ def test_llama3_rope_travels_as_the_frequency_divisors_transformers_applies():
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     default = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
     assert name == "rope_freqs.weight" and divisors.shape == (32,)
-    torch.testing.assert_close(default / torch.tensor(divisors, dtype=torch.float64), scaled.double(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(default / torch.tensor(divisors, dtype=torch.float64), scaled.double(),
+                               rtol=1e-5, atol=0)
     assert divisors[0] == 1.0 and divisors[-1] == 32.0  # high frequencies kept, the lowest divided by the factor
     assert list(rope_tensors(LlamaConfig(hidden_size=64, num_attention_heads=4))) == []
 

@@ -62,7 +62,8 @@ def test_each_family_exports_and_reads_back_with_its_logits_token_ids_and_chat_t
     assert meta.get("tokenizer.ggml.add_space_prefix") == SPACE_PREFIX.get(family)
     for key, attr in OWN_KEYS[family].items():
         cfg = model.config
-        assert meta[key] == pytest.approx(getattr(cfg, attr) if attr else cfg.hidden_size // cfg.num_attention_heads), key
+        assert meta[key] == pytest.approx(getattr(cfg, attr) if attr
+                                          else cfg.hidden_size // cfg.num_attention_heads), key
     assert ("output.weight" in names) == (not model.config.tie_word_embeddings)
     if gguf_writer.architecture(model.config, "test").norm_shift:  # Gemma: llama.cpp stores 1 + w
         norm = next(t for t in header.tensors if t.name == "blk.0.attn_norm.weight")

@@ -42,7 +42,8 @@ from tunekit.training import runner as train
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 
 shutil_usage = namedtuple("usage", "total used free")  # what shutil.disk_usage returns
-RESUME_ARGS = ["--set", "training.max_steps=8", "--set", "training.save_steps=2", "--set", "training.save_total_limit=10",
+RESUME_ARGS = ["--set", "training.max_steps=8", "--set", "training.save_steps=2",
+               "--set", "training.save_total_limit=10",
                "--set", "lora.dropout=0.1"]  # dropout: the RNG state must be restored too
 
 
@@ -120,7 +121,8 @@ def test_resume_restores_8bit_optimizer_state(resume_recipe, tmp_path):
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={full}", *args)
     assert res.returncode == 0, res.stderr[-2000:]
     state = statefile.load(full / "checkpoints" / "checkpoint-2" / "optimizer.safetensors")
-    assert any(t.dtype == torch.uint8 for s in state["state"].values() for t in s.get("__bnb_optimizer_quant_state__", {}).values())
+    assert any(t.dtype == torch.uint8 for s in state["state"].values()
+               for t in s.get("__bnb_optimizer_quant_state__", {}).values())
     cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={cut}", *args, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -321,7 +323,8 @@ def test_preflight_warns_when_disk_looks_too_small(tmp_path, tiny_model, monkeyp
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(4))
     recipe = recipe_mod.load(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, tmp_path / "run")),
                              ["adapter=none", "lora=null"])
-    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: shutil_usage(total=10**6, used=10**6 - 1000, free=1000))
+    monkeypatch.setattr(preflight.shutil, "disk_usage",
+                        lambda p: shutil_usage(total=10**6, used=10**6 - 1000, free=1000))
     with caplog.at_level(logging.WARNING, logger="tunekit"):
         preflight.warn_if_disk_short(recipe, tmp_path / "run")
     assert "free disk" in caplog.text and "lower training.save_total_limit" in caplog.text

@@ -281,7 +281,8 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
 @pytest.mark.slow
 # make test: DDP; ZeRO-2 (whose sampling is DDP's: the weights stay whole) and FSDP2 are `full`
-@pytest.mark.parametrize("sharding", [pytest.param(None, id="ddp"), in_full({"deepspeed": "ds_configs/zero2.json"}, id="zero2"),
+@pytest.mark.parametrize("sharding", [pytest.param(None, id="ddp"),
+                                      in_full({"deepspeed": "ds_configs/zero2.json"}, id="zero2"),
                                       in_full({"fsdp": {}}, id="fsdp2")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, sharding):
     """2 processes with micro-batch 4 against one with micro-batch 8: the same prompts per step and, by seeded
@@ -317,7 +318,8 @@ def test_plan_counts_the_sampling_and_the_reference_forward(tmp_path, tiny_model
     assert (s.seq_len, s.sampled, s.extra_forwards) == (64 + 8, 16, 0)
     assert plan.settings_from(with_kl, 1, "fp32").extra_forwards == 1
     made = plan.make(recipe, s, cfg, model)
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4 * 16 * 72
+    kv = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+          * 4 * 16 * 72)
     assert made.parts["sampling: KV cache"] == kv and ("sampling: KV cache",) in made.phases
     quiet = plan.make(recipe, plan.settings_from(recipe, 1, "fp32", sampled=0), cfg, model)
     assert made.flops_per_step == pytest.approx(quiet.flops_per_step + 2 * made.counts.total * 16 * 72 / 2)

@@ -119,7 +119,8 @@ def test_tool_calls_are_found_whatever_the_markup():
     assert metrics.tool_calls_in(json.dumps([openai])) == [weather]
     assert metrics.tool_calls_in('```json\n{"name": "f", "arguments": {"x": [1, 2]}}\n```') == [("f", {"x": [1, 2]})]
     # no call: broken JSON, an object without arguments, plain text, a reasoning block
-    assert metrics.tool_calls_in('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"\n</tool_call>') == []
+    assert metrics.tool_calls_in('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"\n'
+                                 '</tool_call>') == []
     assert metrics.tool_calls_in('{"name": "Oslo"} and [1, 2]') == []
     assert metrics.tool_calls_in("<think>\nThe user wants {weather}.\n</think>\n\nIt is sunny.") == []
 

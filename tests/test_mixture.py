@@ -186,7 +186,8 @@ def test_training_on_a_packed_mixture_records_the_mix(tmp_path, tiny_model, file
 
     facts = source._finetune(tmp_path / "run", recipe_mod.load(tmp_path / "run" / "recipe.yaml"))
     assert json.loads(json.dumps(facts))["data"] == [{**s, "split": None, "format": None, "fields": None,
-                                                      "weight": s.get("weight"), "count": s.get("count")} for s in train]
+                                                      "weight": s.get("weight"), "count": s.get("count")}
+                                                     for s in train]
 
 
 @pytest.mark.slow

@@ -172,8 +172,8 @@ def test_the_slurm_batch_script_trains_fsdp2_on_two_nodes(recipe_file, one_node,
 
 @pytest.mark.full
 def test_a_killed_node_stops_the_other_in_bounded_time_and_the_run_resumes(recipe_file, one_node, tmp_path):
-    """Node 1 (its launcher and its worker, as a lost machine would be) is killed right after checkpoint-2; node 0 stops within a minute
-    with one line saying what happened; relaunching both nodes with --resume ends where one node's
+    """Node 1 (its launcher and its worker, as a lost machine would be) is killed right after checkpoint-2; node 0
+    stops within a minute with one line saying what happened; relaunching both nodes with --resume ends where one node's
     uninterrupted run ends."""
     out, port = tmp_path / "run", free_port()
     overrides = [SHARDING["fsdp2"], *SAVE]
@@ -262,7 +262,8 @@ def test_nodes_that_differ_stop_at_start_saying_how(recipe_file, tmp_path, diffe
         env = {1: {"PYTHONPATH": f"{other.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}}
     commands = [node_command("tunekit", r, port, recipe_file, out, node1_extra if r else []) for r in (0, 1)]
     results = finish(start_nodes(commands, port, env))
-    expected = {"recipe": "has recipe (sha256 of it as loaded, overrides applied)", "tunekit": "has tunekit version 0.0.1"}
+    expected = {"recipe": "has recipe (sha256 of it as loaded, overrides applied)",
+                "tunekit": "has tunekit version 0.0.1"}
     for code, stderr in results:
         assert code == 2, stderr[-2000:]
         assert any(expected[differs] in line and "rank 1 (host" in line for line in error_lines(stderr)), stderr[-2000:]

@@ -256,7 +256,8 @@ def test_fsdp2_resumes_on_one_process_after_a_kill(fsdp2, recipe_file, tmp_path)
     (the same 16 examples per step): it ends where the uninterrupted run ends."""
     full, _ = fsdp2
     cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
-    res = run_cli("train", str(recipe_file), "--set", f"output_dir={cut}", *(a for o in FSDP_LORA for a in ("--set", o)),
+    res = run_cli("train", str(recipe_file), "--set", f"output_dir={cut}",
+                  *(a for o in FSDP_LORA for a in ("--set", o)),
                   "--set", "training.gradient_accumulation_steps=2", "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming from checkpoint-2" in res.stderr
@@ -264,8 +265,8 @@ def test_fsdp2_resumes_on_one_process_after_a_kill(fsdp2, recipe_file, tmp_path)
     assert history(cut) == pytest.approx(history(full), rel=RTOL)
     assert_same_run(full, cut)
     # the same split on resume is required: a different number of examples per step is refused
-    res = run_cli("train", str(recipe_file), "--set", f"output_dir={cut}", *(a for o in FSDP_LORA for a in ("--set", o)),
-                  "--resume")
+    res = run_cli("train", str(recipe_file), "--set", f"output_dir={cut}",
+                  *(a for o in FSDP_LORA for a in ("--set", o)), "--resume")
     assert res.returncode == 2 and "= 8 examples per step, but the run trained with 16" in res.stderr
 
 

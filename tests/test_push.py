@@ -303,7 +303,8 @@ LOCAL = {  # case -> (arguments, what the error line says)
     "not a run": (["{run}/adapter", "--repo", "alice/x"], "not a tunekit run directory"),
     "no GGUF in a merged dir": ([], ""),  # its directory is made in the test
     "missing baseline": (["{run}", "--repo", "alice/x", "--baseline", "{tmp}/nope"], "--baseline {tmp}/nope: does not"),
-    "bad base model id": (["{run}", "--repo", "alice/x", "--base-model", "/models/llama"], "--base-model /models/llama"),
+    "bad base model id": (["{run}", "--repo", "alice/x", "--base-model", "/models/llama"],
+                          "--base-model /models/llama"),
     "no token": (["{run}", "--repo", "alice/x"], "no Hugging Face token here"),
     "offline": (["{run}", "--repo", "alice/x"], "HF_HUB_OFFLINE=1 forbids uploading"),
 }

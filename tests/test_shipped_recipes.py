@@ -53,8 +53,8 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 
 
 # The Llama recipes run under the launcher they ship with (ZeRO-2); the SmolLM2 SFT recipes under all three.
-# The preference recipes share one trainer path (training/methods/pairs.py) and each step costs 3-4 forwards, so DPO runs
-# under DDP and ZeRO-3 (and under ZeRO-2 as llama_dpo.yaml), KTO under ZeRO-3 (its KL and reference forwards
+# The preference recipes share one trainer path (training/methods/pairs.py) and each step costs 3-4 forwards, so DPO
+# runs under DDP and ZeRO-3 (and under ZeRO-2 as llama_dpo.yaml), KTO under ZeRO-3 (its KL and reference forwards
 # on partitioned weights), ORPO under ZeRO-2; their 2-process equality with one process is tested on the tiny
 # model (tests/test_preference.py: DPO under DDP and ZeRO-2, ORPO under DDP). GRPO samples before each step: under
 # ZeRO-3 (make test) the partitioned weights are gathered for it; its DDP and ZeRO-2 equality with one process is

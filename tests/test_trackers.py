@@ -103,11 +103,13 @@ def test_wandb_offline_run_holds_the_config_and_the_metrics(tracked_run):
     records = list(wandb_records(run_file))
     (run,) = [r.run for r in records if r.HasField("run")]
     assert run.display_name == "tracked"
-    config = {item.key: json.loads(item.value_json) for r in records if r.HasField("config") for item in r.config.update}
+    config = {item.key: json.loads(item.value_json)
+              for r in records if r.HasField("config") for item in r.config.update}
     assert config["recipe"]["training"]["max_steps"] == STEPS
     rows = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
             for r in records if r.HasField("history")]
-    step = {key: {row["train/global_step"]: row[key] for row in rows if key in row} for key in ("train/loss", "eval/loss")}
+    step = {key: {row["train/global_step"]: row[key] for row in rows if key in row}
+            for key in ("train/loss", "eval/loss")}
     assert step["train/loss"] == pytest.approx(logged(history, "loss"), rel=1e-6)
     assert step["eval/loss"] == pytest.approx(logged(history, "eval_loss"), rel=1e-6)
     assert any(r.HasField("exit") for r in records)  # the run was closed

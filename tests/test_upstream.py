@@ -71,7 +71,8 @@ TRL_HOOKS = [
     (GrpoTrainer, "GRPOTrainer", "_tokenize_prompts", "prompts come rendered by tunekit's renderer: tokenized with "
                                                        "the special tokens `tunekit eval` uses, not TRL's defaults"),
     (GrpoTrainer, "GRPOTrainer", "_generate_single_turn", "seeded sampling (training/sampling.py) on the "
-                                                           "transformers path; vLLM and TRL's other paths as TRL has them"),
+                                                           "transformers path; vLLM and TRL's other paths as "
+                                                           "TRL has them"),
     (GrpoTrainer, "GRPOTrainer", "_generate_and_score_completions", "counts the sampled tokens for the throughput"),
     (GrpoTrainer, "GRPOTrainer", "prediction_step", "evaluations score greedy answers' rewards instead of sampling "
                                                      "every held-out prompt's group again"),
@@ -181,7 +182,8 @@ def test_the_helpers_report_what_is_missing():
         def _hook(self, a): ...
 
     Ours.__module__ = "tunekit.fake"
-    assert override_problems(Ours, Upstream, "_hook") == ["Upstream._hook takes ['self', 'a', 'b'], Ours's override ['self', 'a']"]
+    assert override_problems(Ours, Upstream, "_hook") == ["Upstream._hook takes ['self', 'a', 'b'], "
+                                                          "Ours's override ['self', 'a']"]
     assert override_problems(Ours, Upstream, "_other") == ["Ours no longer overrides _other"]
     assert override_problems(Ours, Upstream, "_gone") == ["Upstream._gone is gone upstream"]
     assert missing_attributes(types.SimpleNamespace(_a=1), ["_a", "_b"]) == ["_b"]
@@ -289,6 +291,7 @@ def test_the_other_library_internals_tunekit_relies_on_still_exist():
     assert "return_tensors" in inspect.signature(load_gguf_checkpoint).parameters
 
 
-@pytest.mark.parametrize("table", ["TRAINER_HOOKS", "TRL_HOOKS", "TRACKER_ATTRIBUTES", "ENGINE_HOOKS", "OTHER_INTERNALS"])
+@pytest.mark.parametrize("table", ["TRAINER_HOOKS", "TRL_HOOKS", "TRACKER_ATTRIBUTES", "ENGINE_HOOKS",
+                                   "OTHER_INTERNALS"])
 def test_every_entry_says_why(table):
     assert all(isinstance(row[-1], str) and len(row[-1]) > 10 for row in globals()[table])

@@ -180,5 +180,6 @@ def describe(ds: dict) -> str:
     zero = ds.get("zero_optimization") or {}
     offload = [part for part in ("optimizer", "param") if (zero.get(f"offload_{part}") or {}).get("device") == "cpu"]
     return (f"ZeRO stage {zero_stage(ds)}" + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")
-            + f", train_batch_size {ds.get('train_batch_size')} = micro-batch {ds.get('train_micro_batch_size_per_gpu')}"
+            + f", train_batch_size {ds.get('train_batch_size')}"
+            f" = micro-batch {ds.get('train_micro_batch_size_per_gpu')}"
             f" x accumulation {ds.get('gradient_accumulation_steps')} x world size")

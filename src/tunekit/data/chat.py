@@ -205,8 +205,8 @@ class Chat:
         """`text` put before the first user message (a template without a system role)."""
         first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
         if first is None:
-            raise TunekitError(f"{where}: a conversation without a user message, on a chat template without a system role: "
-                               "there is no turn to hold the system text or tools; add a user message")
+            raise TunekitError(f"{where}: a conversation without a user message, on a chat template without a "
+                               "system role: there is no turn to hold the system text or tools; add a user message")
         messages = list(messages)
         messages[first] = dict(messages[first], content=f"{text}\n\n{messages[first]['content']}")
         return messages

@@ -225,7 +225,8 @@ def texts(parsed: Parsed) -> tuple[str, str, str]:
     if parsed.text is not None:
         return "", parsed.text, ""
     turns = [(m.get("role"), _said(m)) for m in parsed.messages]
-    rest = json.dumps([parsed.rejected, parsed.desirable]) if (parsed.rejected, parsed.desirable) != (None, None) else ""
+    rest = (json.dumps([parsed.rejected, parsed.desirable]) if (parsed.rejected, parsed.desirable) != (None, None)
+            else "")
     return ("\n".join(str(c) for role, c in turns if role not in ("assistant", "system")),
             "\n".join(str(c) for role, c in turns if role == "assistant"), rest)
 

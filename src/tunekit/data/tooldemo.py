@@ -41,7 +41,8 @@ TOOLS = [
 
 # (values for training and eval, values only eval sees)
 CITIES = (["Paris", "Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Denver", "Porto", "Krakow", "Osaka", "Quito",
-           "Dublin", "Cairo", "Seoul", "Madrid", "Toronto", "Perth", "Vienna"], ["Tbilisi", "Montreal", "Accra", "Bergen"])
+           "Dublin", "Cairo", "Seoul", "Madrid", "Toronto", "Perth", "Vienna"],
+          ["Tbilisi", "Montreal", "Accra", "Bergen"])
 RESTAURANTS = (["Luigi's", "The Blue Door", "Sakura", "Casa Lola", "Green Fork", "Le Petit Jardin", "Spice Route",
                 "The Old Mill", "Noodle Bar", "Harbour Grill"], ["Olive Tree", "Café Nova", "Red Lantern"])
 ERRANDS = (["call mom", "water the plants", "take the pizza out", "check the laundry", "stretch",
@@ -63,7 +64,8 @@ WEATHER_INDIRECT = ["I'm flying to {city} today. Should I pack a coat?", "Do I n
 CURRENCY = ["Convert {amount} {src} to {dst}.", "How much is {amount} {src} in {dst}?",
             "What are {amount} {src} worth in {dst}?", "{amount} {src} to {dst} please",
             "I have {amount} {src}. How many {dst} is that?"]
-BOOKING = ["Book a table for {people} at {restaurant} at {time}.", "Reserve {restaurant} for {people} people at {time}.",
+BOOKING = ["Book a table for {people} at {restaurant} at {time}.",
+           "Reserve {restaurant} for {people} people at {time}.",
            "Can you get us a table at {restaurant}? We are {people}, at {time}.",
            "Table for {people} at {restaurant}, {time} please."]
 REMINDER = ["Remind me to {errand} in {n} minutes.", "In {n} minutes, remind me to {errand}.",

@@ -170,7 +170,8 @@ class Safetensors(ExportFormat):
                 marker = source.path / rundir.MERGED_MARKER
                 facts = read_json(marker, rundir.MERGED_FIX) if marker.is_file() else {
                     "source_run": str(source.path.resolve()), "base_model": source.facts.base_model, "adapter": "none"}
-                outputs.write_json(tmp / rundir.MERGED_MARKER, {**facts, "dtype": saved, "exported_from": str(model_dir)})
+                outputs.write_json(tmp / rundir.MERGED_MARKER,
+                                   {**facts, "dtype": saved, "exported_from": str(model_dir)})
             (tmp / "README.md").write_text(model_card(source, model_dir, saved), encoding="utf-8")
 
 

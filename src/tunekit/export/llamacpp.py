@@ -19,7 +19,8 @@ INSTALL = f"pip install '{PACKAGE}' (or tunekit's `llama-cpp` extra; it builds l
 def require(flag: str) -> None:
     """Refuse, before any weight loads, a type that needs llama.cpp where llama-cpp-python is not installed."""
     if importlib.util.find_spec("llama_cpp") is None:
-        raise TunekitError(f"{flag}: this k-quant is written by llama.cpp's quantizer, which is not installed; {INSTALL}")
+        raise TunekitError(f"{flag}: this k-quant is written by llama.cpp's quantizer, "
+                           f"which is not installed; {INSTALL}")
 
 
 def quantize(source: Path, out: Path, ftype: str, threads: int = 0) -> None:

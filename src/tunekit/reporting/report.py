@@ -127,7 +127,8 @@ def data_table(runs: list[dict]) -> str:
         if not (split or found):
             continue
         held = f"{_fmt(split.get('held_out'))} ({split.get('held_out_from') or 'none'})" if split else "-"
-        dropped = "-" if not found else f"{_fmt(found.get('dropped'))} (dedup {'on' if found.get('dedup') else 'off'}, " \
+        dropped = "-" if not found else f"{_fmt(found.get('dropped'))} " \
+            f"(dedup {'on' if found.get('dedup') else 'off'}, " \
             f"decontaminate {'on' if found.get('decontaminate') else 'off'})"
         where = [f"{x['train']} = {x['copy_of']}" for x in found.get("duplicate_examples", [])] + \
                 [f"{x['eval']} ~ {x['train']} ({x['match']})" for x in found.get("overlap_examples", [])]
@@ -249,7 +250,8 @@ del {{ background: #fdd; }} ins {{ background: #dfd; text-decoration: none; }}
 SCRIPT = r"""
 "use strict";
 const errors = [];
-window.addEventListener("error", e => { errors.push(String(e.message)); document.body.dataset.errors = errors.join(" | "); });
+window.addEventListener("error", e => { errors.push(String(e.message));
+                                        document.body.dataset.errors = errors.join(" | "); });
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 const NS = "http://www.w3.org/2000/svg";
 function el(name, attrs, parent) {
@@ -264,7 +266,8 @@ function tick(v) {
 }
 function plot(key, title, runs) {
   const W = 420, H = 240, L = 56, R = 12, T = 24, B = 36;
-  const lines = runs.map((r, i) => ({ name: r.name, color: COLORS[i % COLORS.length], pts: r.series[key] || [], best: r.best }))
+  const lines = runs.map((r, i) => ({ name: r.name, color: COLORS[i % COLORS.length], pts: r.series[key] || [],
+                                      best: r.best }))
                     .filter(l => l.pts.length);
   if (!lines.length) return;
   const xs = lines.flatMap(l => l.pts.map(p => p[0])), ys = lines.flatMap(l => l.pts.map(p => p[1]));
@@ -286,10 +289,12 @@ function plot(key, title, runs) {
   el("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle" }, svg).textContent = "step";
   lines.forEach((l, i) => {
     if (l.best != null && l.best >= x0 && l.best <= x1)
-      el("line", { x1: sx(l.best), y1: T, x2: sx(l.best), y2: H - B, stroke: l.color, "stroke-dasharray": "4 3", class: "best" }, svg);
+      el("line", { x1: sx(l.best), y1: T, x2: sx(l.best), y2: H - B, stroke: l.color, "stroke-dasharray": "4 3",
+                   class: "best" }, svg);
     el("polyline", { points: l.pts.map(p => `${sx(p[0])},${sy(p[1])}`).join(" "), fill: "none", stroke: l.color,
                      "stroke-width": 1.5, class: "series" }, svg);
-    if (l.pts.length <= 30) l.pts.forEach(p => el("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: l.color }, svg));
+    if (l.pts.length <= 30)
+      l.pts.forEach(p => el("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: l.color }, svg));
     if (lines.length > 1) {
       el("rect", { x: W - R - 110, y: T + 4 + i * 14, width: 10, height: 3, fill: l.color }, svg);
       el("text", { x: W - R - 96, y: T + 9 + i * 14 }, svg).textContent = l.name.slice(0, 16);
