@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +81,10 @@ def history(run_dir):
                                                                        r"training.method grpo"),
     (lambda r: r["training"].update(method="sft"), r"grpo: these settings belong to training.method grpo"),
     (lambda r: r["grpo"].update(beta=0.1) or r["lora"].update(init="pissa"), r"grpo.beta: the reference"),
+    (lambda r: r["grpo"].update(rewards=[{"reward": "json", "pattern": "x"}]),
+     r"grpo.rewards\[0\].pattern: reward json does not read it; remove it"),
+    (lambda r: r["grpo"].update(rewards=[{"reward": "chrf", "target": 3}]),
+     r"grpo.rewards\[0\].target: reward chrf does not read it"),
 ])
 def test_recipe_checks_name_the_setting(tmp_path, tiny_model, change, message):
     raw = grpo_raw(tiny_model, tmp_path, tmp_path / "run")
@@ -356,3 +361,38 @@ def test_qlora_trains_the_adapter_over_a_4bit_base(tmp_path, tiny_model):
     adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
     assert any(float(v.abs().sum()) > 0 for k, v in adapter.items() if "lora_B" in k)
     assert all(r["kl"] >= 0 for r in history(tmp_path / "run") if "kl" in r)
+
+
+BEFORE_WEIGHTS = {  # what the recipe and its surroundings decide -> the one line's cause
+    "a reward module that does not import": (
+        lambda r: r["grpo"].update(rewards=[{"reward": "function", "function": "no_such_rewards:score"}],
+                                   trust_local_code=True),
+        "grpo.rewards: cannot load 'no_such_rewards:score' (No module named 'no_such_rewards')"),
+    "a reward with a reference on data without one": (
+        lambda r: r["data"].update(train=str(write_jsonl(Path(r["data"]["train"]).with_name("q.jsonl"),
+                                                         [{"prompt": p["prompt"]} for p in prompts()]))),
+        "line 1: no reference answer, and grpo.rewards[0] (chrf) scores against one"),
+    "completions past the context window": (
+        lambda r: r["grpo"].update(max_completion_length=100_000),
+        "grpo.max_completion_length=100000: with prompts of up to data.max_length="),
+}
+
+
+@pytest.mark.parametrize("case", BEFORE_WEIGHTS)
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_grpo_faults_known_before_weights_are_refused_by_validate_as_by_train(case, command, tmp_path, tiny_model,
+                                                                             capsys, monkeypatch):
+    """In-process: exit 2, one line, nothing written (train had loaded the model and sampled before)."""
+    from tunekit.cli.main import main
+
+    raw = grpo_raw(tiny_model, tmp_path, tmp_path / "run")
+    change, expected = BEFORE_WEIGHTS[case]
+    change(raw)
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main([command, str(recipe)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("tunekit: error: ") and expected in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -1,8 +1,9 @@
 """The checks a recipe passes before any weights are loaded, in one order for `validate`, `train`, `plan` and
 `data`: the output directory can be written (validate and train), the data parse and the model can be had
-(data.precheck), then DeepSpeed's own check of training.deepspeed and its "auto" values resolved against the
-recipe (validate and train; they import deepspeed and torch, seconds). What each verb asks of the data and
-the model differs (`data_needed`, `model`: see data.precheck.check); the rules and their order do not."""
+(data.precheck), GRPO's rewards can be made (a function reward's module imports), then DeepSpeed's own check
+of training.deepspeed and its "auto" values resolved against the recipe (validate and train; they import
+deepspeed and torch, seconds). What each verb asks of the data and the model differs (`data_needed`, `model`:
+see data.precheck.check); the rules and their order do not."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
     from tunekit.data import precheck
 
     recipe = precheck.check(recipe, data_needed=needs.data_needed, model=needs.model)
+    settings = getattr(recipe, "grpo", None)
+    if settings is not None:  # a reward's own code imports (grpo.trust_local_code: the recipe asked for it)
+        from tunekit.evaluation import rewards
+
+        rewards.check_loadable(settings.rewards, settings.max_completion_length)
     if needs.deepspeed and recipe.training.deepspeed:
         deepspeed(recipe, world_size)
     return recipe

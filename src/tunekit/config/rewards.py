@@ -16,6 +16,11 @@ class RewardKind:
     summary: str
     needs: tuple[str, ...] = ()  # spec keys it requires
     reference: bool = False  # scores against the reference answer
+    optional: tuple[str, ...] = ()  # spec keys it reads when given
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return self.needs + self.optional
 
 
 def _metric_kinds() -> list[RewardKind]:
@@ -33,14 +38,22 @@ DECLARED: dict[str, RewardKind] = {k.name: k for k in (
                needs=("pattern",)),
     RewardKind("json", "1 when the completion (stripped, a ``` fence removed) is one JSON value, else 0"),
     RewardKind("length", "a length penalty: 0 up to `target` completion tokens, then falling linearly to -1 at "
-               "grpo.max_completion_length"),
+               "grpo.max_completion_length", optional=("target",)),
     RewardKind("function", "your Python function `module:function` (grpo.trust_local_code: true), called with "
                "keywords prompt, completion, reference, record, tokens; returns a number", needs=("function",)),
 )}
 
 
+SETTINGS = ("pattern", "target", "function")  # the spec keys only some kinds read
+
+
 def names() -> str:
     return ", ".join(DECLARED)
+
+
+def needing_reference(specs) -> list[str]:
+    """`grpo.rewards[i] (kind)` of each reward that scores against the reference answer."""
+    return [f"grpo.rewards[{i}] ({s.reward})" for i, s in enumerate(specs) if DECLARED[s.reward].reference]
 
 
 def check(spec, index: int) -> None:
@@ -51,6 +64,10 @@ def check(spec, index: int) -> None:
     for key in DECLARED[spec.reward].needs:
         if getattr(spec, key) is None:
             raise ValueError(f"{where}.{key}: reward {spec.reward} needs it")
+    for key in SETTINGS:
+        if getattr(spec, key) is not None and key not in DECLARED[spec.reward].reads:
+            raise ValueError(f"{where}.{key}: reward {spec.reward} does not read it; remove it (or choose the reward "
+                             "that does)")
     if spec.pattern is not None:
         try:
             re.compile(spec.pattern)

@@ -20,6 +20,7 @@ import itertools
 import logging
 from pathlib import Path
 
+from tunekit.config import rewards
 from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import DataConfig, ModelConfig, Recipe
 from tunekit.core.errors import TunekitError
@@ -55,8 +56,9 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
     is left to training), "shipped" (else tunekit's copy of a well-known model's config, else an error),
     "optional" (as shipped, else a warning saying what was not checked) or "skip". "shipped" and "optional"
     return the recipe with data.max_length fitted."""
+    answered = _reference_check(recipe)
     for key, spec, split, cfg in data_files(recipe):
-        check_data(spec, split, key, cfg, data_needed, _limit(key, cfg))
+        check_data(spec, split, key, cfg, data_needed, _limit(key, cfg), answered)
     assert model in ("needed", "shipped", "optional", "skip"), model
     if model == "skip":
         return recipe
@@ -67,7 +69,34 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
         _tolerated(lambda: check_tokenizer(recipe.model), optional, "")
     if not fitted:
         return recipe
-    return info.fit_max_length(recipe, shipped=shipped, refuse_only=not shipped)
+    recipe = info.fit_max_length(recipe, shipped=shipped, refuse_only=not shipped)
+    _check_completion_room(recipe, shipped)
+    return recipe
+
+
+def _reference_check(recipe: Recipe):
+    """For GRPO rewards that score against the reference answer: a check that each record has one."""
+    settings = getattr(recipe, "grpo", None)
+    needing = rewards.needing_reference(settings.rewards) if settings is not None else []
+    if not needing:
+        return None
+
+    def check(record, parsed) -> None:
+        if not parsed.messages[-1]["content"].strip():
+            raise TunekitError(f"{record.where}: no reference answer, and {needing[0]} scores against one; give "
+                               "each record one (data.fields.answer) or use rewards without a reference")
+    return check
+
+
+def _check_completion_room(recipe: Recipe, shipped: bool) -> None:
+    """GRPO samples prompt + completion within the model's context window."""
+    settings = getattr(recipe, "grpo", None)
+    found = info.context_window(recipe.model, shipped) if settings is not None else None
+    if found and recipe.data.max_length + settings.max_completion_length > found[0]:
+        window, where = found
+        raise TunekitError(f"grpo.max_completion_length={settings.max_completion_length}: with prompts of up to "
+                           f"data.max_length={recipe.data.max_length} tokens, sequences pass the model's context "
+                           f"window of {window} tokens ({where}); keep the two within {window} together")
 
 
 def _tolerated(step, optional: bool, said: str) -> bool:
@@ -98,9 +127,10 @@ def check_tokenizer(cfg: ModelConfig) -> None:
 
 
 def check_data(spec: str, split: str, key: str, cfg: DataConfig, needed: bool = True,
-               limit: int | None = None) -> None:
-    """A data file's first records (CHECKED, or `limit` when smaller) parse under cfg's format; a hub data
-    set can be had here (else hub.Unavailable when `needed`, a warning otherwise)."""
+               limit: int | None = None, each=None) -> None:
+    """A data file's first records (CHECKED, or `limit` when smaller) parse under cfg's format, and pass
+    `each(record, parsed)` when given; a hub data set can be had here (else hub.Unavailable when `needed`, a
+    warning otherwise)."""
     path = Path(spec)
     if not path.exists():
         try:
@@ -115,7 +145,9 @@ def check_data(spec: str, split: str, key: str, cfg: DataConfig, needed: bool = 
     count = 0
     for count, record in enumerate(  # noqa: B007 (count is read after the loop)
             itertools.islice(records, min(CHECKED, limit or CHECKED)), 1):
-        parse(record, cfg.fields)
+        parsed = parse(record, cfg.fields)
+        if each is not None:
+            each(record, parsed)
     if count == 0:
         raise TunekitError(f"{key}: {spec} holds no examples")
     if count == CHECKED:

@@ -132,6 +132,13 @@ def _function(spec, max_len):
                         tokens=s.tokens)
 
 
+def check_loadable(specs, max_completion_length: int) -> None:
+    """Every reward can be made: a `function` reward's module imports and has the function (before any weight
+    loads, where a run would otherwise fail at its first sampled batch)."""
+    for spec in specs:
+        KINDS[spec.reward].make(spec, max_completion_length)
+
+
 # ---------------------------------------------------------------- scoring
 
 class Reward:
