@@ -12,6 +12,7 @@ import pytest
 from conftest import launch, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import loading as recipe_mod
 from tunekit.config.schema import DataConfig
+from tunekit.core.errors import TunekitError
 from tunekit.data import arrow as arrowdata
 from tunekit.data import mixture, split
 
@@ -123,13 +124,31 @@ def test_contamination_sees_every_source_and_the_held_out_set(files, tmp_path):
                                                  "data.train[1].weight?"),
     ([{"path": "A"}, {"path": "missing.jsonl"}], "data.train[1].path: file 'missing.jsonl' not found"),
     ([{"path": "A", "count": 3}, {"path": "A", "weight": 1}], "data.train: the weights sum to 1 beside sources"),
+    ([{"path": "A", "count": 10**12}], "data.train[0].count: Input should be less than or equal to 100000000"),
 ])
-def test_bad_mixtures_are_one_line(tmp_path, tiny_model, files, train, message):
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_bad_mixtures_are_one_line(tmp_path, tiny_model, files, train, message, command, capsys, monkeypatch):
+    """In-process, by validate as by train: exit 2, one line, nothing written."""
+    from tunekit.cli.main import main
+
     train = [{**s, "path": str(files["a"]) if s["path"] == "A" else s["path"]} for s in train]
-    raw = tiny_recipe(tiny_model, files["a"], tmp_path / "run", data={"train": train})
-    res = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
-    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, files["a"], tmp_path / "run",
+                                                           data={"train": train}))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main([command, str(recipe)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_mixture_asking_for_more_examples_than_memory_holds_is_refused_before_drawing(files):
+    """Weights beside a count can ask for any number (3 fixed examples as 1e-9 of the epoch): refused in one line
+    before a position is drawn, where it ended in a MemoryError."""
+    cfg = DataConfig(train=[{"path": str(files["a"]), "count": 3}, {"path": str(files["b"]), "weight": 1 - 1e-9}])
+    with pytest.raises(TunekitError, match=r"data.train: the mixture asks for [\d,]+ examples per epoch "
+                                           r"\(data.train\[1\]: [\d,]+\), more than 100,000,000; lower"):
+        split.training(cfg, seed=0)
 
 
 def test_a_source_in_a_format_the_method_does_not_train_on_is_refused(tmp_path, tiny_model, files):

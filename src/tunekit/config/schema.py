@@ -20,6 +20,10 @@ DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 FORMAT_NAMES = tuple(dataformats.DECLARED)
 METRIC_NAMES = tuple(metrics.DECLARED)
 
+# examples one epoch of a mixture may ask for: its positions are held in memory (about 40 bytes each), and more
+# than this is a typo or a misread weight, not a data set
+MAX_EPOCH_EXAMPLES = 100_000_000
+
 
 class ModelConfig(Section):
     name_or_path: str = Field(
@@ -121,9 +125,9 @@ class DataSource(Section):
     weight: float | None = Field(None, gt=0, description="data.train: this source's share of each epoch's training "
                                  "examples (see docs/data.md, mixtures); sampled with repetition when it asks for "
                                  "more than the source holds.")
-    count: int | None = Field(None, gt=0, description="data.train: a fixed number of examples from this source per "
-                              "epoch (repeated when the source holds fewer). With neither weight nor count: all of "
-                              "its records.")
+    count: int | None = Field(None, gt=0, le=MAX_EPOCH_EXAMPLES, description="data.train: a fixed number of "
+                              "examples from this source per epoch (repeated when the source holds fewer). With "
+                              "neither weight nor count: all of its records.")
 
     @field_serializer("fields")
     def _only_given(self, fields: FieldMap | None):

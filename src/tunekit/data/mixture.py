@@ -26,7 +26,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tunekit.config.schema import DataConfig
+from tunekit.config.schema import MAX_EPOCH_EXAMPLES, DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import contamination
 from tunekit.data.formats import FORMATS, Record
@@ -179,6 +179,10 @@ def draw(available: list[list[int]], read: Sequence[int], cfg: DataConfig, seed:
     the records read from each source)."""
     given = train_sources(cfg)
     wanted = targets(given, [len(a) for a in available])
+    if sum(wanted) > MAX_EPOCH_EXAMPLES:  # weights beside counts can ask for any number
+        most = max(range(len(given)), key=lambda i: wanted[i])
+        raise TunekitError(f"data.train: the mixture asks for {sum(wanted):,} examples per epoch ({given[most].key}: "
+                           f"{wanted[most]:,}), more than {MAX_EPOCH_EXAMPLES:,}; lower its counts or weights")
     chosen: list[int] = []
     facts = []
     for i, (source, positions, n) in enumerate(zip(given, available, wanted)):
