@@ -159,5 +159,7 @@ def test_export_merge_and_push_name_an_adapter_whose_files_were_deleted(tmp_path
     before = sorted(p.name for p in run.iterdir())
     expected = f"{run / 'adapter'}: no adapter_config.json or adapter weights (safetensors); train the run again"
     for argv in (["export", str(run)], ["merge", str(run)], ["push", str(run), "--repo", "me/model"]):
-        one_line_error(run_cli(*argv), expected)
+        res = run_cli(*argv)
+        assert res.returncode == 2
+        one_line_error(res, expected)
         assert sorted(p.name for p in run.iterdir()) == before
