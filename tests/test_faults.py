@@ -79,6 +79,22 @@ def start_and_kill(recipe_file, out, wait_for: Path):
     proc.wait()
 
 
+def test_sigterm_ends_training_as_an_error_does(resume_recipe, tmp_path):
+    """A scheduler's stop (SIGTERM) is recorded: run.json says failed with the signal, never "running"."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tunekit", "train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "checkpoint-2" / "tunekit-complete").exists():
+        assert proc.poll() is None and time.time() < deadline, "training ended before the stop"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "failed" and record["error"] == "stopped by signal SIGTERM", record
+    assert record["failed_at_step"] >= 2
+
+
 # make test kills after the first checkpoint and while the last one is written; the kill points between are `full`
 @pytest.mark.parametrize("kill_point", ["checkpoint-2/tunekit-complete",
                                         in_full("checkpoint-4/tunekit-complete"),

@@ -10,6 +10,8 @@ import logging
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,14 +191,33 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
             return TrainResult(run_dir, recipe, None)
         force = force or replaces_failed_start(run_dir, launch, resume_from)
         try:
-            prepared = prepare(recipe, run_dir, launch, force, resume_from)
-            result = fit(prepared)
-            finalize(prepared, result)
+            with terminated_as_exit():
+                prepared = prepare(recipe, run_dir, launch, force, resume_from)
+                result = fit(prepared)
+                finalize(prepared, result)
         except BaseException as e:
             if launch.is_main and rundir.is_run(run_dir):
                 rundir.mark_ended(run_dir, e)  # run.json never stays "running" once this process ends
             raise
     return TrainResult(run_dir, recipe, prepared.trainer)
+
+
+@contextlib.contextmanager
+def terminated_as_exit():
+    """SIGTERM (a scheduler's stop, torchrun stopping the other ranks) ends training as an error does, so run.json
+    records it; Python's default would end the process where it stands."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def replaces_failed_start(run_dir: Path, launch: distributed.Launch, resume_from: Path | None) -> bool:
