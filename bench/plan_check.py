@@ -30,21 +30,20 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
     import psutil
     import torch
 
-    from tunekit.config.loading import from_dict
+    from tunekit.config.recipes import from_dict
     from tunekit.core.hardware import Precision
-    from tunekit.models import loading as models
-    from tunekit.models import losspath
-    from tunekit.plan import estimate as plan
+    from tunekit.models import loader, losspath
+    from tunekit.plan import estimate
 
     raw = {"model": {"name_or_path": model}, "adapter": adapter, "data": {"train": data, "max_length": seq},
            "training": {"precision": precision, "micro_batch_size": micro, "gradient_checkpointing": ckpt,
                         "chunked_loss": chunked}}
     recipe = from_dict(raw)
-    models.materialize(model)  # a GGUF conversion is not part of training memory
-    planned = plan.make(recipe, plan.settings_from(recipe, 1, precision))
+    loader.materialize(model)  # a GGUF conversion is not part of training memory
+    planned = estimate.make(recipe, estimate.settings_from(recipe, 1, precision))
     cuda = torch.cuda.is_available()
     baseline = torch.cuda.memory_allocated() if cuda else psutil.Process().memory_info().rss
-    model_ = models.load_for_training(recipe, Precision(precision, "bench"))
+    model_ = loader.load_for_training(recipe, Precision(precision, "bench"))
     if ckpt:
         model_.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cuda:

@@ -34,24 +34,23 @@ def main() -> int:
     from transformers import DataCollatorForSeq2Seq
 
     import realdata
-    from tunekit.config.loading import from_dict
+    from tunekit.config.recipes import from_dict
     from tunekit.core.hardware import Precision
-    from tunekit.data import arrow as arrowdata
+    from tunekit.data import arrow
     from tunekit.data.collating import collator
-    from tunekit.models import loading as models
-    from tunekit.models import losspath
+    from tunekit.models import loader, losspath
 
-    model_dir = models.materialize(BASE)
+    model_dir = loader.materialize(BASE)
     files = realdata.write(Path(tempfile.mkdtemp(prefix="tunekit-profile-")), 8 * a.batches, 8)
     results = {}
     for name, (train, _) in files.items():
         recipe = from_dict({"model": {"name_or_path": model_dir}, "data": {"train": str(train), "max_length": 256},
                             "lora": {"r": 16, "alpha": 32, "dropout": 0.0}, "training": {"precision": "bf16"}})
-        tok = models.load_tokenizer(recipe.model)
+        tok = loader.load_tokenizer(recipe.model)
         tok.padding_side = "right"
-        bundle = arrowdata.build(recipe.data, tok, 0)
+        bundle = arrow.build(recipe.data, tok, 0)
         batches = [[bundle.train[i] for i in range(k * 8, k * 8 + 8)] for k in range(a.batches)]
-        model = models.load_for_training(recipe, Precision("bf16", "bench"))
+        model = loader.load_for_training(recipe, Precision("bf16", "bench"))
         model.train()
         head = losspath.TrainedPositionsHead(model)
         padded = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)

@@ -127,7 +127,7 @@ def score(task: str, adapter: str | None, model_dir: str, held_out: Path) -> dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tunekit.evaluation import metrics
-    from tunekit.evaluation.runner import generate
+    from tunekit.evaluation.evaluator import generate
 
     _, names, _, new_tokens, _ = TASKS[task]
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -251,7 +251,7 @@ def main() -> int:
     if a.table:
         print(table(a.out, a.steps))
         return 0
-    from tunekit.models.loading import materialize
+    from tunekit.models.loader import materialize
 
     model_dir = materialize(BASE)
     work = Path(tempfile.mkdtemp(prefix="tunekit-quality-"))

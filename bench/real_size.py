@@ -177,7 +177,7 @@ def rss_peak() -> int:
 
 
 def child_tunekit(spec: dict) -> dict:
-    from tunekit.config.loading import from_dict
+    from tunekit.config.recipes import from_dict
     from tunekit.core import distributed
     from tunekit.training import runner
 
@@ -355,21 +355,21 @@ def plan_cli(recipe_file: Path, tflops: float) -> dict:
 
 def plan_api(recipe: dict, precision: str, **settings):
     """The plan `tunekit plan` makes (plan.estimate.make), with settings the command line does not take."""
-    from tunekit.config.loading import from_dict
-    from tunekit.plan import estimate as plan
+    from tunekit.config.recipes import from_dict
+    from tunekit.plan import estimate
 
     r = from_dict(recipe)
-    return plan.make(r, plan.settings_from(r, 1, precision, **settings))
+    return estimate.make(r, estimate.settings_from(r, 1, precision, **settings))
 
 
 def model_for(spec: str, work: Path) -> Path:
     """A shipped config's name: that architecture with random weights (built once in `work`); else a model
     source as tunekit reads it (a GGUF file is converted once)."""
-    from tunekit.models import loading as models
+    from tunekit.models import loader
     from tunekit.models.info import shipped_config
 
     if shipped_config(spec) is None:
-        return Path(models.materialize(spec))
+        return Path(loader.materialize(spec))
     out = work / spec.split("/")[-1].lower()
     build_model(out, spec)
     return out

@@ -86,23 +86,21 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     collation and loss path). Same weights and examples; the profiler's allocation trace, as
     bench/plan_check.py measures the plan."""
     from plan_check import traced_step_peak
-    from tunekit.config.loading import from_dict
+    from tunekit.config.recipes import from_dict
     from tunekit.core.hardware import Precision
-    from tunekit.data import arrow as arrowdata
-    from tunekit.data import packing
+    from tunekit.data import arrow, packing
     from tunekit.data.collating import collator
-    from tunekit.models import loading as models
-    from tunekit.models import losspath
+    from tunekit.models import loader, losspath
 
     raw = {"model": {"name_or_path": model_dir}, "data": {"train": str(train), "max_length": 256},
            "lora": {"r": 16, "alpha": 32, "dropout": 0.0}, "training": {"precision": "bf16"}}
     recipe = from_dict(raw)
-    tok = models.load_tokenizer(recipe.model)
+    tok = loader.load_tokenizer(recipe.model)
     tok.padding_side = "right"
-    bundle = arrowdata.build(recipe.data, tok, 0)
+    bundle = arrow.build(recipe.data, tok, 0)
     longest = sorted(range(len(bundle.train)), key=lambda i: -len(bundle.train[i]["input_ids"]))[:8]
     features = [bundle.train[i] for i in longest]
-    model = models.load_for_training(recipe, Precision("bf16", "bench"))
+    model = loader.load_for_training(recipe, Precision("bf16", "bench"))
     model.train()
     if tunekit_defaults:
         batch = collator(tok, packing.use(model, recipe.data.packing))(features)
@@ -129,29 +127,29 @@ def eval_loss(adapter: str, model_dir: str, eval_file: Path) -> float:
     from tunekit.data.reading import read_records
     from tunekit.data.rendering import Renderer
     from tunekit.data.tokenizing import build_examples
-    from tunekit.evaluation import runner as evaluation
-    from tunekit.models import loading as models
+    from tunekit.evaluation import evaluator
+    from tunekit.models import loader
 
     cfg = ModelConfig(name_or_path=model_dir)
-    tok = models.load_tokenizer(cfg)
-    model = models.load_adapter_model(cfg, Path(adapter), torch.float32)
+    tok = loader.load_tokenizer(cfg)
+    model = loader.load_adapter_model(cfg, Path(adapter), torch.float32)
     data_cfg = DataConfig(train=str(eval_file), max_length=256)
     renderer = Renderer(data_cfg, tok)
     records = read_records(str(eval_file), "train", "eval")
     examples, _ = build_examples([renderer.render(r) for r in records], tok, data_cfg)
-    return evaluation.token_loss(model, tok, examples, batch_size=8)
+    return evaluator.token_loss(model, tok, examples, batch_size=8)
 
 
 def generation(model_dir: str, eval_file: Path, n: int, batch_size: int, max_new_tokens: int) -> dict:
     from tunekit.config.schema import DataConfig, ModelConfig
     from tunekit.data.reading import read_records
     from tunekit.data.rendering import Renderer
-    from tunekit.evaluation import runner as evaluation
-    from tunekit.models import loading as models
+    from tunekit.evaluation import evaluator
+    from tunekit.models import loader
 
     cfg = ModelConfig(name_or_path=model_dir)
-    tok = models.load_tokenizer(cfg)
-    model = models.load_base(cfg, torch.float32)
+    tok = loader.load_tokenizer(cfg)
+    model = loader.load_base(cfg, torch.float32)
     renderer = Renderer(DataConfig(train=str(eval_file)), tok)
     prompts = [renderer.render(r).prompt for r in read_records(str(eval_file), "train", "eval")[:n]]
 
@@ -164,7 +162,7 @@ def generation(model_dir: str, eval_file: Path, n: int, batch_size: int, max_new
             single.append(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
     t_single = time.perf_counter() - start
     start = time.perf_counter()
-    batched = evaluation.generate(model, tok, prompts, False, batch_size, max_new_tokens)
+    batched = evaluator.generate(model, tok, prompts, False, batch_size, max_new_tokens)
     t_batched = time.perf_counter() - start
     return {"examples": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens, "dtype": "fp32",
             "per_example_s_single": t_single / len(prompts), "per_example_s_batched": t_batched / len(prompts),
@@ -216,7 +214,7 @@ def main() -> int:
     a = p.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     import realdata
-    from tunekit.models.loading import materialize
+    from tunekit.models.loader import materialize
 
     sets = a.sets.split(",")
     model_dir = materialize(BASE)

@@ -4,7 +4,7 @@
 - docs/reference/cli.md from the command-line parser (every command and argument).
 
 `python docs/gen_reference.py` writes both; `--check` exits 1 when a committed page differs from what the
-code gives now. `make docs` runs it before building the site; tests/test_docs.py compares in memory."""
+code gives now. `make docs` runs it before building the site; tests/project/test_docs.py compares in memory."""
 
 from __future__ import annotations
 

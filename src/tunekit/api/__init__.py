@@ -12,7 +12,7 @@ from __future__ import annotations
 from tunekit.api.artifacts import Pushed, Written, export, merge, push
 from tunekit.api.pipeline import Evaluation, Evaluations, TrainingRun, Validated, evaluate, train, validate
 from tunekit.api.previews import DataPreview, PlanResult, data, plan
-from tunekit.api.recipes import load as load_recipe
+from tunekit.api.recipeargs import load as load_recipe
 
 __all__ = ["DataPreview", "Evaluation", "Evaluations", "PlanResult", "Pushed", "TrainingRun", "Validated", "Written",
            "data", "evaluate", "export", "load_recipe", "merge", "plan", "push", "train", "validate"]

@@ -31,7 +31,7 @@ def merge(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, dtyp
     the merged model's logits match the adapter's within `tolerance`. `dtype`: bf16, fp16 or fp32 (default: the
     base model's)."""
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
-    from tunekit.config.loading import load
+    from tunekit.config.recipes import load
     from tunekit.data import precheck
     from tunekit.runs.layout import RECIPE_FILE, adapter_run
 
@@ -51,7 +51,7 @@ def export(target: str | os.PathLike, format: str = "gguf", quant: str | None = 
     from tunekit.export import source
 
     source.check_first(str(target))  # before torch
-    from tunekit.export import run as exporting
+    from tunekit.export import exporting
 
     return Written(Path(exporting.export(str(target), quant, Path(out) if out else None, force, format, dtype)))
 

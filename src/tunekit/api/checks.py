@@ -58,7 +58,7 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
 def deepspeed(recipe: Recipe, world_size: int | None) -> None:
     """DeepSpeed's own check of training.deepspeed (it imports deepspeed and torch), then its "auto" values
     filled from the recipe at the precision training would take here; a contradiction raises."""
-    from tunekit.config import deepspeed as dsconfig
+    from tunekit.config import dsconfig
 
     path = recipe.training.deepspeed
     dsconfig.check_file(path)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from tunekit.api import checks, recipes
-from tunekit.api.recipes import Overrides, RecipeLike
+from tunekit.api import checks, recipeargs
+from tunekit.api.recipeargs import Overrides, RecipeLike
 from tunekit.config.schema import Recipe
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
@@ -29,9 +29,9 @@ class Validated:
 
     @property
     def yaml(self) -> str:
-        from tunekit.config import loading
+        from tunekit.config import recipes
 
-        return loading.to_yaml(self.recipe)
+        return recipes.to_yaml(self.recipe)
 
 
 def validate(recipe: RecipeLike, overrides: Overrides = None, world_size: int | None = None) -> Validated:
@@ -39,7 +39,7 @@ def validate(recipe: RecipeLike, overrides: Overrides = None, world_size: int | 
     cannot be had here is named in a warning. With `world_size`, the DeepSpeed config is also resolved for that
     many processes and returned; DeepSpeed's own check runs in any case (it imports torch: seconds)."""
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
-    loaded = checks.before_weights(recipes.load(recipe, overrides), checks.VALIDATE, world_size or 1)
+    loaded = checks.before_weights(recipeargs.load(recipe, overrides), checks.VALIDATE, world_size or 1)
     if not (loaded.training.deepspeed and world_size):
         return Validated(loaded)
     from tunekit.core.hardware import resolve_precision
@@ -76,7 +76,7 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
 
-    loaded = recipes.load(recipe, overrides)
+    loaded = recipeargs.load(recipe, overrides)
     out = Path(loaded.output_dir)
     main_process = os.environ.get("RANK", "0") == "0"
     if resume:
@@ -92,7 +92,7 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
         world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
         loaded = checks.before_weights(loaded, checks.TRAIN, world)
     from tunekit.core import distributed
-    from tunekit.evaluation import runner as evaluation
+    from tunekit.evaluation import evaluator
     from tunekit.training import runner
 
     requested = distributed.accelerate_cpu_request()
@@ -111,7 +111,7 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
         result = runner.run(loaded, force=force, resume=resume)
         scores = None
         if result.recipe.eval is not None:
-            scores = evaluation.end_of_training(result.recipe, out)["scores"]
+            scores = evaluator.end_of_training(result.recipe, out)["scores"]
         from tunekit.reporting import report
 
         page = report.write([out])
@@ -161,7 +161,7 @@ def _target(spec: str, recipe: RecipeLike | None, data: str | None):
     settings (or with `data` alone)."""
     from tunekit.runs.layout import MERGED_MARKER, Target, is_run, resolve_target
 
-    if recipe is None or recipes.is_path(recipe):
+    if recipe is None or recipeargs.is_path(recipe):
         return resolve_target(spec, None if recipe is None else str(recipe), data)
     path = Path(spec)
     if is_run(path) or (path.is_dir() and (path / MERGED_MARKER).is_file()):
@@ -169,7 +169,7 @@ def _target(spec: str, recipe: RecipeLike | None, data: str | None):
     from tunekit.config.modelsource import resolve_model
 
     resolve_model(spec, "eval target")
-    return Target("base", spec, recipes.load(recipe, {"model.name_or_path": spec}))
+    return Target("base", spec, recipeargs.load(recipe, {"model.name_or_path": spec}))
 
 
 def evaluate(target: str | os.PathLike, recipe: RecipeLike | None = None, data: str | os.PathLike | None = None,
@@ -184,20 +184,20 @@ def evaluate(target: str | os.PathLike, recipe: RecipeLike | None = None, data: 
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     from pydantic import ValidationError
 
-    from tunekit.config.loading import format_validation_error
+    from tunekit.config.recipes import format_validation_error
     from tunekit.config.schema import EvalConfig
     from tunekit.data import precheck
     from tunekit.runs.layout import ADAPTER_DIR
 
     data = None if data is None else str(data)
     _file_given("--data", data)
-    if recipes.is_path(recipe):
+    if recipeargs.is_path(recipe):
         _file_given("--recipe", str(recipe))
     resolved = [_target(str(t), recipe, data) for t in [target] + ([compare] if compare else [])]
     for t in resolved:  # before torch: a merged directory or a full fine-tuning run is its own model
         lora_run = t.kind == "run" and (t.location / ADAPTER_DIR).is_dir()
         precheck.check_eval(t.recipe, data, base_model=t.kind == "base" or lora_run, tokenizer=t.kind == "base")
-    from tunekit.evaluation import runner as evaluation
+    from tunekit.evaluation import evaluator
 
     found = []
     for i, t in enumerate(resolved):
@@ -209,8 +209,8 @@ def evaluate(target: str | os.PathLike, recipe: RecipeLike | None = None, data: 
         except ValidationError as e:
             raise TunekitError(format_validation_error(e, "eval")) from None
         where = (Path(out) / ("target" if i == 0 else "compare") if out and compare
-                 else (Path(out) if out else evaluation.default_out(t)))
-        result = evaluation.evaluate(t, cfg, data, where, dtype, force)
+                 else (Path(out) if out else evaluator.default_out(t)))
+        result = evaluator.evaluate(t, cfg, data, where, dtype, force)
         found.append(Evaluation(t.label, result["scores"], where, result))
     return Evaluations(found)
 

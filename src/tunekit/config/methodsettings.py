@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tunekit.config import rewards
+from tunekit.config import rewardkinds
 from tunekit.config.section import Section
 
 DEFAULT_BETA = 0.1  # TRL's default beta: the implicit reward's scale when the recipe sets none
@@ -76,7 +76,7 @@ GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo")
 
 
 class RewardSpec(Section):
-    reward: str = Field(description="The reward's kind: " + rewards.names() + " (docs/methods.md, GRPO).")
+    reward: str = Field(description="The reward's kind: " + rewardkinds.names() + " (docs/methods.md, GRPO).")
     weight: float = Field(1.0, description="Its weight in the sum GRPO trains on.")
     name: str | None = Field(None, description="The name it is logged under (rewards/<name>/mean); default its kind.")
     pattern: str | None = Field(None, description="regex: the pattern the whole completion must match.")

@@ -1,13 +1,13 @@
 """The recipe rules across sections, one function per topic, run in one order (RULES) by the schema's
 validation, so every command that loads a recipe refuses the same recipes. Each reads the validated recipe and
-the declarations (config.methods, config.metrics, config.rewards) and raises ValueError with one line naming
+the declarations (config.methods, config.metrickinds, config.rewardkinds) and raises ValueError with one line naming
 the setting. Rules within one section sit beside its fields (config.schema)."""
 
 from __future__ import annotations
 
 import importlib.util
 
-from tunekit.config import methods, metrics, rewards
+from tunekit.config import methods, metrickinds, rewardkinds
 from tunekit.config.methodsettings import KL_LOSSES
 
 
@@ -86,8 +86,8 @@ def grpo_rewards(recipe) -> None:
                          "(docs/methods.md, GRPO)")
     seen = set()
     for i, spec in enumerate(g.rewards):
-        rewards.check(spec, i)
-        name = rewards.label(spec, i, g.rewards)
+        rewardkinds.check(spec, i)
+        name = rewardkinds.label(spec, i, g.rewards)
         if name in seen:
             raise ValueError(f"grpo.rewards[{i}].name: {name!r} is logged twice; give each reward its own name")
         seen.add(name)
@@ -124,7 +124,7 @@ def best_metric_is_logged(recipe) -> None:
     key = name.removeprefix("eval_")
     during = recipe.eval is not None and recipe.eval.during_training
     logs_loss = not during or methods.of(recipe).eval_loss_beside_generation
-    declared = metrics.DECLARED
+    declared = metrickinds.DECLARED
     generated = []
     if during:
         generated = [k for m in recipe.eval.metrics if declared[m].scored for k, _ in declared[m].rows]

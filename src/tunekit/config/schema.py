@@ -1,7 +1,7 @@
 """The typed recipe: every section with its defaults and descriptions, the rules within a section beside its
 fields, and the rules across sections run in one order (config.rules). The choices come from the declarations
-beside this module (config.dataformats, config.metrics, config.methods); loading a recipe file, overrides and
-the one-line errors live in config.loading."""
+beside this module (config.dataformats, config.metrickinds, config.methods); loading a recipe file, overrides and
+the one-line errors live in config.recipes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, create_model, field_serializer, field_validator, model_validator
 
-from tunekit.config import dataformats, methods, metrics, rules
+from tunekit.config import dataformats, methods, metrickinds, rules
 from tunekit.config.section import Section
 
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # as written; hardware.Precision is the resolved one
@@ -18,7 +18,7 @@ DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # the names data.format and eval.metrics take (read inside annotations, where a field named metrics would hide
 # the module)
 FORMAT_NAMES = tuple(dataformats.DECLARED)
-METRIC_NAMES = tuple(metrics.DECLARED)
+METRIC_NAMES = tuple(metrickinds.DECLARED)
 
 # examples one epoch of a mixture may ask for: its positions are held in memory (about 40 bytes each), and more
 # than this is a typo or a misread weight, not a data set
@@ -146,7 +146,7 @@ def _file_or_sources(value: Any) -> str:
 
 
 # A file or hub name, or a list of sources. The tags hold "[" so that a one-line error's key leaves them out
-# (config.loading): data.train[1].weight, not data.train.[sources].1.weight.
+# (config.recipes): data.train[1].weight, not data.train.[sources].1.weight.
 DataSpec = Annotated[Union[Annotated[str, Tag("[file]")],
                            Annotated[list[DataSource], Field(min_length=1), Tag("[sources]")]],
                      Discriminator(_file_or_sources)]
@@ -374,9 +374,9 @@ class EvalConfig(Section):
     batch_size: int = Field(8, gt=0, description="Prompts per generate() call.")
     max_new_tokens: int = Field(64, gt=0, description="Generation length cap.")
     metrics: list[Literal[METRIC_NAMES]] = Field(  # type: ignore[valid-type]  # names from the declarations
-        default_factory=metrics.defaults, description="Built-in metrics: "
+        default_factory=metrickinds.defaults, description="Built-in metrics: "
         + ", ".join(METRIC_NAMES) + "; left out, every one but "
-        + ", ".join(n for n, m in metrics.DECLARED.items() if not m.default) + "."
+        + ", ".join(n for n, m in metrickinds.DECLARED.items() if not m.default) + "."
     )
     extra_metrics: list[str] = Field(
         default_factory=list, description="`evaluate` metrics by Hub name or local script path (needs `evaluate`)."

@@ -13,7 +13,7 @@ import logging
 log = logging.getLogger("tunekit")
 
 # Architectures whose packed forward equals each example's own forward, checked on tiny random models
-# by tests/test_packing.py::test_packable_architectures. Not listed: models that mix tokens outside
+# by tests/data/test_packing.py::test_packable_architectures. Not listed: models that mix tokens outside
 # attention (Mamba, convolution or recurrent layers: Lfm2, Granite hybrids, Jamba...), softcapped
 # attention (Gemma 2, whose eager path is its only one), and anything not yet checked.
 PACKABLE = frozenset({

@@ -20,7 +20,7 @@ import itertools
 import logging
 from pathlib import Path
 
-from tunekit.config import rewards
+from tunekit.config import rewardkinds
 from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import DataConfig, ModelConfig, Recipe
 from tunekit.core.errors import TunekitError
@@ -77,7 +77,7 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
 def _reference_check(recipe: Recipe):
     """For GRPO rewards that score against the reference answer: a check that each record has one."""
     settings = getattr(recipe, "grpo", None)
-    needing = rewards.needing_reference(settings.rewards) if settings is not None else []
+    needing = rewardkinds.needing_reference(settings.rewards) if settings is not None else []
     if not needing:
         return None
 

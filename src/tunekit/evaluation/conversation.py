@@ -3,7 +3,7 @@
 The target is resolved and loaded as eval does (runs.layout.resolve_target, runs.trained.load_trained, eval's
 dtype), prompts are rendered by the run's own renderer (data.template, data.system_prompt, the tokenizer's chat
 template, default renderings for what a template lacks), and answers come from eval's decoding
-(evaluation.runner.generate_batch: greedy, `eval.max_new_tokens`, special tokens dropped, stripped). So an answer
+(evaluation.evaluator.generate_batch: greedy, `eval.max_new_tokens`, special tokens dropped, stripped). So an answer
 to one prompt is the one `tunekit eval` writes in predictions.jsonl for a held-out example with that prompt.
 
 History: with a chat template the whole conversation is rendered by the template, ending in its generation
@@ -134,7 +134,7 @@ class Conversation:
         return len(self.tokenizer(prompt, add_special_tokens=self.prompter.add_special_tokens)["input_ids"])
 
     def reply(self, text: str, streamer=None) -> str:
-        from tunekit.evaluation.runner import generate_batch
+        from tunekit.evaluation.evaluator import generate_batch
 
         prompt = self.prompt(text)
         self.model.eval()
@@ -150,11 +150,11 @@ class Conversation:
 def load(target: Target, max_new_tokens: int | None = None, system: str | None = None,
          dtype: str = "auto") -> Conversation:
     """The target's model and tokenizer loaded as `tunekit eval` loads them, and a conversation with them."""
-    from tunekit.evaluation.runner import eval_dtype
-    from tunekit.models import loading
+    from tunekit.evaluation.evaluator import eval_dtype
+    from tunekit.models import loader
     from tunekit.runs.trained import load_trained
 
-    tokenizer = loading.load_tokenizer(target.recipe.model, target.tokenizer_dir)
+    tokenizer = loader.load_tokenizer(target.recipe.model, target.tokenizer_dir)
     prompter = Prompter.of(target.recipe, tokenizer, system)
     torch_dtype = eval_dtype(dtype)
     model = load_trained(target, torch_dtype)

@@ -3,7 +3,7 @@ exact match. No model code.
 
 evaluate.load() fetches metric scripts from the Hub and fails offline, so the built-in metrics call
 sacrebleu and rouge-score directly; `evaluate` only serves extra metrics a recipe names. The built-in
-ones are a registry (METRICS): each is declared in tunekit.config.metrics (the recipe's eval.metrics choices, its
+ones are a registry (METRICS): each is declared in tunekit.config.metrickinds (the recipe's eval.metrics choices, its
 rows and settings) and its scoring function registered here under that name; the eval table reads METRICS."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Callable
 
-from tunekit.config.metrics import DECLARED, defaults  # noqa: F401  (evaluation.metrics.defaults: tests)
+from tunekit.config.metrickinds import DECLARED, defaults  # noqa: F401  (evaluation.metrics.defaults: tests)
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -43,7 +43,7 @@ def _normalize(text: str) -> str:
 
 @dataclass(frozen=True)
 class Metric:
-    """A metric a recipe can name in eval.metrics: its declaration's facts (config.metrics.MetricSpec) and
+    """A metric a recipe can name in eval.metrics: its declaration's facts (config.metrickinds.MetricSpec) and
     `score`, which maps (predictions, references) to scores; None marks a metric computed from the model
     (loss), not from text."""
 
@@ -58,12 +58,13 @@ METRICS: dict[str, Metric] = {}
 
 
 def register(name: str):
-    """Register the scoring function of a declared metric (config.metrics)."""
+    """Register the scoring function of a declared metric (config.metrickinds)."""
     spec = DECLARED.get(name)
     if spec is None:
-        raise ValueError(f"metric {name!r} is not declared in tunekit.config.metrics")
+        raise ValueError(f"metric {name!r} is not declared in tunekit.config.metrickinds")
     if not spec.scored:
-        raise ValueError(f"metric {name!r} is declared unscored (computed from the model) in tunekit.config.metrics")
+        raise ValueError(f"metric {name!r} is declared unscored (computed from the model) in "
+                         "tunekit.config.metrickinds")
     if name in METRICS:
         raise ValueError(f"metric {name!r} is registered twice")
 

@@ -11,7 +11,7 @@ A recipe names them in grpo.rewards, each with a weight; the run logs each one's
 - function: a Python function `module:function` (only with grpo.trust_local_code), called with keywords prompt,
   completion, reference, record (the raw record as a dict) and tokens; it returns a number.
 
-Each kind is declared in tunekit.config.rewards (its name, the keys it needs, the recipe checks) and its scoring
+Each kind is declared in tunekit.config.rewardkinds (its name, the keys it needs, the recipe checks) and its scoring
 registered here under that name. No model code: called during training and eval.
 """
 
@@ -26,7 +26,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from tunekit.config.rewards import DECLARED, label
+from tunekit.config.rewardkinds import DECLARED, label
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import metrics
 
@@ -47,16 +47,16 @@ class Sample:
 class Kind:
     name: str
     make: Callable[[Any, int], Callable[[Sample], float]]  # (spec, max_completion_length) -> score of one sample
-    reference: bool  # scores against the reference answer (config.rewards)
+    reference: bool  # scores against the reference answer (config.rewardkinds)
 
 
 KINDS: dict[str, Kind] = {}
 
 
 def register(name: str):
-    """Register how a declared reward kind (config.rewards) scores a sample."""
+    """Register how a declared reward kind (config.rewardkinds) scores a sample."""
     if name not in DECLARED:
-        raise ValueError(f"reward {name!r} is not declared in tunekit.config.rewards")
+        raise ValueError(f"reward {name!r} is not declared in tunekit.config.rewardkinds")
     if name in KINDS:
         raise ValueError(f"reward {name!r} is registered twice")
 

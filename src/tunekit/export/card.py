@@ -13,9 +13,9 @@ from pathlib import Path
 import yaml
 
 from tunekit import __version__
-from tunekit.config.loading import load as load_recipe
-from tunekit.config.loading import to_yaml
 from tunekit.config.modelsource import looks_like_path, resolve_model
+from tunekit.config.recipes import load as load_recipe
+from tunekit.config.recipes import to_yaml
 from tunekit.config.schema import DATA_SUFFIXES
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from tunekit.config.loading import load as load_recipe
+from tunekit.config.recipes import load as load_recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
@@ -24,7 +24,7 @@ from tunekit.data import mixture, split
 from tunekit.data.collating import collator
 from tunekit.data.tokenizing import build_examples
 from tunekit.export import card
-from tunekit.models import loading as models
+from tunekit.models import loader
 from tunekit.models.info import model_config
 from tunekit.runs.layout import ADAPTER_DIR, MERGED_MARKER, RECIPE_FILE, RunRecord, adapter_run
 from tunekit.runs.trained import quantization_as_trained
@@ -78,15 +78,15 @@ def compare(reference: torch.Tensor, merged: torch.Tensor, mask: torch.Tensor) -
 def _merged_model(recipe, record: RunRecord, adapter_dir: Path, batch) -> tuple[torch.nn.Module, torch.Tensor]:
     """Return the merged fp32 model and the adapter model's logits on `batch` (the reference)."""
     if recipe.quantization is None:
-        model = models.load_adapter_model(recipe.model, adapter_dir, torch.float32)
+        model = loader.load_adapter_model(recipe.model, adapter_dir, torch.float32)
         reference = logits(model, batch)
         return model.merge_and_unload(), reference
     # Same load dtype as training so that the 4-bit codes and scales are the ones trained against.
     load_dtype, quant = quantization_as_trained(recipe, record, torch.float32)
-    adapter_model = models.load_adapter_model(recipe.model, adapter_dir, load_dtype, quant)
+    adapter_model = loader.load_adapter_model(recipe.model, adapter_dir, load_dtype, quant)
     reference = logits(adapter_model, batch)
     del adapter_model
-    base = models.load_base(recipe.model, load_dtype, quant)
+    base = loader.load_base(recipe.model, load_dtype, quant)
     for module in base.modules():  # dequantize straight to fp32, without rounding to the load dtype
         state = getattr(getattr(module, "weight", None), "quant_state", None)
         if state is not None:
@@ -125,7 +125,7 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
     recipe = load_recipe(run_dir / RECIPE_FILE)
     dtype = dtype or _default_dtype(recipe)
 
-    tokenizer = models.load_tokenizer(recipe.model, adapter_dir)
+    tokenizer = loader.load_tokenizer(recipe.model, adapter_dir)
     batch = parity_batch(recipe, tokenizer)
     log.info("merging %s adapter into %s in fp32", recipe.adapter_kind, recipe.model.name_or_path)
     merged, reference = _merged_model(recipe, record, adapter_dir, batch)

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunekit.config.loading import load as load_recipe
+from tunekit.config.recipes import load as load_recipe
 from tunekit.core.errors import TunekitError, first_line
 from tunekit.core.jsonfiles import read_json
 from tunekit.evaluation.table import baseline_scores

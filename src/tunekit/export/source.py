@@ -12,7 +12,7 @@ from pathlib import Path
 from tunekit.config.modelsource import looks_like_path, resolve_model
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
-from tunekit.runs import layout as rundir
+from tunekit.runs import layout
 
 # models, merge and transformers are imported where they are used: they load torch
 
@@ -40,7 +40,7 @@ class Source:
 
 
 def _finetune(run: Path, recipe) -> dict:
-    record = rundir.RunRecord.load(run)
+    record = layout.RunRecord.load(run)
     return {"run": run.resolve().name, "training_method": record.training_method, "adapter": record.adapter,
             "steps": record.global_step, "data": recipe.model_dump(mode="json")["data"]["train"]}
 
@@ -60,19 +60,19 @@ def check_first(target: str) -> None:
     """Before torch: TARGET is there, and the model export will load can be had here: for a completed LoRA
     run its base model (named by its recipe key), for a hub id the id itself ("export target"). Anything
     else about the target is checked by `resolve`, in its own terms."""
-    from tunekit.config.loading import load
+    from tunekit.config.recipes import load
     from tunekit.data import precheck
     from tunekit.models import hub
 
     _require_exists(target)
     path = Path(target)
-    if rundir.is_run(path):
-        if (path / rundir.ADAPTER_DIR).is_dir() and (path / rundir.RECIPE_FILE).is_file() and \
-                rundir.RunRecord.load(path).status == "completed":
-            rundir.require_adapter_files(path)
-            precheck.check_model(load(path / rundir.RECIPE_FILE).model)
+    if layout.is_run(path):
+        if (path / layout.ADAPTER_DIR).is_dir() and (path / layout.RECIPE_FILE).is_file() and \
+                layout.RunRecord.load(path).status == "completed":
+            layout.require_adapter_files(path)
+            precheck.check_model(load(path / layout.RECIPE_FILE).model)
         return
-    if (path / rundir.MERGED_MARKER).is_file():
+    if (path / layout.MERGED_MARKER).is_file():
         return
     try:
         source = resolve_model(target, "export target")
@@ -83,21 +83,21 @@ def check_first(target: str) -> None:
 
 
 def resolve(target: str) -> Source:
-    """What TARGET is (rundir.resolve_target tells runs and merged directories apart), and what the file
+    """What TARGET is (layout.resolve_target tells runs and merged directories apart), and what the file
     will say about it. A base model given as a GGUF file or hub id is materialized as a model directory."""
     path = Path(target)
     _require_exists(target)
-    if not (rundir.is_run(path) or (path / rundir.MERGED_MARKER).is_file()):
-        from tunekit.models import loading as models
+    if not (layout.is_run(path) or (path / layout.MERGED_MARKER).is_file()):
+        from tunekit.models import loader
 
-        return Source("base", Path(models.materialize(target, key="export target")), None, Facts(path.stem, target))
-    t = rundir.resolve_target(target)
+        return Source("base", Path(loader.materialize(target, key="export target")), None, Facts(path.stem, target))
+    t = layout.resolve_target(target)
     if t.kind == "run":
         return Source("run", path, t.recipe, Facts(path.resolve().name, t.recipe.model.name_or_path, None,
                                                    _finetune(path, t.recipe)))
-    marker = read_json(path / rundir.MERGED_MARKER, rundir.MERGED_FIX)
+    marker = read_json(path / layout.MERGED_MARKER, layout.MERGED_FIX)
     run = Path(str(marker.get("source_run", "")))
-    facts = _finetune(run, t.recipe) if marker.get("source_run") and rundir.is_run(run) else {"merged_from": str(run)}
+    facts = _finetune(run, t.recipe) if marker.get("source_run") and layout.is_run(run) else {"merged_from": str(run)}
     name = path.resolve().parent.name if path.name == "merged" else path.resolve().name
     return Source("merged", path, t.recipe, Facts(name, t.recipe.model.name_or_path, None, facts))
 
@@ -119,8 +119,8 @@ def model_dir(source: Source):
     (with `tunekit merge`'s parity check), a full fine-tuning run's model/ is used as it is."""
     if source.kind != "run":
         yield source.path
-    elif (source.path / rundir.MODEL_DIR).is_dir():
-        yield source.path / rundir.MODEL_DIR
+    elif (source.path / layout.MODEL_DIR).is_dir():
+        yield source.path / layout.MODEL_DIR
     else:
         from tunekit.export import merge
 

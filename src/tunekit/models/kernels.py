@@ -22,8 +22,7 @@ import torch
 
 from tunekit.config.schema import Recipe
 from tunekit.core.errors import TunekitError
-from tunekit.models import hub, losspath
-from tunekit.models import info as modelinfo
+from tunekit.models import hub, info, losspath
 
 log = logging.getLogger("tunekit")
 
@@ -74,7 +73,7 @@ def require(recipe: Recipe) -> None:
                            "pip install 'tunekit[kernels]'")
     if name == "liger":
         try:
-            model_type = modelinfo.model_config(recipe.model).model_type
+            model_type = info.model_config(recipe.model).model_type
         except (hub.Unavailable, OSError, ValueError):
             return  # loading the model says why it cannot be had
         _check_liger_family(model_type)

@@ -1,5 +1,5 @@
 """The recipe's tokenizer alone, for commands that load no model (`tunekit data`): the same tokenizer
-models.loading.load_tokenizer gives training, without importing peft, bitsandbytes or DeepSpeed and
+models.loader.load_tokenizer gives training, without importing peft, bitsandbytes or DeepSpeed and
 without converting a GGUF file's weights (its tokenizer is read from the file's metadata)."""
 
 from __future__ import annotations

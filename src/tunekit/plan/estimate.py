@@ -4,7 +4,7 @@ Parameters are counted exactly on a model built on the meta device (no weights a
 follow what tunekit actually loads: fp32 master weights for full fine-tuning, the frozen base in
 the training precision for LoRA, 4-bit codes plus quantization constants for QLoRA (of the layers left
 unquantized, the embeddings and output head in the compute dtype and the norms and biases in fp32, as
-models.loading.prepare_quantized keeps them). Sharding (ZeRO, FSDP2) divides those parts; what FSDP2 and
+models.loader.prepare_quantized keeps them). Sharding (ZeRO, FSDP2) divides those parts; what FSDP2 and
 ZeRO-3 gather whole on a device, and when, is in plan.sharding. Time per step: plan.steptime."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tunekit.config import deepspeed as dsconfig
-from tunekit.config import methods
+from tunekit.config import dsconfig, methods
 from tunekit.config.schema import Recipe
 from tunekit.plan import sharding, steptime
 from tunekit.plan.sizes import GiB, parse_size  # noqa: F401  (plan.parse_size: tests)
@@ -103,7 +102,7 @@ def meta_model(recipe: Recipe, cfg=None):
     from transformers import AutoModelForCausalLM
 
     from tunekit.models.info import model_config
-    from tunekit.models.loading import lora_config
+    from tunekit.models.loader import lora_config
 
     if cfg is None:
         cfg = model_config(recipe.model, shipped=True)
@@ -175,7 +174,7 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
 
 def layer_bytes_per_token(cfg, s: Settings, recipe: Recipe) -> float:
     """What autograd keeps per token in one decoder layer (activation_bytes' docstring says what). Under QLoRA
-    more of the layer is fp32 below fp32 precision: its norms keep fp32 weights (models.loading.prepare_quantized)
+    more of the layer is fp32 below fp32 precision: its norms keep fp32 weights (models.loader.prepare_quantized)
     and bitsandbytes' 4-bit layers return their input's dtype, so the MLP's activations are fp32 as well; the
     dropout term at 4 bytes stands for that (SmolLM2-135M in bf16, autograd's saved tensors per token and layer:
     57.1 KB under QLoRA, 47.9 KB under LoRA; planned 53.4 and 43.4, bench/RESULTS.md)."""
@@ -226,7 +225,7 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     elem = 4 if s.precision == "fp32" else 2
     # below fp32, a head stored in fp32 (full fine-tuning's master weights) is cast for the matmul; FSDP2 and
     # ZeRO-3 gather it in the compute dtype instead (their gathered head unit, sharding.py). QLoRA keeps its
-    # head in the compute dtype (models.loading.prepare_quantized): no cast
+    # head in the compute dtype (models.loader.prepare_quantized): no cast
     gathered = s.fsdp or s.zero_stage >= 3
     head_cast = vocab * h * elem if elem != 4 and not gathered and recipe.full_finetuning else 0
     if not chunked:
@@ -247,7 +246,7 @@ def state_parts(recipe: Recipe, s: Settings, c: Counts) -> dict[str, float]:
     q = recipe.quantization
     if q is not None:
         parts["weights (quantized, incl. constants)"] = quantized_bytes(c.quantized, q.bits, q.double_quant)
-        compute = 4 if s.precision == "fp32" else 2  # models.loading.prepare_quantized: the training precision
+        compute = 4 if s.precision == "fp32" else 2  # models.loader.prepare_quantized: the training precision
         parts[embeddings_key(s)] = c.embeddings * compute
         parts["weights (unquantized norms and biases, fp32)"] = (c.frozen_plain - c.embeddings) * 4
     elif not recipe.full_finetuning:

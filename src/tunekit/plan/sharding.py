@@ -12,7 +12,7 @@ Each term is live at one or more moments of the step (`Term.when`):
   "step": the whole step
 
 FSDP2, as accelerate's fsdp2_prepare_model (accelerate.utils.fsdp_utils) applies torch's fully_shard
-(torch.distributed.fsdp; read for accelerate 1.15 and torch 2.13; tests/test_plan.py checks these terms
+(torch.distributed.fsdp; read for accelerate 1.15 and torch 2.13; tests/plan/test_plan.py checks these terms
 against torch's FSDPMemTracker):
 - units: one per decoder layer (the model's _no_split_modules; NO_WRAP: every decoder layer in the root
   unit), the input embeddings (reshard_after_forward as set), and [final norm, output head] (with tied
@@ -32,7 +32,7 @@ against torch's FSDPMemTracker):
   which for FSDP2 is set_requires_gradient_sync(False): gradients accumulate unsharded, in reduce_dtype
   (FSDPParam.to_accumulated_grad_if_needed), on every device.
 - quantized weights are sharded as any other parameter: under FSDP2, as under ZeRO-3, tunekit stores the
-  packed 4-bit codes in the compute dtype (bnb_4bit_quant_storage; models.loading.load_for_training), a
+  packed 4-bit codes in the compute dtype (bnb_4bit_quant_storage; models.loader.load_for_training), a
   floating-point parameter (accelerate leaves uint8-stored ones out of sharding, whole on every device). The
   storage dtype only reinterprets the packed bytes (the stored tensor has fewer elements), so a device holds
   1/world of the codes and gathers a unit's codes in the same bytes (param_dtype is their own dtype: no
@@ -43,7 +43,7 @@ against torch's FSDPMemTracker):
 ZeRO-3, as DeepSpeed's PartitionedParameterCoordinator and stage-3 optimizer do (deepspeed.runtime.zero:
 partitioned_param_coordinator.py, stage3.py; read for deepspeed 0.19), with the
 values of its config (ds_configs/zero3.json: the bucket sizes "auto", filled from the hidden size as
-config.deepspeed.resolve does, and stage3_max_live_parameters = stage3_max_reuse_distance = 1e9):
+config.dsconfig.resolve does, and stage3_max_live_parameters = stage3_max_reuse_distance = 1e9):
 - parameters are fetched module by module; stage3_prefetch_bucket_size more are prefetched (at least the
   next parameter, at most stage3_max_live_parameters). A checkpointed layer's recomputation fetches the
   whole layer, which its backward uses at once: it stays gathered through that backward.
@@ -168,7 +168,7 @@ def fsdp_terms(ps: list[Param], s, elem: int, quant_bits: int) -> list[Term]:
 
 def zero3_numbers(recipe, s, hidden_size: int) -> dict:
     """stage3_* sizes and reduce_bucket_size in elements, "auto" filled as tunekit fills it."""
-    from tunekit.config import deepspeed as dsconfig
+    from tunekit.config import dsconfig
 
     raw = {"reduce_bucket_size": s.zero3_reduce_bucket, "stage3_prefetch_bucket_size": s.zero3_prefetch,
            "stage3_param_persistence_threshold": s.zero3_persistence}

@@ -13,7 +13,7 @@ from pathlib import Path
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import DamagedFile, read_json
-from tunekit.runs import checkpoints as checkpoint_dir
+from tunekit.runs import checkpoints
 from tunekit.runs.layout import CHECKPOINTS_DIR, EVAL_DIR, MERGED_MARKER, METRICS_FIX, RUN_FILE, RunRecord
 
 log = logging.getLogger("tunekit")
@@ -62,8 +62,8 @@ def read(run_dir: Path, root: Path) -> Row:
         status = "interrupted"
     steps = record.global_step if record.global_step is not None else record.failed_at_step
     if steps is None:
-        newest = checkpoint_dir.newest_complete(run_dir / CHECKPOINTS_DIR)
-        steps = checkpoint_dir.step_of(newest) if newest else None
+        newest = checkpoints.newest_complete(run_dir / CHECKPOINTS_DIR)
+        steps = checkpoints.step_of(newest) if newest else None
     values = {k: v for k, v in (("train_loss", record.train_loss), ("eval_loss", record.eval_loss)) if v is not None}
     metrics_file = run_dir / EVAL_DIR / "metrics.json"
     if metrics_file.is_file():

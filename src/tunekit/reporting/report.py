@@ -15,8 +15,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json, read_jsonl
 from tunekit.data.preview import EXAMPLES_FILE
 from tunekit.evaluation.table import baseline_scores, table_rows
-from tunekit.reporting import dataview
-from tunekit.reporting import listing as runlist
+from tunekit.reporting import dataview, listing
 from tunekit.runs import curves, history
 from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RUN_FILE, RunRecord
 
@@ -51,11 +50,11 @@ def load(run_dir: Path) -> dict:
         raise TunekitError(f"report: {run_dir} is not a run directory (no {RUN_FILE}); give the output_dir of a "
                            "tunekit train run")
     record = RunRecord.load(run_dir)
-    row = runlist.read(run_dir, run_dir.parent)
+    row = listing.read(run_dir, run_dir.parent)
     metrics_file = run_dir / EVAL_DIR / "metrics.json"
     scores = read_json(metrics_file, METRICS_FIX).get("scores", {}) if metrics_file.is_file() else {}
     return {"name": run_dir.name, "path": str(run_dir), "status": row.status, "steps": row.steps,
-            "wall": runlist._duration(row.wall_s), "output": row.output, "record": record,
+            "wall": listing._duration(row.wall_s), "output": row.output, "record": record,
             "series": history.series(history.rows(run_dir), record.effective_batch or 1), "scores": scores,
             "predictions": _predictions(run_dir), "examples": _examples(run_dir)}
 

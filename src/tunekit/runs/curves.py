@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from xml.sax.saxutils import escape
 
-from tunekit.config import metrics
+from tunekit.config import metrickinds
 from tunekit.runs import history
 
 WIDTH, HEIGHT, COLUMNS = 420, 240, 2  # one panel, in px
@@ -19,7 +19,8 @@ LEFT_OUT = {"examples_per_s"}  # the machine's speed, not the model's: the repor
 def panels(series: dict[str, list[list[float]]]) -> list[tuple[str, list[tuple[str, str]]]]:
     """(panel title, [(key, legend)]) for each panel drawn: the losses together, the held-out scores (0-100:
     BLEU, chrF, ROUGE, exact match, ...) together, then one per other curve."""
-    scores = {f"eval_{key}": name for metric, m in metrics.DECLARED.items() if metric != "loss" for key, name in m.rows}
+    scores = {f"eval_{key}": name for metric, m in metrickinds.DECLARED.items() if metric != "loss" for key,
+              name in m.rows}
     titled = [(k, t) for k, t in history.titled(series) if k not in LEFT_OUT and len(series[k]) > 0]
     groups = [("loss", [(k, t) for k, t in titled if k in ("loss", "eval_loss")]),
               ("held-out scores", [(k, scores[k]) for k, _ in titled if k in scores])]

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import yaml
 
-from tunekit.config.loading import load as load_recipe
-from tunekit.config.loading import to_yaml, yaml_value
 from tunekit.config.modelsource import resolve_model
+from tunekit.config.recipes import load as load_recipe
+from tunekit.config.recipes import to_yaml, yaml_value
 from tunekit.config.schema import Recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import DamagedFile, read_json
-from tunekit.runs import checkpoints as checkpoint_dir
+from tunekit.runs import checkpoints
 
 RUN_FILE = "run.json"
 RECIPE_FILE = "recipe.yaml"
@@ -233,7 +233,7 @@ def check_resume(recipe: Recipe, run_dir: Path, world_size: int = 1) -> Path | N
         if eval_pending(recipe, run_dir):
             return None
         raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
-    return checkpoint_dir.resume_point(run_dir / CHECKPOINTS_DIR)
+    return checkpoints.resume_point(run_dir / CHECKPOINTS_DIR)
 
 
 def eval_pending(recipe: Recipe, run_dir: Path) -> bool:
@@ -277,7 +277,7 @@ def resolve_target(spec: str, recipe_path: str | None = None, data: str | None =
     if recipe_path:
         recipe = load_recipe(recipe_path, [f"model.name_or_path={spec}"])
     elif data:
-        from tunekit.config.loading import from_dict
+        from tunekit.config.recipes import from_dict
 
         recipe = from_dict({"model": {"name_or_path": spec}, "data": {"train": data}}, source="eval")
     elif source.kind == "hub":

@@ -8,7 +8,7 @@ import torch
 
 from tunekit.config.schema import Recipe
 from tunekit.core.hardware import DTYPES, Precision
-from tunekit.models import loading as models
+from tunekit.models import loader
 from tunekit.runs.layout import MODEL_DIR, RunRecord, Target, weights_dir
 
 
@@ -19,7 +19,7 @@ def trained_precision(record: RunRecord) -> Precision:
 def quantization_as_trained(recipe: Recipe, record: RunRecord, compute: torch.dtype):
     """(load dtype, bitsandbytes config) that re-quantize the base exactly as in training (the same
     load dtype gives the same 4-bit codes and scales), computing in `compute`."""
-    quant = models.quantization_config(recipe, trained_precision(record))
+    quant = loader.quantization_config(recipe, trained_precision(record))
     quant.bnb_4bit_compute_dtype = compute
     return DTYPES[record.precision["name"]], quant
 
@@ -36,13 +36,13 @@ def load_trained(target: Target, dtype: torch.dtype):
 def _load_trained(target: Target, dtype: torch.dtype):
     recipe = target.recipe
     if target.kind == "merged":
-        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location)}), dtype)
+        return loader.load_base(recipe.model.model_copy(update={"name_or_path": str(target.location)}), dtype)
     if target.kind == "base":
-        return models.load_base(recipe.model, dtype)
+        return loader.load_base(recipe.model, dtype)
     weights = weights_dir(target.location)
     if weights.name == MODEL_DIR:
-        return models.load_base(recipe.model.model_copy(update={"name_or_path": str(weights)}), dtype)
+        return loader.load_base(recipe.model.model_copy(update={"name_or_path": str(weights)}), dtype)
     if recipe.quantization is None:
-        return models.load_adapter_model(recipe.model, weights, dtype)
+        return loader.load_adapter_model(recipe.model, weights, dtype)
     load_dtype, quant = quantization_as_trained(recipe, RunRecord.load(target.location), dtype)
-    return models.load_adapter_model(recipe.model, weights, load_dtype, quant)
+    return loader.load_adapter_model(recipe.model, weights, load_dtype, quant)

@@ -19,11 +19,11 @@ def checkpoint_bytes(trainable: int) -> int:
 
 
 def warn_if_disk_short(recipe: Recipe, run_dir: Path) -> None:
-    from tunekit.plan import estimate as plan
+    from tunekit.plan import estimate
 
     try:  # trainable parameters counted exactly on the meta device, as `tunekit plan` does
-        _, model = plan.meta_model(recipe)
-        trainable = plan.count(recipe, model).trainable
+        _, model = estimate.meta_model(recipe)
+        trainable = estimate.count(recipe, model).trainable
     except (OSError, ValueError, AttributeError, TypeError):
         return  # no config to count from (e.g. an unreachable hub model): loading will say so
     keep = recipe.training.save_total_limit or 10

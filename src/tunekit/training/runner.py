@@ -18,20 +18,16 @@ from pathlib import Path
 
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
-from tunekit.config import deepspeed as dsconfig
-from tunekit.config import defaults
-from tunekit.config import fsdp as fsdpconfig
-from tunekit.config.loading import to_yaml
+from tunekit.config import defaults, dsconfig, fsdpconfig
+from tunekit.config.recipes import to_yaml
 from tunekit.config.schema import Recipe
 from tunekit.core import distributed, outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision, resolve_precision
 from tunekit.data import packing, preview
 from tunekit.data.collating import CountingCollator
-from tunekit.models import info as modelinfo
-from tunekit.models import loading as models
-from tunekit.runs import checkpoints as checkpoint_dir
-from tunekit.runs import layout as rundir
+from tunekit.models import info, loader
+from tunekit.runs import checkpoints, layout
 from tunekit.runs.layout import (
     ADAPTER_DIR,
     CHECKPOINTS_DIR,
@@ -43,7 +39,7 @@ from tunekit.runs.layout import (
     SAMPLES_FILE,
     RunRecord,
 )
-from tunekit.training import checkpoints, methods, preflight, progress, trackers
+from tunekit.training import checkpointing, methods, preflight, progress, trackers
 
 log = logging.getLogger("tunekit")
 
@@ -72,7 +68,7 @@ def deepspeed_config(recipe: Recipe, precision: Precision, world_size: int, ship
     hidden size may come from tunekit's copy of a well-known model's config)."""
     if recipe.training.deepspeed is None:
         return None
-    hidden = getattr(modelinfo.model_config(recipe.model, shipped), "hidden_size", None)
+    hidden = getattr(info.model_config(recipe.model, shipped), "hidden_size", None)
     return dsconfig.resolve(dsconfig.read(recipe.training.deepspeed), recipe, world_size, precision.name,
                             f"training.deepspeed {recipe.training.deepspeed}", hidden)
 
@@ -183,9 +179,9 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
     launch = distributed.current()
     if resume:
         outputs.require_dir(run_dir, "--resume: output_dir")  # before the lock, which would create its parent
-    recipe = modelinfo.fit_max_length(recipe)
+    recipe = info.fit_max_length(recipe)
     with outputs.exclusive(run_dir) if launch.is_main else contextlib.nullcontext():
-        resume_from = rundir.check_resume(recipe, run_dir, launch.world_size) if resume else None
+        resume_from = layout.check_resume(recipe, run_dir, launch.world_size) if resume else None
         if resume and resume_from is None:
             log.info("training in %s completed before; only its end-of-training eval is left", run_dir)
             return TrainResult(run_dir, recipe, None)
@@ -196,8 +192,8 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
                 result = fit(prepared)
                 finalize(prepared, result)
         except BaseException as e:
-            if launch.is_main and rundir.is_run(run_dir):
-                rundir.mark_ended(run_dir, e)  # run.json never stays "running" once this process ends
+            if launch.is_main and layout.is_run(run_dir):
+                layout.mark_ended(run_dir, e)  # run.json never stays "running" once this process ends
             raise
     return TrainResult(run_dir, recipe, prepared.trainer)
 
@@ -222,7 +218,7 @@ def terminated_as_exit():
 
 def replaces_failed_start(run_dir: Path, launch: distributed.Launch, resume_from: Path | None) -> bool:
     """A run that ended before its first optimizer step is replaced by a new start without --force."""
-    why = rundir.ended_before_training(run_dir) if resume_from is None else None
+    why = layout.ended_before_training(run_dir) if resume_from is None else None
     if why and launch.is_main:
         log.info("output_dir %s holds a run that ended before its first step (%s); starting it again", run_dir, why)
     return why is not None
@@ -239,7 +235,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         for line in defaults.applied(recipe):
             log.info("%s", line)
     trackers.check(recipe.training.report_to)
-    start = rundir.starting_adapter(recipe)
+    start = layout.starting_adapter(recipe)
     precision = resolve_precision(recipe.training.precision)
     log.info("precision: %s (%s)", precision.name, precision.reason)
     ds = deepspeed_config(recipe, precision, launch.world_size)
@@ -249,7 +245,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         log.info("fsdp: %s", fsdpconfig.describe(recipe.training.fsdp, launch.cuda))
 
     # Tokenizer and data first: bad data fails here, before anything is written or loaded.
-    tokenizer = models.load_tokenizer(recipe.model)
+    tokenizer = loader.load_tokenizer(recipe.model)
     tokenizer.padding_side = "right"
     bundle = load_data(recipe, method, tokenizer)
     if launch.is_main and resume_from is None:
@@ -356,7 +352,7 @@ def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path 
     else:
         log.info("resuming from %s", resume_from.name)
         for kept in (HISTORY_FILE, SAMPLES_FILE):
-            checkpoint_dir.truncate_history(run_dir / kept, checkpoint_dir.step_of(resume_from))
+            checkpoints.truncate_history(run_dir / kept, checkpoints.step_of(resume_from))
 
 
 def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: Path, fresh_main: bool) -> None:
@@ -364,7 +360,7 @@ def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: P
     `fresh_main`: the main process of a new run saves a rewritten adapter initialisation."""
     recipe = inputs.recipe
     set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
-    model = models.load_for_training(recipe, inputs.precision, inputs.start_adapter)
+    model = loader.load_for_training(recipe, inputs.precision, inputs.start_adapter)
     if inputs.start_adapter is not None:
         log.info("adapter: starting from %s", inputs.start_adapter)
     packed = method.packs and packing.use(model, recipe.data.packing)  # TRL's collators pad the pairs
@@ -372,14 +368,14 @@ def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: P
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
              "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention)
     if recipe.lora is not None and recipe.lora.init != "default" and fresh_main:
-        models.save_initial_adapter(model, run_dir / INITIAL_ADAPTER_DIR)
+        loader.save_initial_adapter(model, run_dir / INITIAL_ADAPTER_DIR)
     inputs.model, inputs.packed, inputs.attention = model, packed, attention
 
 
 def run_record(inputs: methods.TrainerInputs, resume_from: Path | None, start) -> RunRecord:
     """run.json as training starts (logged: parameters and the batch per optimizer step)."""
     recipe, args, bundle, precision = inputs.recipe, inputs.args, inputs.data, inputs.precision
-    total, trainable = models.count_parameters(inputs.model)
+    total, trainable = loader.count_parameters(inputs.model)
     log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
              100 * trainable / max(total, 1), recipe.adapter_kind)
     effective = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -409,7 +405,7 @@ def write_run_files(recipe: Recipe, run_dir: Path, ds: dict | None, record: RunR
 
 def run_callbacks(recipe: Recipe, run_dir: Path) -> list:
     """Loss history, checkpoint marks, the non-finite stop, early stopping and the trackers."""
-    return ([LossHistory(run_dir / HISTORY_FILE), checkpoints.MarkComplete(), checkpoints.StopOnNonFinite()]
+    return ([LossHistory(run_dir / HISTORY_FILE), checkpointing.MarkComplete(), checkpointing.StopOnNonFinite()]
             + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
                if recipe.training.early_stopping_patience else [])
             + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json"))
@@ -426,7 +422,7 @@ def generation_eval(recipe: Recipe, tokenizer, evaluates: bool, samples: Path | 
     """BLEU/ROUGE/... at each evaluation during training, when the recipe has an eval section."""
     if not (evaluates and recipe.eval is not None and recipe.eval.during_training):
         return None
-    from tunekit.evaluation.runner import DuringTraining, held_out_records
+    from tunekit.evaluation.evaluator import DuringTraining, held_out_records
 
     return DuringTraining(recipe, tokenizer, held_out_records(recipe), samples)
 
@@ -461,14 +457,14 @@ def fit(p: Prepared):
             with contextlib.suppress(OSError):  # the disk may be full
                 p.record.save(p.run_dir)
         if distributed.lost_peer(e):
-            last = checkpoint_dir.newest_complete(p.run_dir / CHECKPOINTS_DIR)
+            last = checkpoints.newest_complete(p.run_dir / CHECKPOINTS_DIR)
             raise TunekitError(
                 f"lost contact with another process at step {trainer.state.global_step}: a rank or a node stopped "
                 "(its own log says why); relaunch every node with --resume to continue from "
                 f"{last.name if last else 'the start (no checkpoint was complete)'}") from None
         reason = _out_of_space(e)
         if reason:
-            last = checkpoint_dir.newest_complete(p.run_dir / CHECKPOINTS_DIR)
+            last = checkpoints.newest_complete(p.run_dir / CHECKPOINTS_DIR)
             raise TunekitError(
                 f"out of disk space in {p.run_dir} at step {trainer.state.global_step} ({reason}); free space, then "
                 f"add --resume to continue from {last.name if last else 'the start (no checkpoint was complete)'}"
@@ -498,7 +494,7 @@ def finalize(p: Prepared, result) -> None:
     trainer.save_model(str(tmp))
     if p.launch.is_main:
         if p.recipe.lora is not None and p.recipe.lora.init != "default":
-            models.convert_to_plain_lora(tmp, run_dir / INITIAL_ADAPTER_DIR)
+            loader.convert_to_plain_lora(tmp, run_dir / INITIAL_ADAPTER_DIR)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

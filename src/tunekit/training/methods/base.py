@@ -25,7 +25,7 @@ class TrainerInputs:
     attention: str  # the model's attention implementation
     start_adapter: Any = None  # model.adapter_from's adapter directory, when the run continues one
     callbacks: list = field(default_factory=list)
-    generation_eval: Any = None  # evaluation.runner.DuringTraining, or None
+    generation_eval: Any = None  # evaluation.evaluator.DuringTraining, or None
 
 
 class Method:

@@ -1,6 +1,6 @@
 """training.method: grpo -- group relative policy optimization from rewards a program checks, with TRL's
 GRPOTrainer; its `grpo:` recipe section is declared in tunekit.config.methodsettings, its rewards in
-tunekit.config.rewards and scored by tunekit.evaluation.rewards.
+tunekit.config.rewardkinds and scored by tunekit.evaluation.rewards.
 
 Each prompt is answered `completions` times by sampling; every completion is scored by the recipe's rewards
 (weighted sum), and the policy moves toward the completions that beat their group's mean. Prompts come from
@@ -20,7 +20,7 @@ import logging
 
 from tunekit.config.methodsettings import RewardSpec
 from tunekit.core.errors import TunekitError
-from tunekit.evaluation import rewards as reward_kinds
+from tunekit.evaluation import rewards
 from tunekit.training.methods.base import Method, TrainerInputs, register
 from tunekit.training.methods.pairs import PairBundle, split_records
 
@@ -52,9 +52,9 @@ class Grpo(Method):
         if recipe.grpo.beta == 0:
             return {}, "none (grpo.beta: 0)"
         if recipe.full_finetuning:
-            from tunekit.models import loading as models
+            from tunekit.models import loader
 
-            ref = models.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
+            ref = loader.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
             return {"ref_model": ref}, f"a frozen copy of the base model ({precision.name})"
         if start_adapter is not None:
             return ({"reference_is_base": False},
@@ -77,7 +77,7 @@ class Grpo(Method):
 
 def scorers_of(specs: list[RewardSpec], max_completion_length: int) -> list:
     """The recipe's rewards as TRL's GRPOTrainer calls them (evaluation.rewards.Reward)."""
-    return reward_kinds.build(specs, max_completion_length)
+    return rewards.build(specs, max_completion_length)
 
 
 @dataclasses.dataclass

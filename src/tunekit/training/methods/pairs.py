@@ -143,9 +143,9 @@ class PreferenceMethod(Method):
         if not self.has_reference:
             return super().reference(recipe, precision, start_adapter)
         if recipe.full_finetuning:
-            from tunekit.models import loading as models
+            from tunekit.models import loader
 
-            ref = models.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
+            ref = loader.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
             return {"ref_model": ref}, f"a frozen copy of the base model ({precision.name})"
         if start_adapter is not None:
             return ({"ref_model": None, "reference_is_base": False},

@@ -14,9 +14,9 @@ class Sft(Method):
     name = "sft"
 
     def build_data(self, recipe, tokenizer):
-        from tunekit.data import arrow as arrowdata
+        from tunekit.data import arrow
 
-        return arrowdata.build(recipe.data, tokenizer, recipe.training.seed)
+        return arrow.build(recipe.data, tokenizer, recipe.training.seed)
 
     def make_trainer(self, inputs: TrainerInputs):
         from tunekit.data.collating import CountingCollator, collator

@@ -1,0 +1,63 @@
+"""bench/gpu_check.py, the check prepared for an offline GPU machine: its set covers what it must, and its
+shapes are the shipped configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_set_covers_the_paths_the_check_promises():
+    g = gpu_check()
+    by_name = {c.name: c for c in g.CHECKS}
+    sets = {name: " ".join(c.overrides) for name, c in by_name.items()}
+    assert "training.precision=bf16" in sets["lora-bf16"] and by_name["lora-bf16"].trl
+    assert "training.precision=fp16" in sets["lora-fp16"]
+    q = by_name["qlora-8b"]
+    assert g.SHAPES[q.shape] == "meta-llama/Llama-3.1-8B" and "quantization.bits=4" in sets["qlora-8b"]
+    assert "paged_adamw_8bit" in sets["qlora-8b"] and q.trl and q.trl["quant4"]
+    assert by_name["flagship"].recipe == "llama_qlora.yaml" and by_name["flagship"].merge
+    assert "training.fsdp={}" in sets["fsdp2"] and by_name["fsdp2"].torchrun
+    assert "zero3.json" in sets["zero3"] and by_name["grpo"].recipe == "smollm2_grpo.yaml"
+    assert "training.kernels=liger" in sets["liger"] and "training.kernels=cut_cross_entropy" in sets["cce"]
+    assert {g.SHAPES[c.shape] for c in g.CHECKS} == {"meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B",
+                                                     "Qwen/Qwen2.5-7B"}
+    for c in g.CHECKS:  # every recipe it starts from is a shipped one
+        assert (ROOT / "recipes" / c.recipe).is_file()
+
+
+def test_shapes_are_the_shipped_configs_with_the_check_tokenizer_ids():
+    g = gpu_check()
+
+    class Tok:
+        bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    full = g.shape_config("llama-8b", Tok, tiny=False)
+    assert (full["hidden_size"], full["num_hidden_layers"], full["vocab_size"]) == (4096, 32, 128256)
+    assert (full["bos_token_id"], full["eos_token_id"]) == (1, 2)
+    tiny = g.shape_config("qwen-7b", Tok, tiny=True)
+    assert tiny["model_type"] == "qwen2" and tiny["num_hidden_layers"] == 2 and tiny["vocab_size"] == 152064
+
+
+# Its CPU run (--tiny, tunekit against the TRL script) is tests/bench/test_gpu_kit.py's, from the kit, as on a
+# GPU machine.
+
+
+def test_steady_tokens_per_second_leaves_the_warm_up_out():
+    g = gpu_check()
+    # step 1 takes 10 s (start-up), then 100 tokens a second; an eval line (no loss) is not a step
+    rows = [{"step": 1, "time": 10.0, "tokens_collated": 100, "loss": 3.0}, {"step": 1, "time": 11.0, "eval_loss": 2}]
+    rows += [{"step": s, "time": 10.0 + s - 1, "tokens_collated": 100 * s, "loss": 3.0} for s in range(2, 9)]
+    assert g.steady(rows, warm=3) == 100.0
+    assert g.steady(rows[:5], warm=3) is None  # too few steps after the warm-up

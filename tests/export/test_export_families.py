@@ -1,0 +1,76 @@
+"""GGUF export of each model family besides Llama (export.architectures): a tiny random model of the family
+with its real tokenizer (tunekit.models.families: the files the model makers ship, from package registries),
+written as llama.cpp's converter writes that family, then read back by transformers: logits and top-1 equal the
+source model's, token ids identical on the probe texts, the chat template and special tokens carried over,
+and the family's own settings in the file. `make export-check` runs llama.cpp itself on the same files."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import in_full
+from tunekit.export import check, gguf
+from tunekit.export.source import Facts
+from tunekit.models.families import FAMILIES, build_family_model
+
+# the keys only that family has, with the config attribute each must equal (llama.cpp reads them)
+OWN_KEYS = {
+    "gemma2": {"gemma2.attn_logit_softcapping": "attn_logit_softcapping",
+               "gemma2.final_logit_softcapping": "final_logit_softcapping", "gemma2.attention.sliding_window":
+               "sliding_window", "gemma2.attention.key_length": "head_dim"},
+    "gemma3": {"gemma3.attention.sliding_window": "sliding_window", "gemma3.attention.key_length": "head_dim"},
+    "qwen3": {"qwen3.attention.key_length": "head_dim"},
+    "mistral": {"llama.attention.key_length": "head_dim"},
+    "phi3": {"phi3.rope.dimension_count": None},  # hidden / heads: Phi-3 rotates whole heads
+    "qwen2": {},
+}
+# SentencePiece-style vocabularies: whether llama.cpp puts a space before the first word (Gemma: no)
+SPACE_PREFIX = {"gemma2": False, "gemma3": False, "phi3": True}
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "mistral": "llama",
+             "phi3": "phi3"}
+
+
+# make test keeps Qwen3 (Qwen's byte-level BPE), Gemma 3 (Gemma's SentencePiece) and Phi-3 (its own keys and
+# rotary width); Qwen2, Gemma 2 and Mistral (the llama architecture test_export.py covers, with a byte-level BPE
+# vocabulary) run in make test-full (last run: tests/export-families-full-last-run.json) and in make
+# export-check's llama.cpp run
+IN_FULL = {"qwen2", "gemma2", "mistral"}
+
+
+@pytest.mark.slow  # 30-70 s each: transformers parses a 150k-256k token vocabulary twice on read-back
+@pytest.mark.parametrize("family", [in_full(f) if f in IN_FULL else f for f in FAMILIES])
+def test_each_family_exports_and_reads_back_with_its_logits_token_ids_and_chat_template(tmp_path, family):
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
+
+    model_dir = tmp_path / family
+    tok = build_family_model(model_dir, family)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = tmp_path / f"{family}.gguf"
+    gguf.write_gguf(model, tok, out, gguf.QUANTS["f32"], Facts(family, f"tiny-{family}"))
+
+    # transformers' quick header reader: gguf's GGUFReader would spend ~30 s on the vocabulary arrays
+    header = GgufHeader.from_file(str(out))
+    meta, names = read_gguf_metadata(str(out))
+    assert meta["general.architecture"] == GGUF_ARCH[family]
+    assert meta["tokenizer.chat_template"] == tok.chat_template and tok.chat_template
+    assert meta["tokenizer.ggml.eos_token_id"] == tok.eos_token_id
+    assert meta.get("tokenizer.ggml.bos_token_id") == tok.bos_token_id
+    assert meta.get("tokenizer.ggml.add_space_prefix") == SPACE_PREFIX.get(family)
+    for key, attr in OWN_KEYS[family].items():
+        cfg = model.config
+        assert meta[key] == pytest.approx(getattr(cfg, attr) if attr
+                                          else cfg.hidden_size // cfg.num_attention_heads), key
+    assert ("output.weight" in names) == (not model.config.tie_word_embeddings)
+    if gguf.architecture(model.config, "test").norm_shift:  # Gemma: llama.cpp stores 1 + w
+        norm = next(t for t in header.tensors if t.name == "blk.0.attn_norm.weight")
+        stored = np.memmap(out, dtype=np.float32, mode="r", offset=header.data_start + norm.offset, shape=norm.shape)
+        expected = model.model.layers[0].input_layernorm.weight.detach().numpy() + 1
+        assert abs(stored - expected).max() < 1e-6
+
+    result = check.check(model, tok, out, check.prompts(None, tok))
+    assert result.parity.top1_agreement == 1.0 and result.parity.max_abs_diff < 1e-4, result.line()
+    assert result.token_mismatches == [], result.token_mismatches
+    assert result.passes(gguf.QUANTS["f32"])

@@ -1,0 +1,113 @@
+"""training.metric_for_best keeps the best checkpoint as the run's output; early stopping; both on resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import recipes
+from tunekit.core.errors import TunekitError
+from tunekit.training import runner
+
+ADAPTER = "adapter_model.safetensors"
+
+
+def recipe_for(tmp_path, tiny_model, out, **training):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+    raw = tiny_recipe(tiny_model, data, out, training={"max_steps": 8, "eval_steps": 2, "learning_rate": 1e-2,
+                                                       "save_total_limit": 2, **training})
+    raw["data"]["eval"] = str(data)
+    return write_recipe(tmp_path / f"{out.name}.yaml", raw)
+
+
+def eval_losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+
+
+def same_weights(a, b):
+    wa, wb = load_file(str(a / ADAPTER)), load_file(str(b / ADAPTER))
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_the_final_adapter_is_the_best_checkpoint_not_the_last(tmp_path, tiny_model):
+    """Loss falls, so with greater_is_better the best eval_loss is the first evaluation's (step 2):
+    the final adapter must be step 2's, not step 8's, although 2 checkpoints are kept by the limit."""
+    out = tmp_path / "run"
+    runner.run(recipes.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss",
+                                       greater_is_better=True)))
+    losses = eval_losses(out)
+    assert list(losses) == [2, 4, 6, 8] and losses[8] < losses[2]
+    best = json.loads((out / "run.json").read_text())["best"]
+    assert best["step"] == 2 and best["value"] == pytest.approx(losses[2]) and not best["stopped_early"]
+    assert same_weights(out / "adapter", out / "checkpoints" / "checkpoint-2")
+    assert not same_weights(out / "adapter", out / "checkpoints" / "checkpoint-8")
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_lower_is_better_for_eval_loss_by_default(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    runner.run(recipes.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss", max_steps=4)))
+    losses = eval_losses(out)
+    best = json.loads((out / "run.json").read_text())["best"]
+    assert best["step"] == min(losses, key=losses.get) and best["greater_is_better"] is False
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_early_stopping_ends_a_run_that_no_longer_improves(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    runner.run(recipes.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss",
+                                       greater_is_better=True, early_stopping_patience=2)))
+    best = json.loads((out / "run.json").read_text())["best"]
+    assert list(eval_losses(out)) == [2, 4, 6]  # steps 4 and 6 did not beat step 2: stop at 6 of 8
+    assert best["stopped_early"] and best["last_step"] == 6 and best["step"] == 2
+    assert same_weights(out / "adapter", out / "checkpoints" / "checkpoint-2")
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_best_checkpoint_and_the_patience_count(tmp_path, tiny_model):
+    """Killed after step 4 (best: step 2, one evaluation without improvement), resumed in a copy whose
+    original is gone: it stops at step 6 and outputs step 2's adapter, as the uninterrupted run does."""
+    full = tmp_path / "full"
+    recipe = recipe_for(tmp_path, tiny_model, full, metric_for_best="eval_loss", greater_is_better=True,
+                        early_stopping_patience=2)
+    runner.run(recipes.load(recipe))
+    cut = cut_after_checkpoint(full, tmp_path / "cut", 4)
+    expected = load_file(str(full / "adapter" / ADAPTER))
+    shutil.rmtree(full)
+    res = run_cli("train", str(cut / "recipe.yaml"), "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    best = json.loads((cut / "run.json").read_text())["best"]
+    assert best["step"] == 2 and best["stopped_early"] and best["last_step"] == 6
+    resumed = load_file(str(cut / "adapter" / ADAPTER))
+    assert all(torch.equal(resumed[k], expected[k]) for k in expected)
+
+
+def test_metric_for_best_must_be_logged(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"metric_for_best": "bleu"})
+    with pytest.raises(TunekitError, match="metric_for_best: bleu is not logged.*add an eval section"):
+        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    raw["eval"] = {"metrics": ["rouge"]}
+    with pytest.raises(TunekitError, match="logged: eval_loss, rouge1"):
+        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    raw["eval"] = {"metrics": ["bleu"]}
+    recipes.load(write_recipe(tmp_path / "r.yaml", raw))  # fine
+    raw["training"]["early_stopping_patience"] = 2
+    raw["training"]["metric_for_best"] = None
+    with pytest.raises(TunekitError, match="need training.metric_for_best"):
+        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_metric_for_best_without_held_out_data_is_one_line(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"metric_for_best": "eval_loss"})
+    res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert res.returncode != 0 and "needs held-out data" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,195 @@
+"""The training methods: declared in tunekit.config.methods (the recipe's allowed training.method values, the
+method sections, the facts the recipe rules and the planner read) and implemented in tunekit.training.methods,
+registered under the declared names; no module outside methods/ compares method names. A method declared
+before the schema is built is a valid training.method, with its section."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+import tunekit
+from conftest import tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import methods as declared
+from tunekit.config import recipes, rules, schema
+from tunekit.core.errors import TunekitError
+from tunekit.training import methods
+
+PACKAGE = Path(tunekit.__file__).parent
+
+
+def test_the_allowed_methods_and_sections_are_the_registry():
+    allowed = typing.get_args(schema.TrainingConfig.model_fields["method"].annotation)
+    assert allowed == tuple(declared.DECLARED) == tuple(methods.METHODS) == ("sft", "dpo", "kto", "orpo", "grpo")
+    sections = {m.section for m in methods.METHODS.values() if m.section}
+    assert sections == {"dpo", "kto", "orpo", "grpo"} and sections <= set(schema.Recipe.model_fields)
+    for m in methods.METHODS.values():
+        assert m.name in schema.TrainingConfig.model_fields["method"].description
+
+
+def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_model):
+    raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),
+                      tmp_path / "run", training={"method": "ppo"})
+    with pytest.raises(TunekitError, match="training.method: .*'sft', 'dpo', 'kto', 'orpo' or 'grpo'"):
+        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    with pytest.raises(TunekitError, match="unknown method 'ppo'; registered: sft, dpo, kto, orpo, grpo"):
+        methods.get("ppo")
+
+
+FAKE = '''
+import logging, sys, yaml
+from pydantic import Field
+from tunekit.config.methods import MethodSpec, declare
+from tunekit.config.methodsettings import MethodSettings
+
+class ToySettings(MethodSettings):
+    alpha: float = Field(1.0, gt=0)
+
+declare(MethodSpec("toy", "a method declared by a test", settings=ToySettings, data_formats=("alpaca",),
+                   data_description="alpaca rows", sequences=3))
+from tunekit.training.methods import METHODS, Method, register
+
+class Toy(Method):
+    name = "toy"
+
+register(Toy())
+assert METHODS["toy"].summary == "a method declared by a test" and METHODS["toy"].section == "toy"
+from tunekit.config import recipes
+from tunekit.plan import estimate  # the schema is built after the declaration
+raw = yaml.safe_load(open(sys.argv[1]))
+raw["training"]["method"] = "toy"
+r = recipes.from_dict(raw)
+assert r.toy.alpha == 1.0 and r.training.method == "toy"
+assert estimate.settings_from(r, 1, "fp32").sequences == 3
+raw["dpo"] = {"beta": 0.2}
+try:
+    recipes.from_dict(raw)
+except Exception as e:
+    print("refused:", e)
+raw.pop("dpo"); raw["training"]["method"] = "sft"; raw["toy"] = {"alpha": 2.0}
+try:
+    recipes.from_dict(raw)
+except Exception as e:
+    print("refused:", e)
+'''
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_a_registered_method_is_a_training_method_with_its_section(tmp_path, tiny_model):
+    """What docs/adding-a-method.md describes: a declaration is all the schema needs, and the implementation
+    registered under its name is the method the planner and training find."""
+    raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),
+                      tmp_path / "run")
+    path = write_recipe(tmp_path / "r.yaml", raw)
+    out = subprocess.run([sys.executable, "-c", FAKE, str(path)], capture_output=True, text=True, check=True).stdout
+    assert "refused: recipe: dpo: these settings belong to training.method dpo" in out
+    assert "refused: recipe: toy: these settings belong to training.method toy" in out
+
+
+def test_the_recipe_imports_no_torch():
+    code = "import sys, tunekit.config.recipes; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_the_recipe_imports_nothing_above_config():
+    """The schema reads the declarations beside it, not the registries' implementations."""
+    code = ("import sys, tunekit.config.recipes; "
+            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('tunekit.')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "['config', 'core']\n"
+
+
+def test_the_rules_across_sections_run_in_one_order():
+    """Every rule that spans sections is one function of config.rules, run in RULES' order by the schema, so a
+    recipe breaking two is told of the first."""
+    assert [r.__name__ for r in rules.RULES] == [
+        "method_sections", "starting_adapter", "data_formats", "learning_rate", "settings_apply", "reference",
+        "grpo_rewards", "installed", "batch", "best_metric_is_logged", "sharding_fits_the_quantization",
+        "precision_agrees"]
+
+
+def dpo_raw(tmp_path, tiny_model, **sections):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "dpo"}, **sections)
+    raw["data"]["format"] = "preference"
+    return raw
+
+
+def test_the_old_preference_section_reads_as_dpo_with_a_note(tmp_path, tiny_model, caplog):
+    path = write_recipe(tmp_path / "r.yaml", dpo_raw(tmp_path, tiny_model, preference={"beta": 0.3}))
+    with caplog.at_level(logging.INFO, logger="tunekit"):
+        r = recipes.load(path)
+    assert r.dpo.beta == 0.3 and "preference" not in schema.Recipe.model_fields
+    notes = [rec.getMessage() for rec in caplog.records if "preference" in rec.getMessage()]
+    assert notes == [f"{path}: the preference section is now named dpo; read as dpo (rename it)"]
+    assert "preference" not in yaml_of(r) and recipes.from_dict(yaml_of(r)).dpo.beta == 0.3
+
+
+def yaml_of(r):
+    import yaml
+
+    return yaml.safe_load(recipes.to_yaml(r))
+
+
+def test_an_old_run_recipe_with_an_empty_preference_section_reads_silently(tmp_path, tiny_model, caplog):
+    raw = dpo_raw(tmp_path, tiny_model, preference=None)
+    raw["preference"] = None  # older runs' recipe.yaml wrote every method section, empty ones as null
+    with caplog.at_level(logging.INFO, logger="tunekit"):
+        r = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    assert r.dpo.beta == 0.1 and not [rec for rec in caplog.records if "preference" in rec.getMessage()]
+
+
+def test_both_the_old_and_the_new_section_name_is_refused(tmp_path, tiny_model):
+    raw = dpo_raw(tmp_path, tiny_model, preference={"beta": 0.3}, dpo={"beta": 0.2})
+    with pytest.raises(TunekitError, match="preference is the earlier name of the dpo section and both are set"):
+        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+
+
+def method_name_literals(tree: ast.AST) -> list[str]:
+    """Comparisons with a method name (==, !=, in, not in a tuple/list/set of them) and dict keys naming one."""
+    names = set(methods.METHODS) | {"sft", "dpo", "kto", "orpo"}
+
+    def strings(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [s for e in node.elts for s in strings(e)]
+        return []
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            found += [f"line {node.lineno}: compares with {s!r}" for part in (node.left, *node.comparators)
+                      for s in strings(part) if s in names]
+        elif isinstance(node, ast.Dict):
+            found += [f"line {node.lineno}: dict key {s!r}" for k in node.keys if k is not None
+                      for s in strings(k) if s in names]
+    return found
+
+
+def test_no_module_outside_methods_compares_method_names():
+    wrong = {str(p.relative_to(PACKAGE)): hits for p in sorted(PACKAGE.rglob("*.py"))
+             if "methods" not in p.relative_to(PACKAGE).parts[:-1]
+             and (hits := method_name_literals(ast.parse(p.read_text(encoding="utf-8"))))}
+    assert not wrong, f"method names compared outside tunekit/methods/ (ask the registry instead): {wrong}"
+
+
+def test_the_name_check_catches_comparisons_and_tables():
+    code = 'a == "sft"\nb in ("dpo", "x")\n"kto" != c\nd = {"orpo": 1}\ne == "lora"\n'
+    assert len(method_name_literals(ast.parse(code))) == 4
+
+
+def test_a_declaration_naming_an_undeclared_data_format_or_a_taken_section_fails():
+    with pytest.raises(ValueError, match="names data format 'nope', which is not declared"):
+        declared.declare(declared.MethodSpec("toy", "a toy", data_formats=("nope",)))
+    with pytest.raises(ValueError, match="recipe section 'dpo' of 'toy' belongs to 'dpo'"):
+        declared.declare(declared.MethodSpec("toy", "a toy", old_sections=("dpo",)))
+    with pytest.raises(ValueError, match="'sft' is declared twice"):
+        declared.declare(declared.MethodSpec("sft", "again"))
+    assert "toy" not in declared.DECLARED
