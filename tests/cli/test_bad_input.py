@@ -204,17 +204,26 @@ SLOW_RECIPES = {"deepspeed contradiction", "deepspeed ZeRO stage that does not e
                 "deepspeed offload device that does not exist"}  # seconds each (DeepSpeed's own check imports it)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_RECIPES else c for c in RECIPES])
-def test_bad_recipe(case, ctx):
-    build, expected = RECIPES[case]
-    raw = build(ctx)
-    tmp = ctx["tmp"]
+def _recipe_file(case: str, ctx) -> Path:
+    raw = RECIPES[case][0](ctx)
     if isinstance(raw, dict) and "output_dir" not in raw:
-        raw["output_dir"] = str(tmp / "out")
-    path = tmp / "r.yaml"
+        raw["output_dir"] = str(ctx["tmp"] / "out")
+    path = ctx["tmp"] / "r.yaml"
     path.write_text("" if raw is None else raw if isinstance(raw, str) else yaml.safe_dump(raw))
-    before = sorted(p.name for p in tmp.iterdir())
-    assert_refused(run_cli("train", str(path)), expected, tmp, before)
+    return path
+
+
+# through the command line (a process each, ~10 s of imports): a few cases, so that the boundary itself (one line on
+# stderr, exit 2, no traceback) is held; every case runs in-process below, for train and validate
+THROUGH_THE_CLI = ["invalid YAML", "unknown top-level key", "missing data file", "deepspeed contradiction"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", THROUGH_THE_CLI)
+def test_bad_recipe(case, ctx):
+    path = _recipe_file(case, ctx)
+    before = sorted(p.name for p in ctx["tmp"].iterdir())
+    assert_refused(run_cli("train", str(path)), RECIPES[case][1], ctx["tmp"], before)
 
 
 def _in_process(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str]]:
@@ -234,15 +243,11 @@ def test_validate_refuses_what_train_refuses_before_loading_weights(case, ctx, c
     """Each recipe above breaks one rule that `tunekit train` refuses before loading weights: `tunekit validate`
     refuses it too, with the same one line and exit code 2 (both run the checks of tunekit.api.checks), and
     writes nothing."""
-    build, expected = RECIPES[case]
-    raw = build(ctx)
-    tmp = ctx["tmp"]
-    if isinstance(raw, dict) and "output_dir" not in raw:
-        raw["output_dir"] = str(tmp / "out")
-    path = tmp / "r.yaml"
-    path.write_text("" if raw is None else raw if isinstance(raw, str) else yaml.safe_dump(raw))
+    expected, tmp = RECIPES[case][1], ctx["tmp"]
+    path = _recipe_file(case, ctx)
     before = sorted(p.name for p in tmp.iterdir())
     trained = _in_process(["train", str(path)], capsys, monkeypatch)
+    assert len(trained[1]) == 1, trained  # train says the one line and nothing else
     validated = _in_process(["validate", str(path)], capsys, monkeypatch)
     assert trained[0] == validated[0] == 2, (trained, validated)
     # validate may say first what it fitted (data.max_length to a model's window); the error is the one line after
