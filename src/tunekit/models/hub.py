@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from tunekit.config.schema import DATA_SUFFIXES
 from tunekit.core.errors import TunekitError, first_line
 
 log = logging.getLogger("tunekit")
@@ -154,7 +155,7 @@ def probe_dataset(repo: str, key: str | None = None) -> None:
     if key is not None and not cached:
         raise Unavailable(f"{key}: data set {repo!r} is not in the local datasets cache and the Hub cannot be used "
                           f"here ({why}); load it once where the Hub is reachable and copy the cache (HF_HOME), "
-                          f"or set {key} to a local .jsonl/.json/.csv/.parquet file",
+                          f"or set {key} to a local {'/'.join(DATA_SUFFIXES)} file",
                           f"not in the local datasets cache, and {why}")
     if why != "HF_HUB_OFFLINE=1":
         log.info("the Hugging Face Hub is not reachable (%s); reading data set %s from the local cache",
