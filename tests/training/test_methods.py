@@ -26,9 +26,10 @@ PACKAGE = Path(tunekit.__file__).parent
 
 def test_the_allowed_methods_and_sections_are_the_registry():
     allowed = typing.get_args(schema.TrainingConfig.model_fields["method"].annotation)
-    assert allowed == tuple(declared.DECLARED) == tuple(methods.METHODS) == ("sft", "dpo", "kto", "orpo", "grpo")
+    assert allowed == tuple(declared.DECLARED) == tuple(methods.METHODS) == (
+        "sft", "dpo", "kto", "orpo", "grpo", "rloo")
     sections = {m.section for m in methods.METHODS.values() if m.section}
-    assert sections == {"dpo", "kto", "orpo", "grpo"} and sections <= set(schema.Recipe.model_fields)
+    assert sections == {"dpo", "kto", "orpo", "grpo", "rloo"} and sections <= set(schema.Recipe.model_fields)
     for m in methods.METHODS.values():
         assert m.name in schema.TrainingConfig.model_fields["method"].description
 
@@ -36,7 +37,7 @@ def test_the_allowed_methods_and_sections_are_the_registry():
 def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_model):
     raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),
                       tmp_path / "run", training={"method": "ppo"})
-    with pytest.raises(TunekitError, match="training.method: .*'sft', 'dpo', 'kto', 'orpo' or 'grpo'"):
+    with pytest.raises(TunekitError, match="training.method: .*'sft', 'dpo', 'kto', 'orpo', 'grpo' or 'rloo'"):
         recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     with pytest.raises(TunekitError, match="unknown method 'ppo'; registered: sft, dpo, kto, orpo, grpo"):
         methods.get("ppo")

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunekit.config import methods
 from tunekit.config.schema import Recipe
 
 log = logging.getLogger("tunekit")
@@ -45,7 +46,7 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
     from tunekit.data import precheck
 
     recipe = precheck.check(recipe, data_needed=needs.data_needed, model=needs.model)
-    settings = getattr(recipe, "grpo", None)
+    settings = methods.sampled(recipe)[1]
     if settings is not None:  # a reward's own code imports (grpo.trust_local_code: the recipe asked for it)
         from tunekit.evaluation import rewards
 

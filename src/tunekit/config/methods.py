@@ -8,7 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tunekit.config import dataformats
-from tunekit.config.methodsettings import DpoSettings, GrpoSettings, KtoSettings, MethodSettings, OrpoSettings
+from tunekit.config.methodsettings import (
+    DpoSettings,
+    GrpoSettings,
+    KtoSettings,
+    MethodSettings,
+    OrpoSettings,
+    RlooSettings,
+    SampledSettings,
+)
 
 PAIRS = "(prompt, chosen, rejected) pairs"
 PAIR_FORMATS = ("preference",)  # the data formats holding such pairs
@@ -118,3 +126,21 @@ declare(MethodSpec(
     data_description="prompts (data.format: prompt, or the prompts of prompt_completion, alpaca or chat records)",
     owned_formats=("prompt",), has_reference=True, reference_switch="beta", loss_tracks_learning=False,
     eval_loss_beside_generation=False, no_grad_forwards=1))  # the reference, with grpo.beta > 0 (step_shape)
+declare(MethodSpec(
+    "rloo", "REINFORCE leave-one-out: grpo's sampled completions and rewards, each completion's advantage its reward "
+    "minus the mean of the others in its group, TRL's RLOOTrainer",
+    settings=RlooSettings, data_formats=("prompt", "prompt_completion", "alpaca", "chat"),
+    data_description="prompts (data.format: prompt, or the prompts of prompt_completion, alpaca or chat records)",
+    has_reference=True, reference_switch="beta", loss_tracks_learning=False,
+    eval_loss_beside_generation=False, no_grad_forwards=1))  # the reference, with rloo.beta > 0 (step_shape)
+
+
+def sampled(recipe) -> tuple[str, SampledSettings] | tuple[None, None]:
+    """(section name, settings) of a recipe whose method samples completions scored by rewards (grpo, rloo);
+    (None, None) for any other."""
+    for name, spec in DECLARED.items():
+        settings = getattr(recipe, spec.section, None) if spec.section else None
+        if isinstance(settings, SampledSettings) and name == recipe.training.method:
+            return spec.section, settings
+    return None, None
+

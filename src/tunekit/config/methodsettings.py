@@ -86,7 +86,10 @@ class RewardSpec(Section):
                                  "directory (needs grpo.trust_local_code: true).")
 
 
-class GrpoSettings(MethodSettings):
+class SampledSettings(MethodSettings):
+    """What GRPO and RLOO share: completions sampled per prompt, scored by the recipe's rewards
+    (tunekit.evaluation.rewards), a KL term toward the base with beta > 0."""
+
     rewards: list[RewardSpec] = Field(default_factory=list, description="What a completion earns: a list of "
                                       "{reward, weight, ...} (docs/methods.md, GRPO has the table); at least one.")
     completions: int = Field(4, ge=2, description="Completions sampled per prompt (a group). training."
@@ -98,17 +101,28 @@ class GrpoSettings(MethodSettings):
                          "much probability.")
     beta: float = Field(0.0, ge=0, description="KL coefficient toward the reference (the base model); 0 (TRL's "
                         "default) computes no reference at all.")
-    loss_type: Literal[GRPO_LOSSES] = Field(  # type: ignore[valid-type]
-        "dapo", description="GRPO loss, as TRL names them: " + ", ".join(GRPO_LOSSES) + ".")
     epsilon: float = Field(0.2, gt=0, description="Clipping of the probability ratio (lower bound 1 - epsilon).")
     epsilon_high: float | None = Field(None, gt=0, description="Upper clipping bound 1 + epsilon_high (DAPO: 0.28); "
                                        "null: epsilon.")
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Advantages divided by the rewards' spread in each group, the batch, or not at all.")
     iterations: int = Field(1, ge=1, description="Optimizer steps on each batch of completions (TRL's mu).")
     trust_local_code: bool = Field(False, description="Allow rewards of kind function (Python code of yours).")
     vllm: bool = Field(False, description="Sample with vLLM (colocated on the training GPU; pip install "
                        "'tunekit[vllm]').")
+
+    def step_shape(self, recipe) -> dict:
+        """Sequences are prompt + completion; every completion of the optimizer step is sampled at once before
+        it (TRL's generation batch: micro-batch x accumulation per process); a reference forward with beta > 0
+        (the old policy's forward that iterations > 1 adds is not counted)."""
+        t = recipe.training
+        return {"seq_len": recipe.data.max_length + self.max_completion_length, "extra_forwards": int(self.beta > 0),
+                "sampled": t.micro_batch_size * t.gradient_accumulation_steps}
+
+
+class GrpoSettings(SampledSettings):
+    loss_type: Literal[GRPO_LOSSES] = Field(  # type: ignore[valid-type]
+        "dapo", description="GRPO loss, as TRL names them: " + ", ".join(GRPO_LOSSES) + ".")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages divided by the rewards' spread in each group, the batch, or not at all.")
 
     @model_validator(mode="after")
     def _clipping_where_read(self):
@@ -123,11 +137,14 @@ class GrpoSettings(MethodSettings):
             raise ValueError("grpo.epsilon_high: loss_type sapo does not clip by it; remove it")
         return self
 
-    def step_shape(self, recipe) -> dict:
-        """Sequences are prompt + completion; every completion of the optimizer step is sampled at once before
-        it (TRL's generation batch: micro-batch x accumulation per process); a reference forward with beta > 0
-        (the old policy's forward that grpo.iterations > 1 adds is not counted)."""
-        t = recipe.training
-        return {"seq_len": recipe.data.max_length + self.max_completion_length, "extra_forwards": int(self.beta > 0),
-                "sampled": t.micro_batch_size * t.gradient_accumulation_steps}
 
+# ---------------------------------------------------------------- rloo
+
+class RlooSettings(SampledSettings):
+    """RLOO reads GRPO's sampling and reward settings; its advantage is each completion's reward minus the mean of
+    the other completions of its group (no loss_type, no scale_rewards)."""
+
+    beta: float = Field(0.05, ge=0, description="KL coefficient toward the reference (the base model), added to the "
+                        "reward as RLOO does (TRL's default 0.05); 0 computes no reference at all.")
+    normalize_advantages: bool = Field(False, description="Scale the advantages to mean 0 and spread 1 over each "
+                                       "batch of completions.")

@@ -51,14 +51,14 @@ def names() -> str:
     return ", ".join(DECLARED)
 
 
-def needing_reference(specs) -> list[str]:
+def needing_reference(specs, section: str = "grpo") -> list[str]:
     """`grpo.rewards[i] (kind)` of each reward that scores against the reference answer."""
-    return [f"grpo.rewards[{i}] ({s.reward})" for i, s in enumerate(specs) if DECLARED[s.reward].reference]
+    return [f"{section}.rewards[{i}] ({s.reward})" for i, s in enumerate(specs) if DECLARED[s.reward].reference]
 
 
-def check(spec, index: int) -> None:
-    """One grpo.rewards entry; raises ValueError with a one-line message."""
-    where = f"grpo.rewards[{index}]"
+def check(spec, index: int, section: str = "grpo") -> None:
+    """One grpo.rewards (or rloo.rewards) entry; raises ValueError with a one-line message."""
+    where = f"{section}.rewards[{index}]"
     if spec.reward not in DECLARED:
         raise ValueError(f"{where}.reward: unknown reward {spec.reward!r}; choose from {names()}")
     for key in DECLARED[spec.reward].needs:

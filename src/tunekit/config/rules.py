@@ -14,6 +14,7 @@ from tunekit.config.methodsettings import KL_LOSSES
 def method_sections(recipe) -> None:
     """No section or data format that belongs to another method than the recipe's."""
     chosen = recipe.training.method
+    mine = methods.DECLARED[chosen]
     for other in methods.DECLARED.values():
         if other.name == chosen:
             continue
@@ -21,7 +22,7 @@ def method_sections(recipe) -> None:
             raise ValueError(f"{other.section}: these settings belong to training.method {other.name}; set "
                              f"training.method: {other.name} or remove the {other.section} section")
         for fmt in recipe.data.formats():
-            if fmt in other.owned_formats:
+            if fmt in other.owned_formats and fmt not in (mine.data_formats or ()):
                 raise ValueError(f"data.format: {fmt} is training data for training.method {other.name}; "
                                  f"set training.method: {other.name} or use another format")
 
@@ -77,42 +78,44 @@ def reference(recipe) -> None:
 
 
 def grpo_rewards(recipe) -> None:
-    """At least one reward, each well formed, logged under its own name, code run only when trusted."""
-    g = recipe.grpo
+    """At least one reward, each well formed, logged under its own name, code run only when trusted (grpo, rloo)."""
+    key, g = methods.sampled(recipe)
     if g is None:
         return
     if not g.rewards:
-        raise ValueError("grpo.rewards: name at least one reward, e.g. [{reward: exact_match}] "
+        raise ValueError(f"{key}.rewards: name at least one reward, e.g. [{{reward: exact_match}}] "
                          "(docs/methods.md, GRPO)")
     seen = set()
     for i, spec in enumerate(g.rewards):
-        rewardkinds.check(spec, i)
+        rewardkinds.check(spec, i, key)
         name = rewardkinds.label(spec, i, g.rewards)
         if name in seen:
-            raise ValueError(f"grpo.rewards[{i}].name: {name!r} is logged twice; give each reward its own name")
+            raise ValueError(f"{key}.rewards[{i}].name: {name!r} is logged twice; give each reward its own name")
         seen.add(name)
         if spec.reward == "function" and not g.trust_local_code:
-            raise ValueError(f"grpo.rewards[{i}]: a function reward runs your Python code ({spec.function}); set "
-                             "grpo.trust_local_code: true to allow it")
+            raise ValueError(f"{key}.rewards[{i}]: a function reward runs your Python code ({spec.function}); set "
+                             f"{key}.trust_local_code: true to allow it")
 
 
 def installed(recipe) -> None:
     """An optional package a setting needs is there."""
-    if recipe.grpo is not None and recipe.grpo.vllm and importlib.util.find_spec("vllm") is None:
-        raise ValueError("grpo.vllm: vLLM is not installed; pip install 'tunekit[vllm]' (on a CUDA machine) or set "
-                         "grpo.vllm: false")
+    key, g = methods.sampled(recipe)
+    if g is not None and g.vllm and importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"{key}.vllm: vLLM is not installed; pip install 'tunekit[vllm]' (on a CUDA machine) or set "
+                         f"{key}.vllm: false")
 
 
 def batch(recipe) -> None:
     """The micro-batch suits the method's loss: KTO's KL estimate needs neighbours, GRPO's groups fill it."""
-    t, kto, grpo = recipe.training, recipe.kto, recipe.grpo
+    t, kto = recipe.training, recipe.kto
+    key, grpo = methods.sampled(recipe)
     if kto is not None and kto.loss_type in KL_LOSSES and t.micro_batch_size < 2:
         raise ValueError("training.micro_batch_size: KTO's loss kto estimates its KL term from the other "
                          "examples of a micro-batch; use 2 or more (or kto.loss_type: apo_zero_unpaired)")
     if grpo is not None and (t.micro_batch_size * t.gradient_accumulation_steps) % grpo.completions:
-        raise ValueError(f"training.micro_batch_size: GRPO batches count completions, and micro_batch_size x "
-                         f"gradient_accumulation_steps ({t.micro_batch_size} x {t.gradient_accumulation_steps}) "
-                         f"must be a multiple of grpo.completions ({grpo.completions})")
+        raise ValueError(f"training.micro_batch_size: {key.upper()} batches count completions, and micro_batch_size "
+                         f"x gradient_accumulation_steps ({t.micro_batch_size} x {t.gradient_accumulation_steps}) "
+                         f"must be a multiple of {key}.completions ({grpo.completions})")
 
 
 def best_metric_is_logged(recipe) -> None:

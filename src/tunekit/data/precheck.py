@@ -20,7 +20,7 @@ import itertools
 import logging
 from pathlib import Path
 
-from tunekit.config import rewardkinds
+from tunekit.config import methods, rewardkinds
 from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import DataConfig, ModelConfig, Recipe
 from tunekit.core.errors import TunekitError
@@ -76,8 +76,8 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
 
 def _reference_check(recipe: Recipe):
     """For GRPO rewards that score against the reference answer: a check that each record has one."""
-    settings = getattr(recipe, "grpo", None)
-    needing = rewardkinds.needing_reference(settings.rewards) if settings is not None else []
+    key, settings = methods.sampled(recipe)
+    needing = rewardkinds.needing_reference(settings.rewards, key) if settings is not None else []
     if not needing:
         return None
 
@@ -90,11 +90,11 @@ def _reference_check(recipe: Recipe):
 
 def _check_completion_room(recipe: Recipe, shipped: bool) -> None:
     """GRPO samples prompt + completion within the model's context window."""
-    settings = getattr(recipe, "grpo", None)
+    key, settings = methods.sampled(recipe)
     found = info.context_window(recipe.model, shipped) if settings is not None else None
     if found and recipe.data.max_length + settings.max_completion_length > found[0]:
         window, where = found
-        raise TunekitError(f"grpo.max_completion_length={settings.max_completion_length}: with prompts of up to "
+        raise TunekitError(f"{key}.max_completion_length={settings.max_completion_length}: with prompts of up to "
                            f"data.max_length={recipe.data.max_length} tokens, sequences pass the model's context "
                            f"window of {window} tokens ({where}); keep the two within {window} together")
 

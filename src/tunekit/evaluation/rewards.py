@@ -26,6 +26,7 @@ import re
 import sys
 from typing import Any, Callable
 
+from tunekit.config import methods
 from tunekit.config.rewardkinds import DECLARED, label
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import metrics
@@ -182,7 +183,7 @@ def held_out(recipe, tokenizer, records: list, rendered: list, predictions: list
     """The recipe's rewards (grpo.rewards) on held-out generations, beside the metrics: mean_scores, and what each
     prediction adds to its row in predictions.jsonl; `rendered` (data.rendering.Rendered) are the records'
     renderings the predictions answer. Nothing for a recipe without rewards."""
-    g = recipe.grpo
+    g = methods.sampled(recipe)[1]
     if g is None:
         return {}, [{} for _ in predictions]
     scorers = build(g.rewards, g.max_completion_length)

@@ -1,0 +1,153 @@
+"""What the methods that sample completions and score them by the recipe's rewards share (training.method grpo,
+rloo): the prompts as tunekit renders them, the rewards (tunekit.evaluation.rewards), TRL's config settings both
+trainers read, the reference model, and a trainer mixin with tunekit's seeded sampling, token counts and
+held-out rewards in place of TRL's evaluation pass. Each method module adds its own TRL trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+
+from tunekit.config.methodsettings import RewardSpec, SampledSettings
+from tunekit.core.errors import TunekitError
+from tunekit.evaluation import rewards
+from tunekit.training.methods.pairs import PairBundle, split_records
+
+log = logging.getLogger("tunekit")
+
+
+def scorers_of(specs: list[RewardSpec], max_completion_length: int) -> list:
+    """The recipe's rewards as TRL's GRPOTrainer and RLOOTrainer call them (evaluation.rewards.Reward)."""
+    return rewards.build(specs, max_completion_length)
+
+
+def config_kwargs(args, g: SampledSettings) -> dict:
+    """The Trainer's arguments plus the sampling settings GRPOConfig and RLOOConfig both read."""
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    # whole groups per process and eval step, as many as the micro-batch holds
+    eval_batch = max(g.completions, args.per_device_train_batch_size // g.completions * g.completions)
+    kwargs.update(
+        per_device_eval_batch_size=eval_batch,
+        num_generations=g.completions, max_completion_length=g.max_completion_length,
+        temperature=g.temperature, top_p=g.top_p, beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+        num_iterations=g.iterations, reward_weights=[r.weight for r in g.rewards], remove_unused_columns=False,
+        log_completions=False, use_vllm=g.vllm, vllm_mode="colocate")
+    return kwargs
+
+
+def log_start(name: str, g: SampledSettings, scorers: list, reference: str, more: str = "") -> None:
+    log.info("%s: %d completions per prompt, up to %d tokens, temperature %g, top_p %g%s, beta %g; rewards: %s; "
+             "reference: %s", name, g.completions, g.max_completion_length, g.temperature, g.top_p, more, g.beta,
+             ", ".join(f"{r.__name__} x {s.weight:g}" for r, s in zip(scorers, g.rewards)), reference)
+
+
+def frozen_base(recipe, precision) -> tuple[dict, str]:
+    """Full fine-tuning with a KL term: a frozen copy of the base as the reference."""
+    from tunekit.models import loader
+
+    ref = loader.load_base(recipe.model, precision.dtype).eval().requires_grad_(False)
+    return {"ref_model": ref}, f"a frozen copy of the base model ({precision.name})"
+
+
+@dataclasses.dataclass
+class PromptBundle(PairBundle):
+    """train / eval: datasets of prompt, reference, where, record (the raw record as JSON text)."""
+
+    add_special_tokens: bool = True  # whether tokenizing a prompt adds BOS etc. (False: the chat template wrote them)
+
+
+def prompt_rows(records: list, renderer, tokenizer, max_length: int):
+    """(rows, DataStats, add_special_tokens): each record's prompt as `tunekit eval` renders it, its reference
+    answer, where it came from and the raw record; a prompt of max_length tokens or more is dropped."""
+    from tunekit.data.tokenizing import DataStats
+
+    rows, stats, special = [], DataStats(), True
+    for record in records:
+        rendered = renderer.render(record)
+        special = rendered.add_special_tokens
+        tokens = len(tokenizer(rendered.prompt, add_special_tokens=special)["input_ids"])
+        if tokens >= max_length:
+            stats.dropped_no_target += 1
+            continue
+        stats.examples += 1
+        stats.tokens += tokens
+        rows.append({"prompt": rendered.prompt, "reference": rendered.reference or "", "where": record.where,
+                     "record": json.dumps(record.values, ensure_ascii=False, default=str)})
+    if not rows:
+        raise TunekitError(f"no usable prompts: every prompt fills data.max_length={max_length}")
+    return rows, stats, special
+
+
+def build(recipe, tokenizer) -> PromptBundle:
+    import datasets
+
+    from tunekit.data import mixture
+
+    cfg = recipe.data
+    renderer = mixture.Renderers(cfg, tokenizer)
+    records, held, facts, report = split_records(recipe)
+    rows, stats, special = prompt_rows(records, renderer, tokenizer, cfg.max_length)
+    log.info("train prompts: %d, %d prompt tokens; %d dropped (the prompt alone fills data.max_length=%d)",
+             stats.examples, stats.tokens, stats.dropped_no_target, cfg.max_length)
+    bundle = PromptBundle(datasets.Dataset.from_list(rows), None, stats, None, renderer.template, facts,
+                          report, special)
+    if held:
+        rows, bundle.eval_stats, _ = prompt_rows(held, renderer, tokenizer, cfg.max_length)
+        bundle.eval = datasets.Dataset.from_list(rows)
+    return bundle
+
+
+@functools.cache
+def mixin():
+    """Rollouts: the parts of tunekit's GRPO and RLOO trainers that are the same over TRL's two trainers (built on
+    first use: imports TRL)."""
+    from unittest import mock
+
+    from tunekit.data.collating import CountingCollator
+
+    class Rollouts:
+        """Samples from the prompts as tunekit renders them (already templated text, tokenized as `tunekit eval`
+        tokenizes it), counts the tokens sampled, scores held-out prompts by their greedy answers' rewards
+        (evaluation.DuringTraining) instead of TRL's evaluation pass. `trl_module`: the TRL module whose
+        create_model_from_path would load the reference again."""
+
+        trl_module = None
+
+        def __init__(self, *args, add_special_tokens: bool = True, ref_model=None, **kwargs):
+            self.add_special_tokens = add_special_tokens
+            self.tokens = CountingCollator(None)  # its counters only: real and computed tokens sampled
+            if ref_model is None:
+                super().__init__(*args, **kwargs)
+                return
+            # Full fine-tuning with a KL term: TRL loads the reference again from the policy's hub name, which a
+            # model loaded from a GGUF file or a local build has not; hand it the copy tunekit loaded instead.
+            with mock.patch.object(self.trl_module, "create_model_from_path", lambda *a, **k: ref_model):
+                super().__init__(*args, **kwargs)
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            if self.model.training:  # prompts and completions, as the throughput counts them
+                masks = [out["prompt_mask"], out["completion_mask"]]
+                self.tokens.real += int(sum(m.sum() for m in masks))
+                self.tokens.computed += sum(m.numel() for m in masks)
+            return out
+
+        def seeded(self, images, multimodal_fields) -> bool:
+            """Whether tunekit's seeded sampling (training.sampling) samples, not TRL's own paths."""
+            return not (self.use_vllm or self.use_transformers_continuous_batching or images or multimodal_fields)
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            if self.generation_eval is None:
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            # the held-out prompts are scored by their greedy answers' rewards (evaluation.DuringTraining); TRL's
+            # pass would sample `completions` answers per prompt again, for a loss that says little
+            return None, None, None
+
+        def _tokenize_prompts(self, prompts: list):
+            # TRL tokenizes text prompts with the tokenizer's special tokens; a chat template has written them
+            ids = self.processing_class(text=prompts, add_special_tokens=self.add_special_tokens)["input_ids"]
+            return ids, None, {}
+
+    return Rollouts
