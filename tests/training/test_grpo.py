@@ -365,7 +365,7 @@ BEFORE_WEIGHTS = {  # what the recipe and its surroundings decide -> the one lin
     "a reward module that does not import": (
         lambda r: r["grpo"].update(rewards=[{"reward": "function", "function": "no_such_rewards:score"}],
                                    trust_local_code=True),
-        "grpo.rewards: cannot load 'no_such_rewards:score' (No module named 'no_such_rewards')"),
+        "grpo.rewards[0] (score): cannot load 'no_such_rewards:score' (No module named 'no_such_rewards')"),
     "a reward with a reference on data without one": (
         lambda r: r["data"].update(train=str(write_jsonl(Path(r["data"]["train"]).with_name("q.jsonl"),
                                                          [{"prompt": p["prompt"]} for p in prompts()]))),

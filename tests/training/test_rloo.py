@@ -119,3 +119,12 @@ def test_a_run_logs_each_reward_and_leaves_the_base_untouched(tmp_path, tiny_mod
     base = load_file(str(tiny_model / "model.safetensors"))
     model = loader.load_base(recipes.load(run_dir / "recipe.yaml").model, torch.float32)
     assert all(torch.equal(base[k], v) for k, v in model.state_dict().items() if k in base)
+
+
+def test_reward_errors_name_the_rloo_section():
+    from tunekit.config.methodsettings import RewardSpec
+    from tunekit.evaluation import rewards
+
+    missing = RewardSpec(reward="function", function="no_such_rloo_rewards:f")
+    with pytest.raises(TunekitError, match=r"^rloo.rewards\[0\] \(f\): cannot load 'no_such_rloo_rewards:f'"):
+        rewards.build([missing], 10, "rloo")

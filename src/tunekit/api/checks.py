@@ -46,11 +46,11 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
     from tunekit.data import precheck
 
     recipe = precheck.check(recipe, data_needed=needs.data_needed, model=needs.model)
-    settings = methods.sampled(recipe)[1]
-    if settings is not None:  # a reward's own code imports (grpo.trust_local_code: the recipe asked for it)
+    section, settings = methods.sampled(recipe)
+    if settings is not None:  # a reward's own code imports (trust_local_code: the recipe asked for it)
         from tunekit.evaluation import rewards
 
-        rewards.check_loadable(settings.rewards, settings.max_completion_length)
+        rewards.check_loadable(settings.rewards, settings.max_completion_length, section)
     if needs.deepspeed and recipe.training.deepspeed:
         deepspeed(recipe, world_size)
     return recipe

@@ -127,17 +127,16 @@ def _function(spec, max_len):
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise TunekitError(f"grpo.rewards: cannot load {spec.function!r} ({e}); give module:function importable "
-                           "from the working directory or the Python path") from None
+        raise TunekitError(f"cannot load {spec.function!r} ({e}); give module:function importable from the "
+                           "working directory or the Python path") from None
     return lambda s: fn(prompt=s.prompt, completion=s.completion, reference=s.reference, record=s.record,
                         tokens=s.tokens)
 
 
-def check_loadable(specs, max_completion_length: int) -> None:
+def check_loadable(specs, max_completion_length: int, section: str = "grpo") -> None:
     """Every reward can be made: a `function` reward's module imports and has the function (before any weight
     loads, where a run would otherwise fail at its first sampled batch)."""
-    for spec in specs:
-        KINDS[spec.reward].make(spec, max_completion_length)
+    build(specs, max_completion_length, section)
 
 
 # ---------------------------------------------------------------- scoring
@@ -146,11 +145,14 @@ class Reward:
     """One recipe reward as TRL's GRPOTrainer calls it: a batch of completions in, one float each out. A reward
     that raises, or returns anything but a finite number, stops the run in one line naming it and the example."""
 
-    def __init__(self, spec, index: int, specs, max_completion_length: int):
+    def __init__(self, spec, index: int, specs, max_completion_length: int, section: str = "grpo"):
         self.__name__ = label(spec, index, specs)  # TRL logs rewards/<__name__>/mean and /std
-        self.title = f"grpo.rewards[{index}] ({self.__name__})"
+        self.title = f"{section}.rewards[{index}] ({self.__name__})"
         self.kind = KINDS[spec.reward]
-        self.one = self.kind.make(spec, max_completion_length)
+        try:
+            self.one = self.kind.make(spec, max_completion_length)
+        except TunekitError as e:
+            raise TunekitError(f"{self.title}: {e}") from None
 
     def score(self, sample: Sample) -> float:
         if self.kind.reference and not sample.reference:
@@ -175,18 +177,19 @@ class Reward:
                 for i in range(n)]
 
 
-def build(specs, max_completion_length: int) -> list[Reward]:
-    return [Reward(spec, i, specs, max_completion_length) for i, spec in enumerate(specs)]
+def build(specs, max_completion_length: int, section: str = "grpo") -> list[Reward]:
+    """The rewards of the recipe section `section` (grpo, rloo), named by it in their errors."""
+    return [Reward(spec, i, specs, max_completion_length, section) for i, spec in enumerate(specs)]
 
 
 def held_out(recipe, tokenizer, records: list, rendered: list, predictions: list[str]) -> tuple[dict, list[dict]]:
     """The recipe's rewards (grpo.rewards) on held-out generations, beside the metrics: mean_scores, and what each
     prediction adds to its row in predictions.jsonl; `rendered` (data.rendering.Rendered) are the records'
     renderings the predictions answer. Nothing for a recipe without rewards."""
-    g = methods.sampled(recipe)[1]
+    section, g = methods.sampled(recipe)
     if g is None:
         return {}, [{} for _ in predictions]
-    scorers = build(g.rewards, g.max_completion_length)
+    scorers = build(g.rewards, g.max_completion_length, section)
     raw = {r.where: r.values for r in records}
     samples = [Sample(r.prompt, p, r.reference or "", len(tokenizer(p, add_special_tokens=False)["input_ids"]),
                       raw.get(r.where, {}), r.where) for r, p in zip(rendered, predictions)]

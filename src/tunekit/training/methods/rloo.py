@@ -39,7 +39,7 @@ class Rloo(Method):
     def make_trainer(self, inputs: TrainerInputs):
         recipe, g = inputs.recipe, inputs.recipe.rloo
         ref_args, reference = self.reference(recipe, inputs.precision, inputs.start_adapter)
-        scorers = rollouts.scorers_of(g.rewards, g.max_completion_length)
+        scorers = rollouts.scorers_of(g.rewards, g.max_completion_length, "rloo")
         rollouts.log_start("rloo", g, scorers, reference)
         trainer = trainer_class()(
             model=inputs.model, reward_funcs=scorers, args=inputs.args, train_dataset=inputs.data.train,

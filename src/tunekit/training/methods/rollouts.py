@@ -18,9 +18,10 @@ from tunekit.training.methods.pairs import PairBundle, split_records
 log = logging.getLogger("tunekit")
 
 
-def scorers_of(specs: list[RewardSpec], max_completion_length: int) -> list:
-    """The recipe's rewards as TRL's GRPOTrainer and RLOOTrainer call them (evaluation.rewards.Reward)."""
-    return rewards.build(specs, max_completion_length)
+def scorers_of(specs: list[RewardSpec], max_completion_length: int, section: str = "grpo") -> list:
+    """The recipe's rewards as TRL's GRPOTrainer and RLOOTrainer call them (evaluation.rewards.Reward), named by
+    their section in errors."""
+    return rewards.build(specs, max_completion_length, section)
 
 
 def config_kwargs(args, g: SampledSettings) -> dict:
