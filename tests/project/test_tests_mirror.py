@@ -21,7 +21,6 @@ THROUGH = {
     "tunekit.api.recipeargs": "tests/api/test_python_api.py::test_a_recipe_is_a_path_a_dict_or_a_recipe_with_list_or_"
                               "dict_overrides",
     "tunekit.cli.demo": "tests/e2e/test_e2e_smollm2.py::test_demo_pipeline_shows_a_clear_gain",
-    "tunekit.config.methodsettings": "tests/training/test_preference.py::test_recipe_checks_name_the_method",
     "tunekit.config.modelsource": "tests/models/test_hub.py::test_every_command_names_an_uncached_model_in_one_line_"
                                   "when_offline",
     "tunekit.config.section": "tests/config/test_recipe.py::test_overrides_set_any_field_and_are_validated",
