@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -243,3 +244,22 @@ def cut_after_checkpoint(full: Path, cut: Path, step: int) -> Path:
     info = json.loads((cut / "run.json").read_text())
     (cut / "run.json").write_text(json.dumps({**info, "status": "running"}))
     return cut
+
+
+def refused_in_process(argv: list[str], where: Path, capsys, monkeypatch) -> str:
+    """`tunekit ARGV` run in this process from `where` (its imports paid once, where a subprocess pays ~10 s):
+    exit 2, one stderr line `tunekit: error: ...`, no traceback, nothing written under `where`. Returns the line."""
+    from tunekit.cli.main import main
+
+    monkeypatch.chdir(where)
+    before = sorted(p.name for p in where.iterdir())
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert re.match(r"tunekit( \w+)?: error: ", err[0]), err
+    assert sorted(p.name for p in where.iterdir()) == before, "wrote something"
+    return err[0]

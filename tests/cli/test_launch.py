@@ -4,7 +4,6 @@ no training here."""
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import subprocess
@@ -14,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import refused_in_process, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.cli import launch
 from tunekit.config import fsdpconfig, recipes
 from tunekit.config.recipes import to_yaml
@@ -138,21 +137,12 @@ LAUNCH_CASES = {  # argv after `tunekit launch` -> the one line's cause
 def test_launch_refuses_what_cannot_run_before_starting_anything(case, tmp_path, tiny_model, capsys, monkeypatch):
     """In-process (the parse, the checks and the recipe's need no process): exit 2, one line naming the option
     and the fix, no traceback, nothing written, within seconds and without waiting for any other node."""
-    from tunekit.cli.main import main
-
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl",
                                                                                    reverse_rows(8)),
                                                            tmp_path / "run"))
-    monkeypatch.chdir(tmp_path)
-    before = sorted(p.name for p in tmp_path.iterdir())
     argv, expected = LAUNCH_CASES[case]
     started = time.monotonic()
-    try:
-        code = main(["launch", *[str(recipe) if a == "RECIPE" else a for a in argv]])
-    except SystemExit as e:  # argparse's own refusals of the launched command
-        code = e.code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
-    assert re.match(r"tunekit( \w+)?: error: ", err[0]) and expected in err[0], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    line = refused_in_process(["launch", *[str(recipe) if a == "RECIPE" else a for a in argv]], tmp_path, capsys,
+                              monkeypatch)
+    assert expected in line, line
     assert time.monotonic() - started < 30

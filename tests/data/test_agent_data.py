@@ -245,19 +245,12 @@ BAD_AGENT_RECORDS = {  # a chat record whose links contradict each other -> the 
 def test_contradicting_agent_records_are_refused_before_any_weight_loads(case, command, tmp_path, tiny_model,
                                                                          capsys, monkeypatch):
     """In-process, by validate as by train: exit 2, one line naming the file and line, nothing written."""
-    from conftest import reverse_rows, tiny_recipe, write_recipe
-    from tunekit.cli.main import main
-
+    from conftest import refused_in_process, reverse_rows, tiny_recipe, write_recipe
     good = [{"messages": [{"role": "user", "content": r["instruction"]},
                           {"role": "assistant", "content": r["output"]}]} for r in reverse_rows(3)]
     record, expected = BAD_AGENT_RECORDS[case]
     data = write_jsonl(tmp_path / "d.jsonl", [*good, record])
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, tmp_path / "run",
                                                            data={"format": "chat"}))
-    monkeypatch.chdir(tmp_path)
-    before = sorted(p.name for p in tmp_path.iterdir())
-    code = main([command, str(recipe)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
-    assert err[0].startswith("tunekit: error: ") and f"{data} line 4: " in err[0] and expected in err[0], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    line = refused_in_process([command, str(recipe)], tmp_path, capsys, monkeypatch)
+    assert line.startswith("tunekit: error: ") and f"{data} line 4: " in line and expected in line, line

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from conftest import launch, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import launch, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
@@ -128,17 +128,11 @@ def test_contamination_sees_every_source_and_the_held_out_set(files, tmp_path):
 @pytest.mark.parametrize("command", ["validate", "train"])
 def test_bad_mixtures_are_one_line(tmp_path, tiny_model, files, train, message, command, capsys, monkeypatch):
     """In-process, by validate as by train: exit 2, one line, nothing written."""
-    from tunekit.cli.main import main
-
     train = [{**s, "path": str(files["a"]) if s["path"] == "A" else s["path"]} for s in train]
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, files["a"], tmp_path / "run",
                                                            data={"train": train}))
-    monkeypatch.chdir(tmp_path)
-    before = sorted(p.name for p in tmp_path.iterdir())
-    code = main([command, str(recipe)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    line = refused_in_process([command, str(recipe)], tmp_path, capsys, monkeypatch)
+    assert message in line, line
 
 
 def test_a_mixture_asking_for_more_examples_than_memory_holds_is_refused_before_drawing(files):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import in_full, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import in_full, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import evaluator, rewards
@@ -381,16 +381,9 @@ BEFORE_WEIGHTS = {  # what the recipe and its surroundings decide -> the one lin
 def test_grpo_faults_known_before_weights_are_refused_by_validate_as_by_train(case, command, tmp_path, tiny_model,
                                                                              capsys, monkeypatch):
     """In-process: exit 2, one line, nothing written (train had loaded the model and sampled before)."""
-    from tunekit.cli.main import main
-
     raw = grpo_raw(tiny_model, tmp_path, tmp_path / "run")
     change, expected = BEFORE_WEIGHTS[case]
     change(raw)
     recipe = write_recipe(tmp_path / "r.yaml", raw)
-    monkeypatch.chdir(tmp_path)
-    before = sorted(p.name for p in tmp_path.iterdir())
-    code = main([command, str(recipe)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
-    assert err[0].startswith("tunekit: error: ") and expected in err[0], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    line = refused_in_process([command, str(recipe)], tmp_path, capsys, monkeypatch)
+    assert line.startswith("tunekit: error: ") and expected in line, line
