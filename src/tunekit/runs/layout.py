@@ -86,6 +86,14 @@ class RunRecord:
             setattr(self, key, value)
         self.save(run_dir)
 
+    def fail(self, run_dir: Path, error: BaseException, step: int) -> None:
+        """Record the run as failed at `step` with the error's first line (kept in memory if the disk is full)."""
+        self.status = "failed"
+        self.error = str(error).splitlines()[0] if str(error) else type(error).__name__
+        self.failed_at_step = step
+        with contextlib.suppress(OSError):
+            self.save(run_dir)
+
     @classmethod
     def load(cls, run_dir: Path) -> "RunRecord":
         """run.json read; a damaged one, or one lacking a field every run.json has, is one line naming it."""
@@ -146,11 +154,7 @@ def mark_ended(run_dir: Path, error: BaseException) -> None:
     except (TunekitError, OSError):
         return
     if record.status == "running":
-        record.status = "failed"
-        record.error = str(error).splitlines()[0] if str(error) else type(error).__name__
-        record.failed_at_step = record.global_step or 0
-        with contextlib.suppress(OSError):  # the disk may be full
-            record.save(run_dir)
+        record.fail(run_dir, error, record.global_step or 0)
 
 
 def require_adapter_files(run_dir: Path) -> Path:

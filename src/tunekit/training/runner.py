@@ -451,11 +451,7 @@ def fit(p: Prepared):
             if isinstance(callback, progress.Console):
                 callback.close()
         if p.launch.is_main:
-            p.record.status = "failed"
-            p.record.error = str(e).splitlines()[0] if str(e) else type(e).__name__
-            p.record.failed_at_step = trainer.state.global_step
-            with contextlib.suppress(OSError):  # the disk may be full
-                p.record.save(p.run_dir)
+            p.record.fail(p.run_dir, e, trainer.state.global_step)
         if distributed.lost_peer(e):
             last = checkpoints.newest_complete(p.run_dir / CHECKPOINTS_DIR)
             raise TunekitError(
