@@ -319,7 +319,12 @@ def trl_baseline(c: Check, model: Path, data: Path, work: Path, timeout: float, 
 def steady(rows: list[dict], warm: int = WARM) -> float | None:
     """Real tokens/s over the logged steps after the first `warm` (loss_history.jsonl logs every step here):
     the start-up that run.json's whole-run figure counts is left out, as bench/trl_sft.py leaves it out."""
-    points = [(r["time"], r["tokens_collated"]) for r in rows if "loss" in r and "tokens_collated" in r]
+    return rate([(r["time"], r["tokens_collated"]) for r in rows if "loss" in r and "tokens_collated" in r], warm)
+
+
+def rate(points: list[tuple[float, int]], warm: int = WARM) -> float | None:
+    """Tokens/s between the step after the first `warm` and the last, from (seconds, tokens so far) per step;
+    None with too few steps. bench/trl_sft.py measures TRL's side with it."""
     if len(points) < warm + 2:
         return None
     (t0, n0), (t1, n1) = points[warm], points[-1]

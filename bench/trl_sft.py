@@ -29,6 +29,8 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
+from gpu_check import rate  # the same steady measure as tunekit's side (bench/ is this script's directory)
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -57,12 +59,6 @@ class StepClock(TrainerCallback):
         self.points.append((time.time(), self.trainer.tokens))
 
 
-def steady(points: list[tuple[float, int]], warm: int) -> float | None:
-    """Tokens/s over the steps after the first `warm`."""
-    if len(points) < warm + 2:
-        return None
-    (t0, n0), (t1, n1) = points[warm], points[-1]
-    return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
 
 def main() -> None:
@@ -104,7 +100,7 @@ def main() -> None:
     peak = (torch.cuda.max_memory_allocated() / 2**30 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     out = {"tokens": trainer.tokens, "train_runtime_s": runtime, "tokens_per_s": trainer.tokens / runtime,
-           "steady_tokens_per_s": steady(clock.points, a.warm), "warm_steps": a.warm,
+           "steady_tokens_per_s": rate(clock.points, a.warm), "warm_steps": a.warm,
            "peak_gib": peak, "peak_measure": "cuda max_memory_allocated" if cuda else "cpu peak RSS",
            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
     with open(a.out, "w") as f:
