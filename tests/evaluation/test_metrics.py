@@ -8,6 +8,7 @@ import math
 import pytest
 from rouge_score import rouge_scorer
 
+from tunekit.config import metrickinds
 from tunekit.evaluation import metrics
 
 
@@ -97,7 +98,7 @@ def test_the_registry_drives_the_recipe_schema_and_the_table():
 def test_only_default_metrics_are_scored_when_an_eval_section_names_none():
     from tunekit.config.schema import EvalConfig
 
-    assert EvalConfig().metrics == ["bleu", "chrf", "rouge", "exact_match", "loss"] == metrics.defaults()
+    assert EvalConfig().metrics == ["bleu", "chrf", "rouge", "exact_match", "loss"] == metrickinds.defaults()
     assert not metrics.METRICS["tool_calls"].default
     assert EvalConfig(metrics=["tool_calls", "rouge"]).metrics == ["tool_calls", "rouge"]
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import in_full, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
+from tunekit.config.methodsettings import RewardSpec
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import evaluator, rewards
 from tunekit.models import loader
@@ -97,7 +98,7 @@ def sample(completion, reference="Omar | teapot | red", tokens=3, record=None):
 
 def score(spec: dict, s: rewards.Sample, max_len: int = 10) -> float:
     raw = {"reward": spec.pop("reward"), **spec}
-    built = grpo.RewardSpec(**raw)
+    built = RewardSpec(**raw)
     return rewards.Reward(built, 0, [built], max_len).score(s)
 
 
@@ -126,8 +127,8 @@ def test_rewards_score_known_values():
 
 
 def test_reward_labels_and_weighted_means():
-    specs = [grpo.RewardSpec(reward="chrf"), grpo.RewardSpec(reward="regex", pattern="a+", weight=0.5),
-             grpo.RewardSpec(reward="regex", pattern="b+"), grpo.RewardSpec(reward="function", function="m:vowels")]
+    specs = [RewardSpec(reward="chrf"), RewardSpec(reward="regex", pattern="a+", weight=0.5),
+             RewardSpec(reward="regex", pattern="b+"), RewardSpec(reward="function", function="m:vowels")]
     assert [rewards.label(s, i, specs) for i, s in enumerate(specs)] == ["chrf", "regex_1", "regex_2", "vowels"]
     built = rewards.build(specs[:2], 10)
     means, rows = rewards.mean_scores(built, [1.0, 0.5], [sample("aaa", reference="aaa"), sample("b", reference="a")])
@@ -139,8 +140,8 @@ def test_reward_labels_and_weighted_means():
 def test_a_reward_that_fails_is_named_with_the_example(tmp_path, monkeypatch):
     (tmp_path / "myrewards.py").write_text(REWARD_MODULE)
     monkeypatch.chdir(tmp_path)
-    specs = [grpo.RewardSpec(reward="function", function="myrewards:broken"),
-             grpo.RewardSpec(reward="function", function="myrewards:wordy")]
+    specs = [RewardSpec(reward="function", function="myrewards:broken"),
+             RewardSpec(reward="function", function="myrewards:wordy")]
     broken, wordy = rewards.build(specs, 10)
     ok = {"completion_ids": [[1]], "reference": ["x"], "where": ["p.jsonl line 3"], "record": ['{"answer": "cat"}']}
     assert broken(["p"], ["c"], **ok) == [0.0]
@@ -150,10 +151,10 @@ def test_a_reward_that_fails_is_named_with_the_example(tmp_path, monkeypatch):
     with pytest.raises(TunekitError, match=r"^grpo.rewards\[1\] \(wordy\): returned 'a lot' on p.jsonl line 3; a "
                                            r"reward returns a finite number$"):
         wordy(["p"], ["c"], **ok)
-    chrf = rewards.build([grpo.RewardSpec(reward="chrf")], 10)[0]
+    chrf = rewards.build([RewardSpec(reward="chrf")], 10)[0]
     with pytest.raises(TunekitError, match=r"p.jsonl line 3 has no reference answer to score against"):
         chrf(["p"], ["c"], **{**ok, "reference": [""]})
-    missing = grpo.RewardSpec(reward="function", function="nosuchmodule:f")
+    missing = RewardSpec(reward="function", function="nosuchmodule:f")
     with pytest.raises(TunekitError, match=r"cannot load 'nosuchmodule:f'"):
         rewards.build([missing], 10)
 

@@ -14,7 +14,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Callable
 
-from tunekit.config.metrickinds import DECLARED, defaults  # noqa: F401  (evaluation.metrics.defaults: tests)
+from tunekit.config.metrickinds import DECLARED
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 

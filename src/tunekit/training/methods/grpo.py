@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import functools
 
-from tunekit.config.methodsettings import RewardSpec  # noqa: F401 (tests build rewards from it)
 from tunekit.training.methods import rollouts
 from tunekit.training.methods.base import Method, TrainerInputs, register
-from tunekit.training.methods.rollouts import PromptBundle, build, frozen_base, prompt_rows, scorers_of  # noqa: F401
+from tunekit.training.methods.rollouts import build, frozen_base, scorers_of
 
 
 class Grpo(Method):
