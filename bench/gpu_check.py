@@ -67,7 +67,7 @@ class Check:
     needs: str = "cuda"  # "cuda" | "" (runs on a CPU too, in --tiny) | a module that must import
     steps: int = 20
     learns: bool = True  # the loss must fall (GRPO on random weights: equal rewards, zero advantage, no signal)
-    est_s: int = 40  # seconds on an H100, set-up included: a check that would overrun the budget is not started
+    est_s: int = 40  # seconds on an H100 (measured), set-up included: one that would overrun the budget is not started
 
 
 QLORA = ["quantization.bits=4", "quantization.quant_type=nf4", "quantization.double_quant=true",
@@ -75,19 +75,19 @@ QLORA = ["quantization.bits=4", "quantization.quant_type=nf4", "quantization.dou
 CHECKS = [
     Check("lora-bf16", "LoRA r16 bf16, padding-free packing with SDPA (data.packing auto), against TRL",
           "llama-1b", "chat", ["training.precision=bf16", "training.micro_batch_size=8"],
-          trl={"precision": "bf16", "batch": 8}, needs="", est_s=70),
+          trl={"precision": "bf16", "batch": 8}, needs="", est_s=85),
     Check("qlora-8b", "QLoRA nf4 (bitsandbytes CUDA kernels) with paged 8-bit AdamW on the 8B shape: embeddings and "
           "head in bf16, against TRL", "llama-8b", "text",
           [*QLORA, "training.precision=bf16", "training.micro_batch_size=2", "training.optimizer=paged_adamw_8bit"],
-          trl={"precision": "bf16", "batch": 2, "quant4": True, "optim": "paged_adamw_8bit"}, est_s=150),
+          trl={"precision": "bf16", "batch": 2, "quant4": True, "optim": "paged_adamw_8bit"}, est_s=115),
     Check("flagship", "llama_qlora.yaml's settings: QLoRA nf4 + double quant, bf16, ZeRO-2, accumulation 8, "
           "checkpointing, paged 8-bit AdamW; merge with its parity check", "llama-1b", "text",
           ["training.epochs=1", "training.warmup_ratio=0", "training.micro_batch_size=2"],
           recipe="llama_qlora.yaml", merge=True, steps=6, est_s=70),
     Check("lora-fp16", "LoRA fp16 with loss scaling", "llama-1b", "text",
-          ["training.precision=fp16", "training.micro_batch_size=4"], est_s=35),
+          ["training.precision=fp16", "training.micro_batch_size=4"], est_s=30),
     Check("lora-bf16-text", "LoRA bf16 on full-length rows, tunekit's chunked loss (the kernels' baseline)",
-          "llama-1b", "text", ["training.precision=bf16", "training.micro_batch_size=4"], needs="", est_s=35),
+          "llama-1b", "text", ["training.precision=bf16", "training.micro_batch_size=4"], needs="", est_s=30),
     Check("zero3", "DeepSpeed ZeRO-3, a group of one, LoRA bf16", "llama-1b", "text",
           ["training.deepspeed=ds_configs/zero3.json", "training.precision=bf16", "training.micro_batch_size=4"],
           needs="", est_s=50),
@@ -97,16 +97,16 @@ CHECKS = [
     Check("grpo", "GRPO sampling (transformers generate), LoRA bf16, 4 completions per prompt", "llama-1b", "grpo",
           ["training.precision=bf16", "training.micro_batch_size=8", "grpo.completions=4",
            "grpo.max_completion_length=32"], recipe="smollm2_grpo.yaml", steps=4, needs="", learns=False,
-          est_s=60),
+          est_s=40),
     Check("liger", "training.kernels: liger (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU)", "llama-1b", "text",
           ["training.precision=bf16", "training.micro_batch_size=4", "training.kernels=liger"], needs="liger_kernel",
-          est_s=40),
+          est_s=30),
     Check("cce", "training.kernels: cut_cross_entropy (Apple's Cut Cross-Entropy)", "llama-1b", "text",
           ["training.precision=bf16", "training.micro_batch_size=4", "training.kernels=cut_cross_entropy"],
           needs="cut_cross_entropy", est_s=40),
     Check("qwen-7b-lora", "LoRA bf16 on the Qwen2.5-7B shape, against TRL", "qwen-7b", "chat",
           ["training.precision=bf16", "training.micro_batch_size=8"], trl={"precision": "bf16", "batch": 8},
-          est_s=120),
+          est_s=115),
 ]
 
 
