@@ -449,7 +449,8 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="run only these checks: " + ", ".join(c.name for c in CHECKS))
-    p.add_argument("--out", default=str(ROOT / "bench" / "gpu_check.json"))
+    p.add_argument("--out", help="results file (default: bench/gpu_check.json on a GPU; with --tiny, gpu_check.json "
+                                 "in the work directory, so a CPU run never replaces the GPU's record)")
     p.add_argument("--work", help="directory for models, data and runs (default: a new one under /tmp)")
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole set (default %(default)s)")
     p.add_argument("--steps", type=int, help="optimizer steps of every check (default: each check's own)")
@@ -469,6 +470,7 @@ def main() -> int:
     started = time.perf_counter()
     work = Path(a.work or f"/tmp/tunekit-gpu-check-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
+    a.out = a.out or str(work / "gpu_check.json" if a.tiny else ROOT / "bench" / "gpu_check.json")
     env = machine()
     print("gpu-check: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     tok = tokenizer(work, a.tiny)
