@@ -14,6 +14,7 @@ from tunekit.config.methodsettings import (
     KtoSettings,
     MethodSettings,
     OrpoSettings,
+    RewardSettings,
     RlooSettings,
     SampledSettings,
 )
@@ -50,6 +51,9 @@ class MethodSpec:
     # no-grad forwards over the batch (a reference model, a KL batch)
     sequences: int = 1
     no_grad_forwards: int = 0
+    # the model ends in a one-number score head (AutoModelForSequenceClassification, num_labels 1) instead of the
+    # language-model head: it scores sequences and generates nothing (a reward model)
+    score_head: bool = False
 
     @property
     def section(self) -> str | None:
@@ -118,6 +122,12 @@ declare(MethodSpec(
     "orpo", "odds-ratio preference optimization on the same pairs as dpo, SFT and preference in one loss "
     "without a reference model, TRL's ORPOTrainer",
     settings=OrpoSettings, data_formats=PAIR_FORMATS, data_description=PAIRS, sequences=2))
+declare(MethodSpec(
+    "reward", "a reward model: the base with a one-number score head, trained on (prompt, chosen, rejected) pairs "
+    "(data.format: preference) to score the chosen answer above the rejected one, TRL's RewardTrainer; "
+    "grpo.rewards scores completions with it ({reward: model, run: RUN})",
+    settings=RewardSettings, data_formats=PAIR_FORMATS, data_description=PAIRS, score_head=True,
+    eval_loss_beside_generation=False, sequences=2))  # chosen and rejected in one batch
 declare(MethodSpec(
     "grpo", "group relative policy optimization: sampled completions scored by rewards a program checks "
     "(exact match, BLEU, chrF, ROUGE, a format pattern, JSON, tool calls, length, your function), "

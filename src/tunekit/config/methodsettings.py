@@ -69,6 +69,14 @@ class OrpoSettings(MethodSettings):
                         "answers' SFT loss (lambda in the paper; TRL's beta). There is no reference model.")
 
 
+# ---------------------------------------------------------------- reward
+
+class RewardSettings(MethodSettings):
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="Reward model: weight of a penalty on the squared mean of each pair's two scores, "
+        "which keeps the scores centred on 0 (TRL's RewardConfig; 0.01 is its recommendation); null: none.")
+
+
 # ---------------------------------------------------------------- grpo
 
 # GRPOConfig.loss_type values of trl 1.16 that need no further settings
@@ -84,6 +92,8 @@ class RewardSpec(Section):
                                "(default 0).")
     function: str | None = Field(None, description="function: `module:function`, importable from the working "
                                  "directory (needs grpo.trust_local_code: true).")
+    run: str | None = Field(None, description="model: the run directory of a finished reward model run "
+                            "(training.method: reward) whose score the completion earns.")
 
 
 class SampledSettings(MethodSettings):

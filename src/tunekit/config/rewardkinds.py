@@ -41,10 +41,12 @@ DECLARED: dict[str, RewardKind] = {k.name: k for k in (
                "grpo.max_completion_length", optional=("target",)),
     RewardKind("function", "your Python function `module:function` (grpo.trust_local_code: true), called with "
                "keywords prompt, completion, reference, record, tokens; returns a number", needs=("function",)),
+    RewardKind("model", "the score a reward model (a finished run of training.method: reward, `run`) gives the "
+               "prompt and completion", needs=("run",)),
 )}
 
 
-SETTINGS = ("pattern", "target", "function")  # the spec keys only some kinds read
+SETTINGS = ("pattern", "target", "function", "run")  # the spec keys only some kinds read
 
 
 def names() -> str:

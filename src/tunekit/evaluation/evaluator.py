@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tunekit.config import methods
 from tunekit.config.schema import EvalConfig, Recipe
 from tunekit.core import console, distributed, outputs
 from tunekit.core.errors import TunekitError
@@ -20,7 +21,7 @@ from tunekit.data.collating import collator
 from tunekit.data.formats import Record
 from tunekit.data.reading import read_records
 from tunekit.data.tokenizing import IGNORE, Example, build_examples
-from tunekit.evaluation import metrics, preference, rewards
+from tunekit.evaluation import metrics, preference, rewardmodel, rewards
 from tunekit.evaluation.table import format_table, table_rows  # noqa: F401  (evaluation.table_rows: tests, demo)
 from tunekit.models import loader
 from tunekit.runs.layout import EVAL_DIR, RunRecord, Target, resolve_target
@@ -232,7 +233,10 @@ def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtyp
     model = load_trained(target, torch_dtype)
     log.info("eval %s: %d examples, batch %d, greedy, max %d new tokens, %s", target.label,
              min(len(records), cfg.limit or len(records)), cfg.batch_size, cfg.max_new_tokens, torch_dtype)
-    scores, rows = evaluate_model(model, tokenizer, target.recipe, records, cfg)
+    if methods.of(target.recipe).score_head:  # a reward model: its held-out pairs scored, nothing generated
+        scores, rows = rewardmodel.evaluate_pairs(model, tokenizer, target.recipe, records, cfg)
+    else:
+        scores, rows = evaluate_model(model, tokenizer, target.recipe, records, cfg)
     result = {
         "target": target.spec,
         "kind": target.kind,

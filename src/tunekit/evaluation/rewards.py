@@ -9,7 +9,9 @@ A recipe names them in grpo.rewards, each with a weight; the run logs each one's
 - json: 1 when the completion (stripped, a ``` fence removed) is one JSON value, else 0;
 - length: 0 up to `target` completion tokens, falling linearly to -1 at grpo.max_completion_length;
 - function: a Python function `module:function` (only with grpo.trust_local_code), called with keywords prompt,
-  completion, reference, record (the raw record as a dict) and tokens; it returns a number.
+  completion, reference, record (the raw record as a dict) and tokens; it returns a number;
+- model: the score a reward model (a finished run of training.method: reward, `run`) gives prompt + completion
+  (evaluation.rewardmodel; the run is checked when the reward is made, its weights load at its first score).
 
 Each kind is declared in tunekit.config.rewardkinds (its name, the keys it needs, the recipe checks) and its scoring
 registered here under that name. No model code: called during training and eval.
@@ -24,12 +26,13 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from tunekit.config import methods
 from tunekit.config.rewardkinds import DECLARED, label
 from tunekit.core.errors import TunekitError
-from tunekit.evaluation import metrics
+from tunekit.evaluation import metrics, rewardmodel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,16 @@ def _function(spec, max_len):
                            "working directory or the Python path") from None
     return lambda s: fn(prompt=s.prompt, completion=s.completion, reference=s.reference, record=s.record,
                         tokens=s.tokens)
+
+
+_REWARD_MODELS: dict[Path, rewardmodel.ModelReward] = {}  # one loaded copy of each reward model in a process
+
+
+@register("model")
+def _model(spec, max_len):
+    run_dir = rewardmodel.reward_run(spec.run).resolve()
+    model = _REWARD_MODELS.setdefault(run_dir, rewardmodel.ModelReward(run_dir))
+    return lambda s: model(s.prompt, s.completion)
 
 
 def check_loadable(specs, max_completion_length: int, section: str = "grpo") -> None:

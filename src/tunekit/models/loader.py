@@ -3,6 +3,7 @@ and load a model for training, merging or inference."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,9 +16,9 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 
-from tunekit.config import dsconfig
+from tunekit.config import dsconfig, methods
 from tunekit.config.modelsource import ModelSource, resolve_model
 from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core.hardware import DTYPES, Precision
@@ -122,7 +123,8 @@ def lora_config(recipe: Recipe) -> PeftLoraConfig | None:
         use_dora=lc.use_dora,
         use_rslora=lc.use_rslora,
         init_lora_weights=INIT[lc.init],
-        task_type="CAUSAL_LM",
+        # a score head (a reward model): peft trains a full copy of it beside the adapter and saves it with it
+        task_type="SEQ_CLS" if methods.of(recipe).score_head else "CAUSAL_LM",
     )
 
 
@@ -138,8 +140,43 @@ def keep_4bit_trainable_on_cpu(model) -> int:
     return count
 
 
-def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | None = None, device_map=None):
+SCORE_HEAD = "SequenceClassification"  # ends a score-head model's architecture (LlamaForSequenceClassification)
+
+
+def saved_with_score_head(directory: Path) -> bool:
+    """A saved model or adapter whose model ends in a score head (a reward model): its config.json names a
+    ...ForSequenceClassification architecture, or its adapter_config.json the task SEQ_CLS."""
+    for name, read in (("config.json", lambda c: any(a.endswith(SCORE_HEAD) for a in c.get("architectures") or ())),
+                       ("adapter_config.json", lambda c: c.get("task_type") == "SEQ_CLS")):
+        file = Path(directory) / name
+        if file.is_file() and read(json.loads(file.read_text(encoding="utf-8"))):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def new_score_head():
+    """Loading a causal language model's checkpoint with a score head in place of its language-model head: the
+    head left out and the score head newly made are what is meant, not a load report's warnings (TRL does the
+    same in its RewardTrainer)."""
+    from transformers.modeling_layers import GenericForSequenceClassification as Scored
+
+    old = (getattr(Scored, "_keys_to_ignore_on_load_missing", None),
+           getattr(Scored, "_keys_to_ignore_on_load_unexpected", None))
+    Scored._keys_to_ignore_on_load_missing = [*(old[0] or ()), r"^score\.weight$"]
+    Scored._keys_to_ignore_on_load_unexpected = [*(old[1] or ()), r"^lm_head\."]
+    try:
+        yield
+    finally:
+        Scored._keys_to_ignore_on_load_missing, Scored._keys_to_ignore_on_load_unexpected = old
+
+
+def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | None = None, device_map=None,
+              score_head: bool = False):
+    """The model `cfg` names; `score_head`: with a one-number score head in place of the language-model head (a
+    reward model: AutoModelForSequenceClassification, num_labels 1), as it is also for a directory saved so."""
     location = materialize(cfg.name_or_path, cfg.revision)
+    saved_so = Path(location).is_dir() and saved_with_score_head(Path(location))
     if cfg.trust_remote_code:
         log.warning("trust_remote_code is ON for %s: its own modelling code will run", cfg.name_or_path)
     kwargs = dict(dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
@@ -149,8 +186,12 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
         kwargs["quantization_config"] = quant
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if score_head or saved_so:
+        kwargs["num_labels"] = 1
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        with new_score_head() if score_head and not saved_so else contextlib.nullcontext():
+            model = (AutoModelForSequenceClassification if score_head or saved_so else AutoModelForCausalLM
+                     ).from_pretrained(location, **kwargs)
     except (OSError, ValueError) as e:
         raise hub.load_error("model.name_or_path", cfg.name_or_path, e) from None
     if quant is not None:
@@ -221,7 +262,7 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     device_map = None
     if quant is not None and torch.cuda.is_available():
         device_map = {"": int(os.environ.get("LOCAL_RANK", 0))}
-    model = load_base(recipe.model, weights, quant, device_map)
+    model = load_base(recipe.model, weights, quant, device_map, score_head=methods.of(recipe).score_head)
     model.config.use_cache = False
     if quant is not None:
         model = prepare_quantized(model, precision.dtype, recipe.training.gradient_checkpointing)
@@ -237,7 +278,7 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
 
 
 def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dtype, quant=None):
-    base = load_base(base_cfg, dtype, quant)
+    base = load_base(base_cfg, dtype, quant, score_head=saved_with_score_head(adapter_dir))
     if quant is not None:
         # as in training: embeddings and head in the compute dtype, the other unquantized layers (norms) in fp32
         base = prepare_quantized(base, quant.bnb_4bit_compute_dtype)

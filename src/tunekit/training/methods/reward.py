@@ -1,0 +1,107 @@
+"""training.method: reward -- a reward model: the base with a one-number score head (LoRA, QLoRA or full), trained
+on (prompt, chosen, rejected) pairs to score the chosen answer above the rejected one, with TRL's RewardTrainer;
+its `reward:` recipe section is declared in tunekit.config.methodsettings.
+
+The pairs are rendered and tokenized by tunekit's own code, as for dpo (training.methods.pairs), and handed to TRL as
+the two whole sequences it scores (evaluation.rewardmodel.whole_pair). The model loads with its score head
+(models.loader: AutoModelForSequenceClassification, num_labels 1; with LoRA the head is trained in full beside the
+adapter and saved with it). Each evaluation during training logs the held-out pair accuracy as eval_accuracy;
+`tunekit eval RUN` reports it as reward_accuracy (evaluation.rewardmodel)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from tunekit.core.errors import TunekitError
+from tunekit.training.methods.base import register
+from tunekit.training.methods.pairs import PreferenceMethod, build
+
+log = logging.getLogger("tunekit")
+
+
+class Reward(PreferenceMethod):
+    name = "reward"
+
+    def trainer_class(self):
+        return trainer_class()
+
+    def build_data(self, recipe, tokenizer):
+        from tunekit.evaluation.rewardmodel import whole_pair
+
+        bundle = build(recipe, tokenizer)
+        cut = recipe.data.max_length
+        bundle.train = bundle.train.map(lambda p: whole_pair(p, cut), remove_columns=["prompt_ids"])
+        if bundle.eval is not None:
+            bundle.eval = bundle.eval.map(lambda p: whole_pair(p, cut), remove_columns=["prompt_ids"])
+        return bundle
+
+    def trainer_config(self, args, recipe):
+        from trl import RewardConfig
+
+        return RewardConfig(**self.trl_kwargs(args, recipe),
+                            center_rewards_coefficient=recipe.reward.center_rewards_coefficient)
+
+    def make_trainer(self, inputs):
+        if inputs.tokenizer.pad_token is None:
+            raise TunekitError("model: the tokenizer has no pad token, which a reward model's score is read against")
+        inputs.generation_eval = None  # a reward model generates nothing; its evaluations log pair accuracy
+        trainer, collate = super().make_trainer(inputs)
+        if inputs.recipe.quantization is not None:
+            from tunekit.models import loader
+
+            loader.trainable_in_fp32(trainer.model)  # TRL casts a quantized model's trained weights to bf16
+        return trainer, collate
+
+    def measures(self, model, tokenizer, recipe, records, limit, batch_size) -> dict:
+        return {}  # `tunekit eval` scores a reward model's pairs itself (evaluation.rewardmodel.evaluate_pairs)
+
+
+@functools.cache
+def trainer_class():
+    """RewardModelTrainer: TRL's RewardTrainer with tunekit's checkpoints, fed the pairs tokenized by tunekit's
+    renderer (TRL imported here, on first use)."""
+    import torch
+    from trl import RewardTrainer
+
+    from tunekit.training.trainer import GenerationEval, SafeState
+
+    class RewardModelTrainer(SafeState, GenerationEval, RewardTrainer):
+        """RewardTrainer with tunekit's pickle-free checkpoints. Its held-out accuracy is counted over the pairs
+        (TRL averages the batches' accuracies, which weighs a short last batch as a full one) and reaches the
+        evaluation's metrics (eval_accuracy: the callbacks, metric_for_best), not only the logged line."""
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            return dataset  # already chosen_ids / rejected_ids from tunekit's renderer, cut at data.max_length
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            if not self.model.training:
+                chosen, rejected = torch.chunk(outputs.logits.squeeze(-1), chunks=2)
+                right = self.accelerator.gather_for_metrics((chosen > rejected).sum().reshape(1)).sum()
+                total = self.accelerator.gather_for_metrics(torch.tensor([len(chosen)], device=chosen.device)).sum()
+                self._pairs_right = getattr(self, "_pairs_right", 0) + int(right)
+                self._pairs_seen = getattr(self, "_pairs_seen", 0) + int(total)
+            return (loss, outputs) if return_outputs else loss
+
+        def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                            metric_key_prefix="eval"):
+            self._pairs_right = self._pairs_seen = 0
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            if self._pairs_seen:
+                self._metrics["eval"].pop("accuracy", None)
+                output.metrics[f"{metric_key_prefix}_accuracy"] = self._pairs_right / self._pairs_seen
+            return output
+
+    RewardModelTrainer.__module__, RewardModelTrainer.__qualname__ = __name__, "RewardModelTrainer"
+    return RewardModelTrainer
+
+
+def __getattr__(name: str):
+    if name == "RewardModelTrainer":  # `from tunekit.training.methods.reward import RewardModelTrainer` (imports TRL)
+        return trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+register(Reward())

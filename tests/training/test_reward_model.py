@@ -1,0 +1,195 @@
+"""training.method: reward: a reward model (the tiny model with a score head, LoRA) trained on preference pairs
+learns to score the chosen answer above the rejected one; its held-out pair accuracy is logged during training and
+reported by `tunekit eval`; the saved adapter and score head reload to the same scores; grpo.rewards
+{reward: model, run: RUN} scores completions with it; bad recipes are refused in one line before weights load."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import set_seed
+
+from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import recipes
+from tunekit.config.methodsettings import RewardSpec
+from tunekit.core.errors import TunekitError
+from tunekit.evaluation import evaluator, rewardmodel, rewards
+from tunekit.models import loader
+from tunekit.runs.layout import RunRecord, resolve_target
+from tunekit.runs.trained import load_trained
+from tunekit.training import runner
+from tunekit.training.methods import reward as reward_method
+
+WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish",
+         "goatmole", "moleduck", "frogcat", "duckgoat"]
+
+
+def pairs(words):
+    """A preference: the reversed word over the word as given."""
+    return [{"prompt": f"Reverse the word.\n\n{w}", "chosen": w[::-1], "rejected": w} for w in words]
+
+
+def reward_raw(tiny_model, tmp_path, **training):
+    train = write_jsonl(tmp_path / "train.jsonl", pairs(WORDS[:8] * 4))
+    held = write_jsonl(tmp_path / "eval.jsonl", pairs(WORDS[8:] * 2))
+    raw = tiny_recipe(tiny_model, train, tmp_path / "run",
+                      training={"method": "reward", "max_steps": 16, "learning_rate": 5e-3, "eval_steps": 8,
+                                "seed": 1, **training})
+    raw["data"].update(format="preference", eval=str(held))
+    raw["eval"] = {"batch_size": 4}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    """One reward model run on the tiny model, shared by the tests below: (recipe, run directory, trained model)."""
+    tmp_path = tmp_path_factory.mktemp("reward")
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", reward_raw(tiny_model, tmp_path)))
+    result = runner.run(recipe)
+    evaluator.end_of_training(recipe, tmp_path / "run")
+    return recipe, tmp_path / "run", result.trainer.model
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_training_lowers_the_loss_and_raises_held_out_pair_accuracy(trained):
+    """The model as training starts (the base with the score head the run's seed draws) against the trained one,
+    on the held-out pairs: the pair loss falls and the accuracy rises."""
+    recipe, run_dir, _ = trained
+    set_seed(recipe.training.seed)  # the score head as the run drew it
+    untrained = loader.load_base(recipe.model, torch.float32, score_head=True)
+    tok = loader.load_tokenizer(recipe.model)
+    held = evaluator.held_out_records(recipe)
+    before = rewardmodel.pair_scores(rewardmodel.scored_pairs(untrained, tok, recipe, held, None, 4))
+    history = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
+    losses = [h["loss"] for h in history if "loss" in h]
+    eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
+    accuracy = [h["eval_accuracy"] for h in history if "eval_accuracy" in h]
+    assert len(accuracy) == 2 and accuracy[-1] >= 0.75 > before["reward_accuracy"], (before, accuracy)
+    assert abs(before["reward_margin"]) < 0.1 and eval_losses[-1] < math.log(2) - 0.2, (before, eval_losses)
+    assert min(losses[-4:]) < losses[0] - 0.3, losses
+    record = RunRecord.load(run_dir)
+    assert record.training_method == "reward" and record.status == "completed"
+    assert record.eval_scores["accuracy"] == accuracy[-1]
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_eval_reports_pair_accuracy_and_per_pair_scores_by_hand(trained):
+    """metrics.json's reward_accuracy (the pair accuracy) is the share of predictions.jsonl's rows whose chosen
+    score is above the rejected one, and equals the accuracy logged at the last evaluation of training (the same
+    pairs, the same weights); nothing is generated."""
+    _, run_dir, _ = trained
+    scores = json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"]
+    rows = [json.loads(line) for line in (run_dir / "eval" / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == scores["examples"] == 8 and "prediction" not in rows[0]
+    by_hand = sum(r["chosen_score"] > r["rejected_score"] for r in rows) / len(rows)
+    assert scores["reward_accuracy"] == pytest.approx(by_hand)
+    assert scores["reward_accuracy"] == pytest.approx(RunRecord.load(run_dir).eval_scores["accuracy"])
+    assert scores["reward_margin"] == pytest.approx(sum(r["chosen_score"] - r["rejected_score"] for r in rows) / 8)
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_lora_leaves_the_base_unchanged_and_saves_the_trained_score_head(trained, tiny_model):
+    _, run_dir, model = trained
+    base = load_file(str(tiny_model / "model.safetensors"))
+    compared = 0
+    for name, p in model.named_parameters():
+        key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if "lora_" not in name and "score" not in name:
+            assert torch.equal(p.detach().cpu(), base[key]), name
+            compared += 1
+    assert compared >= 10
+    saved = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    head = [k for k in saved if "score" in k]
+    assert head and not torch.equal(saved[head[0]], torch.zeros_like(saved[head[0]])), list(saved)
+    assert json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_the_reloaded_model_gives_the_scores_eval_wrote(trained):
+    recipe, run_dir, _ = trained
+    target = resolve_target(str(run_dir))
+    model = load_trained(target, torch.float32)
+    tok = loader.load_tokenizer(target.recipe.model, target.tokenizer_dir)
+    rows = rewardmodel.scored_pairs(model, tok, target.recipe, evaluator.records_for(target, None), None, 3)
+    written = [json.loads(line) for line in (run_dir / "eval" / "predictions.jsonl").read_text().splitlines()]
+    for row, old in zip(rows, written):
+        assert row["chosen_score"] == pytest.approx(old["chosen_score"], abs=1e-5)
+        assert row["rejected_score"] == pytest.approx(old["rejected_score"], abs=1e-5)
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_a_model_reward_scores_chosen_completions_above_rejected_ones(trained):
+    _, run_dir, _ = trained
+    spec = RewardSpec(reward="model", run=str(run_dir))
+    (scorer,) = rewards.build([spec], 32)
+    recipe = resolve_target(str(run_dir)).recipe
+    from tunekit.data.mixture import Renderers
+    from tunekit.data.reading import read_records
+
+    tok = loader.load_tokenizer(recipe.model)
+    renderer = Renderers(recipe.data, tok)
+    records = read_records(str(run_dir.parent / "eval.jsonl"), "eval", "data.eval")
+    rendered = [renderer.render(r).prompt for r in records]
+    chosen = scorer(rendered, [r.values["chosen"] for r in records])
+    rejected = scorer(rendered, [r.values["rejected"] for r in records])
+    assert sum(c > r for c, r in zip(chosen, rejected)) >= 0.75 * len(records), (chosen, rejected)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda run, tmp: {"reward": "model"}, "grpo.rewards[0].run: reward model needs it"),
+    (lambda run, tmp: {"reward": "model", "run": str(tmp / "nowhere")}, "is not a tunekit run directory"),
+    (lambda run, tmp: {"reward": "model", "run": str(fake_run(tmp / "sft", "sft"))},
+     "grpo.rewards[0] (model): run: "),
+    (lambda run, tmp: {"reward": "model", "run": str(fake_run(tmp / "rm", "reward", "failed"))},
+     "did not complete (status 'failed')"),
+])
+def test_a_model_reward_without_a_finished_reward_run_is_refused_in_one_line(tmp_path, tiny_model, capsys,
+                                                                              monkeypatch, make, message):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi.", "answer": "hi"}] * 4)
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "grpo", "micro_batch_size": 4})
+    raw["data"]["format"] = "prompt"
+    raw["grpo"] = {"rewards": [make(None, tmp_path)]}
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    line = refused_in_process(["train", str(recipe)], tmp_path, capsys, monkeypatch)
+    assert message in line, line
+
+
+def fake_run(run_dir, method: str, status: str = "completed"):
+    """A run directory holding only run.json (and an empty adapter/)."""
+    (run_dir / "adapter").mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "status": status, "started": "", "command": [], "versions": {}, "precision": {}, "adapter": "lora",
+        "base_model": "x", "parameters": {}, "world_size": 1, "effective_batch": 1, "data": {},
+        "training_method": method}))
+    return run_dir
+
+
+def test_a_run_of_another_method_is_not_a_reward_model(tmp_path):
+    with pytest.raises(TunekitError, match="is a training.method: sft run, not a reward model"):
+        rewardmodel.reward_run(str(fake_run(tmp_path / "sft", "sft")))
+    assert reward_method.trainer_class().__name__ == "RewardModelTrainer"
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+@pytest.mark.parametrize("adapter", [
+    {"adapter": "none", "lora": None},
+    {"quantization": {"bits": 4}},
+], ids=["full", "qlora"])
+def test_full_and_qlora_reward_models_learn_and_reload(tmp_path, tiny_model, adapter):
+    """Full fine-tuning saves model/ with its score head, QLoRA an adapter over the re-quantized base: both learn
+    the preference, and `tunekit eval` reloads each to the accuracy the last evaluation of training logged."""
+    raw = {**reward_raw(tiny_model, tmp_path), **adapter}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    raw["training"]["learning_rate"] = 1e-3 if "quantization" not in raw else 5e-3
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    runner.run(recipe)
+    result = evaluator.end_of_training(recipe, tmp_path / "run")
+    history = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
+    assert [h["eval_accuracy"] for h in history if "eval_accuracy" in h][-1] == result["scores"]["reward_accuracy"]
+    assert result["scores"]["reward_accuracy"] >= 0.75, result["scores"]
+    saved = tmp_path / "run" / ("model" if "quantization" not in raw else "adapter")
+    assert loader.saved_with_score_head(saved)
