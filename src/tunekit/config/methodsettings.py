@@ -90,6 +90,8 @@ class RewardSpec(Section):
     pattern: str | None = Field(None, description="regex: the pattern the whole completion must match.")
     target: int | None = Field(None, ge=0, description="length: completion tokens allowed before the penalty starts "
                                "(default 0).")
+    field: str | None = Field(None, description="task_success: the record field holding the expected answer "
+                              "(default: the reference answer).")
     function: str | None = Field(None, description="function: `module:function`, importable from the working "
                                  "directory (needs grpo.trust_local_code: true).")
     run: str | None = Field(None, description="model: the run directory of a finished reward model run "
@@ -115,17 +117,39 @@ class SampledSettings(MethodSettings):
     epsilon_high: float | None = Field(None, gt=0, description="Upper clipping bound 1 + epsilon_high (DAPO: 0.28); "
                                        "null: epsilon.")
     iterations: int = Field(1, ge=1, description="Optimizer steps on each batch of completions (TRL's mu).")
-    trust_local_code: bool = Field(False, description="Allow rewards of kind function (Python code of yours).")
+    trust_local_code: bool = Field(False, description="Allow Python code of yours: rewards of kind function, tools, "
+                                   "an environment.")
+    tools: list[str] = Field(default_factory=list, description="Functions the model may call while it answers: "
+                             "`module:function`, or `module` for every public function the module defines (needs "
+                             "trust_local_code: true). Each needs type hints and a docstring: its JSON schema, shown "
+                             "to the model, is made from them. docs/methods.md, GRPO with tools.")
+    environment: str | None = Field(None, description="`module:Class`: one instance per sampled answer, reset from "
+                                    "its record (the record's fields as keywords; a returned text is added to the "
+                                    "prompt), its public methods the tools, its optional get_reward() a reward (TRL's "
+                                    "environment_factory). Needs trust_local_code: true.")
+    max_turns: int = Field(4, ge=1, description="With tools: most model turns of one episode (each turn that calls "
+                           "a tool gets the results back as tool messages and goes on).")
+    tool_timeout: float = Field(10.0, gt=0, description="With tools: seconds one call may take; past it the model "
+                                "gets an error result.")
+    tool_output_chars: int = Field(2000, ge=16, description="With tools: characters of one result the model sees; "
+                                   "the rest is cut, with a note saying so.")
     vllm: bool = Field(False, description="Sample with vLLM (colocated on the training GPU; pip install "
                        "'tunekit[vllm]').")
 
+    @property
+    def acts(self) -> bool:
+        """Episodes call tools (grpo.tools or grpo.environment)."""
+        return bool(self.tools or self.environment)
+
     def step_shape(self, recipe) -> dict:
-        """Sequences are prompt + completion; every completion of the optimizer step is sampled at once before
+        """Sequences are prompt + completion (with tools, the episode: every turn and tool result counts in
+        max_completion_length, as TRL counts them); every completion of the optimizer step is sampled at once before
         it (TRL's generation batch: micro-batch x accumulation per process); a reference forward with beta > 0
         (the old policy's forward that iterations > 1 adds is not counted)."""
         t = recipe.training
         return {"seq_len": recipe.data.max_length + self.max_completion_length, "extra_forwards": int(self.beta > 0),
-                "sampled": t.micro_batch_size * t.gradient_accumulation_steps}
+                "sampled": t.micro_batch_size * t.gradient_accumulation_steps,
+                "sample_turns": self.max_turns if self.acts else 1}
 
 
 class GrpoSettings(SampledSettings):

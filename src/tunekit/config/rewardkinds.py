@@ -17,6 +17,7 @@ class RewardKind:
     needs: tuple[str, ...] = ()  # spec keys it requires
     reference: bool = False  # scores against the reference answer
     optional: tuple[str, ...] = ()  # spec keys it reads when given
+    episode: bool = False  # scores an episode with tools (grpo.tools / grpo.environment)
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -41,12 +42,20 @@ DECLARED: dict[str, RewardKind] = {k.name: k for k in (
                "grpo.max_completion_length", optional=("target",)),
     RewardKind("function", "your Python function `module:function` (grpo.trust_local_code: true), called with "
                "keywords prompt, completion, reference, record, tokens; returns a number", needs=("function",)),
+    RewardKind("task_success", "episodes with tools: 1 when the final answer holds the expected answer (the record's "
+               "`field`, default the reference answer; case and spacing ignored), else 0", optional=("field",),
+               episode=True),
+    RewardKind("tool_success", "episodes with tools: the share of the episode's tool calls that returned a result "
+               "rather than an error; 0 when it called none", episode=True),
+    RewardKind("turns", "episodes with tools: the model turns the episode took / max_turns (0..1; give it a negative "
+               "weight to prefer short episodes)", episode=True),
+    RewardKind("environment", "episodes with an environment: its get_reward() at the episode's end", episode=True),
     RewardKind("model", "the score a reward model (a finished run of training.method: reward, `run`) gives the "
                "prompt and completion", needs=("run",)),
 )}
 
 
-SETTINGS = ("pattern", "target", "function", "run")  # the spec keys only some kinds read
+SETTINGS = ("pattern", "target", "function", "run", "field")  # the spec keys only some kinds read
 
 
 def names() -> str:

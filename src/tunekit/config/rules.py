@@ -6,6 +6,7 @@ the setting. Rules within one section sit beside its fields (config.schema)."""
 from __future__ import annotations
 
 import importlib.util
+import re
 
 from tunekit.config import methods, metrickinds, rewardkinds
 from tunekit.config.methodsettings import KL_LOSSES
@@ -88,6 +89,12 @@ def grpo_rewards(recipe) -> None:
     seen = set()
     for i, spec in enumerate(g.rewards):
         rewardkinds.check(spec, i, key)
+        if rewardkinds.DECLARED[spec.reward].episode and not g.acts:
+            raise ValueError(f"{key}.rewards[{i}] ({spec.reward}) scores an episode with tools; set {key}.tools or "
+                             f"{key}.environment, or choose another reward")
+        if spec.reward == "environment" and not g.environment:
+            raise ValueError(f"{key}.rewards[{i}] (environment) is the environment's get_reward(); set "
+                             f"{key}.environment: module:Class")
         name = rewardkinds.label(spec, i, g.rewards)
         if name in seen:
             raise ValueError(f"{key}.rewards[{i}].name: {name!r} is logged twice; give each reward its own name")
@@ -95,6 +102,18 @@ def grpo_rewards(recipe) -> None:
         if spec.reward == "function" and not g.trust_local_code:
             raise ValueError(f"{key}.rewards[{i}]: a function reward runs your Python code ({spec.function}); set "
                              f"{key}.trust_local_code: true to allow it")
+    for setting in ("tools", "environment"):
+        if getattr(g, setting) and not g.trust_local_code:
+            raise ValueError(f"{key}.{setting}: tools run your Python code; set {key}.trust_local_code: true to "
+                             "allow it")
+    if g.acts and g.vllm:
+        raise ValueError(f"{key}.vllm: episodes with tools sample with tunekit's seeded sampling; set {key}.vllm: "
+                         "false")
+    for i, spec in enumerate(g.tools):
+        if not re.fullmatch(r"[\w.]+(:\w+)?", spec):
+            raise ValueError(f"{key}.tools[{i}]: {spec!r} is not module:function or module")
+    if g.environment is not None and not re.fullmatch(r"[\w.]+:\w+", g.environment):
+        raise ValueError(f"{key}.environment: {g.environment!r} is not module:Class")
 
 
 def installed(recipe) -> None:

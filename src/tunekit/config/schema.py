@@ -286,6 +286,8 @@ class TrainingConfig(Section):
     logging_steps: int = Field(10, gt=0, description="Log loss every N optimizer steps.")
     eval_steps: int | None = Field(None, gt=0, description="Evaluate loss every N steps; null evaluates once "
                                    "per epoch.")
+    eval_on_start: bool = Field(False, description="Also evaluate before the first step (the starting model's "
+                                "figures, step 0, beside the later ones).")
     save_steps: int | None = Field(None, gt=0, description="Checkpoint every N steps; null checkpoints once per epoch.")
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most this many checkpoints.")
     seed: int = Field(42, description="Seed for initialisation, data order and the eval split.")

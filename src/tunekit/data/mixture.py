@@ -92,14 +92,14 @@ class Renderers:
     """A Renderer per source; a record is rendered by its own source's (a record read elsewhere, --data say,
     by data.format's)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False):
-        self.base = Renderer(cfg, tokenizer, roles=roles)
+    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False, tools: list[dict] | None = None):
+        self.base = Renderer(cfg, tokenizer, roles=roles, tools=tools)
         made: dict[str, Renderer] = {cfg.model_dump_json(): self.base}
         self.each = []
         for source in sources(cfg):
             key = source.cfg.model_dump_json()
             if key not in made:
-                made[key] = Renderer(source.cfg, tokenizer, roles=roles)
+                made[key] = Renderer(source.cfg, tokenizer, roles=roles, tools=tools)
             self.each.append(made[key])
         self.tok = tokenizer
         self.cfg = cfg
@@ -109,8 +109,8 @@ class Renderers:
         source = source_of(record)
         return self.base if source is None else self.each[source]
 
-    def render(self, record: Record):
-        return self.of(record).render(record)
+    def render(self, record: Record, observation: str | None = None):
+        return self.of(record).render(record, observation)
 
     def examples(self, record: Record):
         return self.of(record).examples(record)

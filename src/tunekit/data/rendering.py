@@ -28,8 +28,9 @@ class Renderer:
     record, more where a chat template rewrites earlier turns), `render` for generation and scoring (the
     conversation through its last assistant message, with that message's prompt and reference)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False):
+    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False, tools: list[dict] | None = None):
         self.cfg = cfg
+        self.tools = tools  # tool schemas offered where a record offers none (grpo.tools, grpo.environment)
         self.tok = tokenizer
         self.format = FORMATS[cfg.format]
         self.with_roles = roles
@@ -49,11 +50,16 @@ class Renderer:
         """One line per default rendering used so far (templates without tool or reasoning support)."""
         return self.chat.notes if self.chat else set()
 
-    def _conversation(self, parsed, where: str) -> tuple[list[dict], list | None, list[dict]]:
+    def _conversation(self, parsed, where: str, observation: str | None = None
+                      ) -> tuple[list[dict], list | None, list[dict]]:
         messages = parsed.messages
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
-        return self.chat.adapt(messages, parsed.tools, where)
+        if observation:  # an environment's reset() text, added to the last user message before the answer
+            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+            messages = [dict(m, content=m["content"] + observation) if i == last else m
+                        for i, m in enumerate(messages)]
+        return self.chat.adapt(messages, parsed.tools or self.tools, where)
 
     def examples(self, record: Record) -> list[Rendered]:
         parsed = self.format.parse(record, self.cfg.fields)
@@ -68,11 +74,15 @@ class Renderer:
             out.append(self._finish(rendered, parsed, record.where))
         return out
 
-    def render(self, record: Record) -> Rendered:
+    def render(self, record: Record, observation: str | None = None) -> Rendered:
+        """`observation`: text added to the last user message (an environment's reset(); chat templates only)."""
         parsed = self.format.parse(record, self.cfg.fields)
         if self.chat is None or parsed.text is not None:
+            if self.tools or observation:
+                raise TunekitError("tools and environments need a chat template (data.template: chat); the "
+                                   f"{self.template} template has no place for tools or their results")
             return self._finish(self._plain(parsed), parsed, record.where)
-        messages, tools, meta = self._conversation(parsed, record.where)
+        messages, tools, meta = self._conversation(parsed, record.where, observation)
         last = max(i for i, info in enumerate(meta) if info["role"] == "assistant")
         turn = self.chat.turn(messages, tools, last, record.where)
         spans = self.chat.spans(messages, tools, turn, meta[last], record.where) if meta[last]["train"] else []

@@ -21,7 +21,7 @@ from tunekit.data.collating import collator
 from tunekit.data.formats import Record
 from tunekit.data.reading import read_records
 from tunekit.data.tokenizing import IGNORE, Example, build_examples
-from tunekit.evaluation import metrics, preference, rewardmodel, rewards
+from tunekit.evaluation import episodes, metrics, preference, rewardmodel, rewards
 from tunekit.evaluation.table import format_table, table_rows  # noqa: F401  (evaluation.table_rows: tests, demo)
 from tunekit.models import loader
 from tunekit.runs.layout import EVAL_DIR, RunRecord, Target, resolve_target
@@ -150,17 +150,48 @@ def generation_scores(model, tokenizer, rendered: list, cfg: EvalConfig) -> tupl
     """Greedy generations on the rendered examples and their scores (every process gets all of them)."""
     predictions = generate(model, tokenizer, [r.prompt for r in rendered], rendered[0].add_special_tokens,
                            cfg.batch_size, cfg.max_new_tokens)
+    return text_scores(predictions, rendered, cfg), predictions
+
+
+def toolkit(recipe: Recipe) -> episodes.Toolkit | None:
+    """The tools a GRPO recipe's episodes may call (grpo.tools, grpo.environment); None without."""
+    section, settings = methods.sampled(recipe)
+    return episodes.Toolkit.of(settings, section)
+
+
+def episode_scores(model, tokenizer, recipe: Recipe, records: list[Record], cfg: EvalConfig,
+                   kit: episodes.Toolkit) -> tuple[dict, list, list[str], list]:
+    """(scores, rendered, final answers, episodes): the held-out episodes played greedily with the tools, as
+    training samples them (evaluation.episodes.run), each environment reset from its record."""
+    renderer = mixture.Renderers(recipe.data, tokenizer, tools=kit.schemas())
+    played = [kit.start(r.values) for r in records[: cfg.limit or None]]
+    rendered = [renderer.render(r, e.observation) for r, e in zip(records, played)]
+    chat.say(renderer.notes)
+    prompt_ids = [tokenizer(r.prompt, add_special_tokens=r.add_special_tokens)["input_ids"] for r in rendered]
+    budget = methods.sampled(recipe)[1].max_completion_length
+    model.eval()
+    episodes.run(prompt_ids, played, episodes.greedy(model, tokenizer, cfg.batch_size),
+                 episodes.Continuation(renderer.base.chat, tokenizer), budget, episodes.eos_ids(model, tokenizer))
+    predictions = [e.answer for e in played]
+    return text_scores(predictions, rendered, cfg), rendered, predictions, played
+
+
+def text_scores(predictions: list[str], rendered: list, cfg: EvalConfig) -> dict:
     references = [r.reference for r in rendered]
     scores = metrics.score(predictions, references, cfg.metrics)
     scores.update(metrics.extra(predictions, references, cfg.extra_metrics))
-    return scores, predictions
+    return scores
 
 
 def evaluate_model(model, tokenizer, recipe: Recipe, records: list[Record],
                    cfg: EvalConfig) -> tuple[dict, list[dict]]:
-    rendered = rendered_examples(recipe, tokenizer, records, cfg)
+    kit, played = toolkit(recipe), None
     started = time.perf_counter()
-    scores, predictions = generation_scores(model, tokenizer, rendered, cfg)
+    if kit is None:
+        rendered = rendered_examples(recipe, tokenizer, records, cfg)
+        scores, predictions = generation_scores(model, tokenizer, rendered, cfg)
+    else:
+        scores, rendered, predictions, played = episode_scores(model, tokenizer, recipe, records, cfg, kit)
     gen_seconds = time.perf_counter() - started
     if "loss" in cfg.metrics:  # on the tokens training's eval loss reads: every trained turn of each record scored
         renderer = mixture.Renderers(recipe.data, tokenizer)
@@ -172,11 +203,22 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[Record],
             scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
     # the training method's measures (preference accuracy and rewards on pairs, GRPO's rewards, ...)
     scores.update(preference.method_measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
-    more, extras = rewards.held_out(recipe, tokenizer, records, rendered, predictions)
+    more, extras = rewards.held_out(recipe, tokenizer, records, rendered, predictions, played)
     scores.update(more)
+    if played is not None:
+        scores.update(episode_means(played))
+        extras = [dict(x, episode=e.transcript()) for x, e in zip(extras, played)]
     scores["examples"] = len(rendered)
     scores["generation_seconds"] = round(gen_seconds, 2)
     return scores, prediction_rows(rendered, predictions, extras)
+
+
+def episode_means(played: list) -> dict:
+    """Tool calls, failed calls and turns per held-out episode."""
+    n = max(len(played), 1)
+    return {"tool_calls_per_episode": sum(len(e.calls) for e in played) / n,
+            "tool_failures_per_episode": sum(e.failures for e in played) / n,
+            "turns_per_episode": sum(e.turns for e in played) / n}
 
 
 def prediction_rows(rendered: list, predictions: list[str], extras: list[dict]) -> list[dict]:
@@ -193,15 +235,23 @@ class DuringTraining:
     def __init__(self, recipe: Recipe, tokenizer, records: list[Record], samples: Path | None = None):
         self.recipe, self.tokenizer, self.records, self.samples = recipe, tokenizer, records, samples
         self.cfg = recipe.eval
-        self.rendered = rendered_examples(recipe, tokenizer, records, recipe.eval)
+        self.kit = toolkit(recipe)
+        self.rendered = rendered_examples(recipe, tokenizer, records, recipe.eval) if self.kit is None else None
         self.rows: list[dict] = []  # the last evaluation's predictions.jsonl rows
 
     def __call__(self, model) -> dict:
-        training = model.training
-        scores, predictions = generation_scores(model, self.tokenizer, self.rendered, self.cfg)
+        training, played = model.training, None
+        if self.kit is None:
+            scores, predictions = generation_scores(model, self.tokenizer, self.rendered, self.cfg)
+        else:  # fresh episodes each time: an environment's state is the episode's
+            scores, self.rendered, predictions, played = episode_scores(model, self.tokenizer, self.recipe,
+                                                                        self.records, self.cfg, self.kit)
+            scores.update(episode_means(played))
         model.train(training)
-        more, extras = rewards.held_out(self.recipe, self.tokenizer, self.records, self.rendered, predictions)
+        more, extras = rewards.held_out(self.recipe, self.tokenizer, self.records, self.rendered, predictions, played)
         scores.update(more)
+        if played is not None:
+            extras = [dict(x, episode=e.transcript()) for x, e in zip(extras, played)]
         self.rows = prediction_rows(self.rendered, predictions, extras)
         return {k: v for k, v in scores.items() if isinstance(v, (int, float))}
 

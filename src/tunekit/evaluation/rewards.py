@@ -9,7 +9,11 @@ A recipe names them in grpo.rewards, each with a weight; the run logs each one's
 - json: 1 when the completion (stripped, a ``` fence removed) is one JSON value, else 0;
 - length: 0 up to `target` completion tokens, falling linearly to -1 at grpo.max_completion_length;
 - function: a Python function `module:function` (only with grpo.trust_local_code), called with keywords prompt,
-  completion, reference, record (the raw record as a dict) and tokens; it returns a number;
+  completion, reference, record (the raw record as a dict), tokens and, if it takes it, episode (the transcript of
+  an episode with tools); it returns a number;
+- episodes with tools (evaluation.episodes; the completion a reward sees is the episode's final answer):
+  task_success (the expected answer, a record `field` or the reference, found in the final answer), tool_success
+  (the share of calls that returned a result), turns (turns taken / max_turns), environment (its get_reward());
 - model: the score a reward model (a finished run of training.method: reward, `run`) gives prompt + completion
   (evaluation.rewardmodel; the run is checked when the reward is made, its weights load at its first score).
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import math
 import os
@@ -45,6 +50,7 @@ class Sample:
     tokens: int  # completion tokens
     record: dict  # the raw record
     where: str  # "file line N"
+    episode: Any = None  # evaluation.episodes.Episode when the completion is an episode with tools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +138,57 @@ def _function(spec, max_len):
     except (ImportError, AttributeError) as e:
         raise TunekitError(f"cannot load {spec.function!r} ({e}); give module:function importable from the "
                            "working directory or the Python path") from None
-    return lambda s: fn(prompt=s.prompt, completion=s.completion, reference=s.reference, record=s.record,
-                        tokens=s.tokens)
+    params = inspect.signature(fn).parameters
+    takes_episode = "episode" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def call(s: Sample):
+        more = {"episode": s.episode.transcript() if s.episode is not None else None} if takes_episode else {}
+        return fn(prompt=s.prompt, completion=s.completion, reference=s.reference, record=s.record, tokens=s.tokens,
+                  **more)
+    return call
+
+
+# ---------------------------------------------------------------- episodes with tools (evaluation.episodes)
+
+def _episode(s: Sample):
+    if s.episode is None:
+        raise TunekitError(f"{s.where}: no episode to score; this reward scores episodes with tools (grpo.tools or "
+                           "grpo.environment)")
+    return s.episode
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+@register("task_success")
+def _task_success(spec, max_len):
+    def score(s: Sample) -> float:
+        _episode(s)
+        expected = s.record.get(spec.field) if spec.field else s.reference
+        if expected is None or str(expected).strip() == "":
+            what = f"field {spec.field!r}" if spec.field else "reference answer"
+            raise TunekitError(f"{s.where} has no {what} to check the final answer against")
+        return float(_normalized(str(expected)) in _normalized(s.completion))
+    return score
+
+
+@register("tool_success")
+def _tool_success(spec, max_len):
+    def score(s: Sample) -> float:
+        calls = _episode(s).calls
+        return sum(c.ok for c in calls) / len(calls) if calls else 0.0
+    return score
+
+
+@register("turns")
+def _turns(spec, max_len):
+    return lambda s: _episode(s).turns / _episode(s).kit.max_turns
+
+
+@register("environment")
+def _environment(spec, max_len):
+    return lambda s: _episode(s).reward()
 
 
 _REWARD_MODELS: dict[Path, rewardmodel.ModelReward] = {}  # one loaded copy of each reward model in a process
@@ -182,12 +237,21 @@ class Reward:
             raise TunekitError(f"{self.title}: returned {value!r} on {sample.where}; a reward returns a finite number")
         return float(value)
 
-    def __call__(self, prompts, completions, completion_ids=None, reference=None, where=None, record=None, **_):
+    def __call__(self, prompts, completions, completion_ids=None, reference=None, where=None, record=None,
+                 episode=None, **_):
         n = len(completions)
-        return [self.score(Sample(prompts[i], completions[i], (reference or [""] * n)[i],
-                                  len(completion_ids[i]) if completion_ids is not None else 0,
-                                  json.loads(record[i]) if record else {}, (where or ["?"] * n)[i]))
+        episode = episode or [None] * n
+        return [self.score(Sample(prompts[i], episode[i].answer if episode[i] else completions[i],
+                                  (reference or [""] * n)[i], _tokens(completion_ids, episode, i),
+                                  json.loads(record[i]) if record else {}, (where or ["?"] * n)[i], episode[i]))
                 for i in range(n)]
+
+
+def _tokens(completion_ids, episodes, i: int) -> int:
+    """Completion tokens the model sampled (an episode's tool results left out)."""
+    if episodes[i] is not None:
+        return sum(episodes[i].mask)
+    return len(completion_ids[i]) if completion_ids is not None else 0
 
 
 def build(specs, max_completion_length: int, section: str = "grpo") -> list[Reward]:
@@ -195,7 +259,8 @@ def build(specs, max_completion_length: int, section: str = "grpo") -> list[Rewa
     return [Reward(spec, i, specs, max_completion_length, section) for i, spec in enumerate(specs)]
 
 
-def held_out(recipe, tokenizer, records: list, rendered: list, predictions: list[str]) -> tuple[dict, list[dict]]:
+def held_out(recipe, tokenizer, records: list, rendered: list, predictions: list[str],
+             episodes: list | None = None) -> tuple[dict, list[dict]]:
     """The recipe's rewards (grpo.rewards) on held-out generations, beside the metrics: mean_scores, and what each
     prediction adds to its row in predictions.jsonl; `rendered` (data.rendering.Rendered) are the records'
     renderings the predictions answer. Nothing for a recipe without rewards."""
@@ -204,8 +269,9 @@ def held_out(recipe, tokenizer, records: list, rendered: list, predictions: list
         return {}, [{} for _ in predictions]
     scorers = build(g.rewards, g.max_completion_length, section)
     raw = {r.where: r.values for r in records}
+    episodes = episodes or [None] * len(predictions)
     samples = [Sample(r.prompt, p, r.reference or "", len(tokenizer(p, add_special_tokens=False)["input_ids"]),
-                      raw.get(r.where, {}), r.where) for r, p in zip(rendered, predictions)]
+                      raw.get(r.where, {}), r.where, e) for r, p, e in zip(rendered, predictions, episodes)]
     return mean_scores(scorers, [s.weight for s in g.rewards], samples)
 
 

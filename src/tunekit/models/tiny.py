@@ -61,14 +61,14 @@ def build_sentencepiece_tokenizer(path: Path):
     return tok
 
 
-def build_model(path: Path, tokenizer, seed: int = 0) -> None:
-    """Save a 2-layer, 64-wide random Llama (512-token context) and `tokenizer` to `path`."""
+def build_model(path: Path, tokenizer, seed: int = 0, context: int = 512) -> None:
+    """Save a 2-layer, 64-wide random Llama (a 512-token context unless `context` says) and `tokenizer` to `path`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path)

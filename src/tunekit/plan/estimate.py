@@ -51,6 +51,7 @@ class Settings:
     sequences: int = 1  # sequences per example: 2 for DPO (chosen and rejected in one batch)
     extra_forwards: int = 0  # no-grad forwards over the batch: DPO's reference; KTO's KL, reference and reference KL
     sampled: int = 0  # sequences sampled at once per device before the step (GRPO: micro-batch x accumulation)
+    sample_turns: int = 1  # generate() calls per sampled sequence: episodes with tools re-read their context each turn
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     utilization: float = 0.4
     memory_bandwidth: float | None = None  # bytes/s the elementwise work reaches (plan.steptime); None: not counted
@@ -203,11 +204,12 @@ def kv_width(cfg) -> int:
 
 def sampling(parts: dict, cfg, s: Settings, c: Counts) -> float:
     """GRPO's sampling before the step: its KV cache into `parts`; returns its FLOPs per micro-batch (one
-    forward's worth per sampled token, spread over the accumulation steps)."""
+    forward's worth per sampled token, spread over the accumulation steps; with tools, each turn's generate() reads
+    the episode so far again: at most a full sequence per turn)."""
     if not s.sampled:
         return 0.0
     parts["sampling: KV cache"] = kv_cache_bytes(cfg, s)
-    return 2 * c.total * s.sampled * s.seq_len / s.accumulation
+    return 2 * c.total * s.sampled * s.seq_len * s.sample_turns / s.accumulation
 
 
 def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
@@ -591,6 +593,7 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         + (f" pairs ({s.micro_batch * s.sequences} sequences)" if s.sequences > 1 else "")
         + (f", {s.extra_forwards} no-grad forward(s) (reference, KL)" if s.extra_forwards else "")
         + (f", {s.sampled} sequences sampled before each step" if s.sampled else "")
+        + (f" in up to {s.sample_turns} turns" if s.sampled and s.sample_turns > 1 else "")
         + f" x {s.seq_len} tokens, "
         f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, {sharding_words(s)}",
         "",

@@ -91,6 +91,8 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
     rate = learning_rate or (PROVISIONAL_RATE if t.learning_rate == "auto" else t.learning_rate)
     save = _every("save", t.save_steps or t.max_steps)
     evaluation = _every("eval", t.eval_steps or t.max_steps) if has_eval else {"eval_strategy": "no"}
+    if has_eval and t.eval_on_start:
+        evaluation["eval_on_start"] = True
     best: dict = {}
     if t.metric_for_best and has_eval:
         # the best checkpoint is kept and loaded at the end, so one is saved at every evaluation

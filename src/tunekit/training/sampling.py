@@ -45,9 +45,12 @@ class SeededSampling(LogitsProcessor):
         return scores + noise.to(scores.device)
 
 
-def generate(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
+def generate(trainer, prompt_ids: list[list[int]], rows: list[int] | None = None, turn: int = 0,
+             max_new_tokens: int | None = None) -> list[list[int]]:
     """Completion ids (through the first end-of-sequence token) for this process's prompts, sampled with
-    SeededSampling by the trainer's model (TRL's GRPOTrainer attributes)."""
+    SeededSampling by the trainer's model (TRL's GRPOTrainer attributes). Episodes with tools (evaluation.episodes)
+    pass each sequence's place in the step's batch of completions (`rows`), the turn (a later turn draws other
+    noise) and the tokens their budget has left."""
     from trl.models import unwrap_model_for_generation
 
     acc, tok = trainer.accelerator, trainer.processing_class
@@ -55,11 +58,11 @@ def generate(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=acc.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=acc.device)
     mode = "train" if trainer.model.training else "eval"
-    # TRL hands each process a contiguous, equal slice of the step's batch of completions
-    rows = [acc.process_index * len(prompt_ids) + i for i in range(len(prompt_ids))]
-    sampler = SeededSampling((trainer.args.seed, mode, trainer.state.global_step), rows, width,
-                             trainer.temperature, trainer.top_p, trainer.top_k)
-    config = GenerationConfig(max_new_tokens=trainer.max_completion_length, do_sample=False,
+    if rows is None:  # TRL hands each process a contiguous, equal slice of the step's batch of completions
+        rows = [acc.process_index * len(prompt_ids) + i for i in range(len(prompt_ids))]
+    key = (trainer.args.seed, mode, trainer.state.global_step) + (("turn", turn) if turn else ())
+    sampler = SeededSampling(key, rows, width, trainer.temperature, trainer.top_p, trainer.top_k)
+    config = GenerationConfig(max_new_tokens=max_new_tokens or trainer.max_completion_length, do_sample=False,
                               pad_token_id=tok.pad_token_id, eos_token_id=trainer.eos_token_ids, disable_compile=True)
     with unwrap_model_for_generation(trainer.model_wrapped, acc,
                                      gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model, \

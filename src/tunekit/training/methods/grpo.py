@@ -53,7 +53,8 @@ class Grpo(Method):
         trainer = trainer_class()(
             model=inputs.model, reward_funcs=scorers, args=inputs.args, train_dataset=inputs.data.train,
             eval_dataset=inputs.data.eval, processing_class=inputs.tokenizer, callbacks=inputs.callbacks,
-            generation_eval=inputs.generation_eval, add_special_tokens=inputs.data.add_special_tokens, **ref_args)
+            generation_eval=inputs.generation_eval, add_special_tokens=inputs.data.add_special_tokens,
+            data=inputs.data, **ref_args)
         return trainer, trainer.tokens
 
 
@@ -78,6 +79,8 @@ def trainer_class():
             if not self.seeded(images, multimodal_fields):
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                      has_tool_images)
+            if self.episodes is not None:
+                return self.play(prompt_ids), None
             return sampling.generate(self, prompt_ids), None
 
     GrpoTrainer.__module__, GrpoTrainer.__qualname__ = __name__, "GrpoTrainer"

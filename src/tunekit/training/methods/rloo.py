@@ -1,6 +1,6 @@
 """training.method: rloo -- REINFORCE leave-one-out from the same rewards as grpo, with TRL's RLOOTrainer; its
-`rloo:` recipe section is declared in tunekit.config.methodsettings (grpo's sampling and reward settings, less
-loss_type and scale_rewards, plus normalize_advantages).
+`rloo:` recipe section is declared in tunekit.config.methodsettings (grpo's sampling, reward and tool settings,
+less loss_type and scale_rewards, plus normalize_advantages).
 
 Each prompt is answered `completions` times; a completion's advantage is its reward minus the mean reward of the
 other completions of its group (the leave-one-out baseline), with the KL to the reference (rloo.beta > 0) taken
@@ -44,7 +44,8 @@ class Rloo(Method):
         trainer = trainer_class()(
             model=inputs.model, reward_funcs=scorers, args=inputs.args, train_dataset=inputs.data.train,
             eval_dataset=inputs.data.eval, processing_class=inputs.tokenizer, callbacks=inputs.callbacks,
-            generation_eval=inputs.generation_eval, add_special_tokens=inputs.data.add_special_tokens, **ref_args)
+            generation_eval=inputs.generation_eval, add_special_tokens=inputs.data.add_special_tokens,
+            data=inputs.data, **ref_args)
         return trainer, trainer.tokens
 
 
@@ -55,16 +56,20 @@ def trainer_class():
     from trl.trainer import rloo_trainer
 
     from tunekit.training import sampling
+    from tunekit.training.methods.acting import MaskedLogps
     from tunekit.training.trainer import GenerationEval, SafeState
 
-    class RlooTrainer(SafeState, GenerationEval, rollouts.mixin(), RLOOTrainer):
-        """RLOOTrainer with tunekit's checkpoints and generation metrics, sampling as rollouts.mixin does."""
+    class RlooTrainer(SafeState, GenerationEval, MaskedLogps, rollouts.mixin(), RLOOTrainer):
+        """RLOOTrainer with tunekit's checkpoints and generation metrics, sampling as rollouts.mixin does, tool
+        results left out of its sequence log probabilities (acting.MaskedLogps)."""
 
         trl_module = rloo_trainer
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
             if not self.seeded(images, multimodal_fields):
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+            if self.episodes is not None:
+                return self.play(prompt_ids)
             return sampling.generate(self, prompt_ids)
 
     RlooTrainer.__module__, RlooTrainer.__qualname__ = __name__, "RlooTrainer"

@@ -57,6 +57,8 @@ class PromptBundle(PairBundle):
     """train / eval: datasets of prompt, reference, where, record (the raw record as JSON text)."""
 
     add_special_tokens: bool = True  # whether tokenizing a prompt adds BOS etc. (False: the chat template wrote them)
+    renderer: object = None  # data.mixture.Renderers that rendered the prompts (an episode's observation re-renders)
+    toolkit: object = None  # evaluation.episodes.Toolkit with grpo.tools / grpo.environment, else None
 
 
 def prompt_rows(records: list, renderer, tokenizer, max_length: int):
@@ -84,16 +86,23 @@ def prompt_rows(records: list, renderer, tokenizer, max_length: int):
 def build(recipe, tokenizer) -> PromptBundle:
     import datasets
 
+    from tunekit.config import methods
     from tunekit.data import mixture
+    from tunekit.evaluation.episodes import Toolkit
 
     cfg = recipe.data
-    renderer = mixture.Renderers(cfg, tokenizer)
+    section, settings = methods.sampled(recipe)
+    toolkit = Toolkit.of(settings, section)
+    renderer = mixture.Renderers(cfg, tokenizer, tools=toolkit.schemas() if toolkit else None)
     records, held, facts, report = split_records(recipe)
     rows, stats, special = prompt_rows(records, renderer, tokenizer, cfg.max_length)
     log.info("train prompts: %d, %d prompt tokens; %d dropped (the prompt alone fills data.max_length=%d)",
              stats.examples, stats.tokens, stats.dropped_no_target, cfg.max_length)
     bundle = PromptBundle(datasets.Dataset.from_list(rows), None, stats, None, renderer.template, facts,
-                          report, special)
+                          report, special, renderer, toolkit)
+    if toolkit is not None:
+        log.info("tools: %s; up to %d turns, %g s and %d characters a call", ", ".join(
+            t["function"]["name"] for t in toolkit.schemas()), toolkit.max_turns, toolkit.timeout, toolkit.output_chars)
     if held:
         rows, bundle.eval_stats, _ = prompt_rows(held, renderer, tokenizer, cfg.max_length)
         bundle.eval = datasets.Dataset.from_list(rows)
@@ -107,8 +116,9 @@ def mixin():
     from unittest import mock
 
     from tunekit.data.collating import CountingCollator
+    from tunekit.training.methods.acting import Acting
 
-    class Rollouts:
+    class Rollouts(Acting):
         """Samples from the prompts as tunekit renders them (already templated text, tokenized as `tunekit eval`
         tokenizes it), counts the tokens sampled, scores held-out prompts by their greedy answers' rewards
         (evaluation.DuringTraining) instead of TRL's evaluation pass. `trl_module`: the TRL module whose
@@ -116,9 +126,12 @@ def mixin():
 
         trl_module = None
 
-        def __init__(self, *args, add_special_tokens: bool = True, ref_model=None, **kwargs):
+        def __init__(self, *args, add_special_tokens: bool = True, ref_model=None, data=None, **kwargs):
             self.add_special_tokens = add_special_tokens
             self.tokens = CountingCollator(None)  # its counters only: real and computed tokens sampled
+            self.toolkit = getattr(data, "toolkit", None)
+            self.renderer = getattr(data, "renderer", None)
+            self.episodes: list | None = None  # the batch being sampled, with tools
             if ref_model is None:
                 super().__init__(*args, **kwargs)
                 return
@@ -128,7 +141,13 @@ def mixin():
                 super().__init__(*args, **kwargs)
 
         def _generate_and_score_completions(self, inputs):
+            if self.toolkit is not None:
+                inputs = self.start_episodes(inputs)
             out = super()._generate_and_score_completions(inputs)
+            if self.episodes is not None:
+                out["tool_mask"] = self.tool_mask(out["completion_ids"])
+                self.log_episodes()
+                self.episodes = None
             if self.model.training:  # prompts and completions, as the throughput counts them
                 masks = [out["prompt_mask"], out["completion_mask"]]
                 self.tokens.real += int(sum(m.sum() for m in masks))

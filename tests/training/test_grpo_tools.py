@@ -1,0 +1,168 @@
+"""GRPO with tools (grpo.tools, grpo.environment): recipe checks, and a run on the tiny model whose sampling is
+scripted (half the episodes call the tool and answer from its result, half answer at once), so the loop, the masks,
+the rewards and the logs are checked against known episodes; `tunekit eval` plays held-out episodes and writes
+their transcripts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import recipes
+from tunekit.evaluation import evaluator
+from tunekit.training import runner, sampling
+from tunekit.training.methods import acting, rollouts
+
+TOOLS = '''
+TABLE = {"oslo": 7, "lima": 19, "rome": 24, "kyiv": 3}
+
+
+def lookup(city: str) -> int:
+    """The temperature in a city today.
+
+    Args:
+        city: the city, lower case
+    """
+    return TABLE[city]
+'''
+CITIES = ["oslo", "lima", "rome", "kyiv"]
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """The tiny model with a 1024-token context: its near-character-level tokenizer spends ~450 tokens on a prompt
+    offering one tool."""
+    from tunekit.models.tiny import build_model, build_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-1024")
+    build_model(path, build_tokenizer(path), context=1024)
+    return path
+CALL = '<tool_call>\n{{"name": "lookup", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
+
+
+def raw_recipe(tiny_model, tmp_path, out, **grpo):
+    (tmp_path / "weather.py").write_text(TOOLS)
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"How warm is it in {c}?", "answer": str(t), "city": c}
+                                              for c, t in zip(CITIES * 4, [7, 19, 24, 3] * 4)])
+    raw = tiny_recipe(tiny_model, data, out, training={"method": "grpo", "max_steps": 2, "micro_batch_size": 8,
+                                                       "learning_rate": 5e-2})
+    raw["data"].update(format="prompt", eval_fraction=0.25, max_length=600)
+    raw["grpo"] = {"completions": 4, "max_completion_length": 160, "tools": ["weather:lookup"], "max_turns": 3,
+                   "trust_local_code": True,
+                   "rewards": [{"reward": "task_success"}, {"reward": "tool_success", "weight": 0.5}], **grpo}
+    raw["eval"] = {"max_new_tokens": 8, "batch_size": 4, "limit": 4}
+    return raw
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda g: g.update(trust_local_code=False), r"grpo.tools: tools run your Python code; set "
+                                                 r"grpo.trust_local_code: true"),
+    (lambda g: g.update(tools=["weather:lookup:x"]), r"grpo.tools\[0\]: 'weather:lookup:x' is not module:function"),
+    (lambda g: g.update(tools=["weather:nothere"]), r"grpo.tools\[0\]: weather has no function 'nothere'"),
+    (lambda g: g.update(max_turns=0), r"grpo.max_turns"),
+    (lambda g: g.update(environment="weather.Table"), r"grpo.environment: 'weather.Table' is not module:Class"),
+    (lambda g: g.update(rewards=[{"reward": "environment"}]), r"grpo.rewards\[0\] \(environment\) is the "
+                                                              r"environment's get_reward\(\); set grpo.environment"),
+    (lambda g: g.update(tools=[]), r"grpo.rewards\[0\] \(task_success\) scores an episode with tools; set "
+                                   r"grpo.tools or grpo.environment"),
+])
+def test_tool_recipes_are_refused_before_weights(tmp_path, long_model, monkeypatch, capsys, change, message):
+    raw = raw_recipe(long_model, tmp_path, tmp_path / "run")
+    change(raw["grpo"])
+    line = refused_in_process(["validate", str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys,
+                              monkeypatch)
+    assert re.search(message, line), line
+
+
+@pytest.mark.slow  # a training run
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_a_run_plays_episodes_masks_the_results_and_logs_the_tools(tmp_path, long_model, monkeypatch, method):
+    """Rows of even place call the tool for their city and answer from the result; odd rows answer '0' at once.
+    RLOO (one mask for its attention and its loss) gets the tool results' log probabilities zeroed instead."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    raw = raw_recipe(long_model, tmp_path, tmp_path / "run")
+    if method == "rloo":
+        raw["training"]["method"], raw["rloo"] = "rloo", raw.pop("grpo")
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    masks, tok, zeroed = [], None, []
+    real_logps = acting.MaskedLogps._get_per_token_logps_and_entropies
+
+    def keep_logps(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        out = real_logps(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        zeroed.append(int((out[0] == 0).sum()))
+        return out
+
+    monkeypatch.setattr(acting.MaskedLogps, "_get_per_token_logps_and_entropies", keep_logps)
+
+    def scripted(trainer, prompt_ids, rows=None, turn=0, max_new_tokens=None):
+        nonlocal tok
+        tok = trainer.processing_class
+        out = []
+        for ids, row in zip(prompt_ids, rows):
+            text = tok.decode(ids)
+            city = next(c for c in CITIES if f"in {c}?" in text)
+            if turn == 0:
+                say = CALL.format(city=city) if row % 2 == 0 else "It is 0 degrees."
+            else:
+                say = f"It is {json.loads(text.rsplit('<|im_start|>tool', 1)[1].split('<|im_end|>')[0])} degrees."
+            out.append(tok(say, add_special_tokens=False)["input_ids"][:max_new_tokens] + [tok.eos_token_id])
+        return out
+
+    monkeypatch.setattr(sampling, "generate", scripted)
+    cls = rollouts.mixin()
+    real_mask = cls.tool_mask
+
+    def keep_mask(self, completion_ids):
+        mask = real_mask(self, completion_ids)
+        masks.append((completion_ids.clone(), mask.clone(), [list(e.mask) for e in self.episodes]))
+        return mask
+
+    monkeypatch.setattr(cls, "tool_mask", keep_mask)
+    runner.run(recipe)
+    run_dir = tmp_path / "run"
+    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "eval_loss" not in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["tools/calls"] == 0.5 and r["tools/failures"] == 0 and r["tools/turns"] == 1.5
+        assert r["rewards/task_success/mean"] == 0.5  # the calling half answers right, the rest say 0
+        assert r["rewards/tool_success/mean"] == 0.5
+    if method == "rloo":  # the results' tokens of the scored batch and of each micro-batch's loss
+        assert len(zeroed) >= 4 and all(z > 0 for z in zeroed), zeroed
+    for ids, mask, episode_masks in masks:
+        for row in range(ids.shape[0]):
+            zeros = [tok.decode([t]) for t, m in zip(ids[row].tolist(), mask[row].tolist()) if m == 0]
+            if row % 2 == 0:  # the tool's turn, as the template writes it, carries no loss
+                assert "".join(zeros).startswith("\n<|im_start|>tool\n") and "assistant" in "".join(zeros)
+            else:
+                assert zeros == []
+            assert mask[row].tolist()[:len(episode_masks[row])] == episode_masks[row]
+    evaluator.end_of_training(recipe, run_dir)  # `tunekit eval RUN`: held-out episodes played greedily
+    predictions = [json.loads(line) for line in (run_dir / "eval" / "predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 4
+    for p in predictions:
+        assert {"turns", "answer", "calls", "tool_failures"} <= p["episode"].keys()
+        assert p["prediction"] == p["episode"]["answer"] and "task_success" in p
+    scores = json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"]
+    assert {"reward/task_success", "tool_calls_per_episode", "turns_per_episode"} <= scores.keys()
+
+
+def test_plan_counts_a_generate_pass_per_turn(tmp_path, long_model, monkeypatch):
+    from tunekit.plan import estimate
+
+    monkeypatch.chdir(tmp_path)
+    raw = raw_recipe(long_model, tmp_path, tmp_path / "run")
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    plain = recipes.load(write_recipe(tmp_path / "p.yaml", {**raw, "grpo": {**raw["grpo"], "tools": [],
+                                                                            "rewards": [{"reward": "chrf"}]}}))
+    cfg, model = estimate.meta_model(recipe)
+    s, p = (estimate.settings_from(r, 1, "fp32") for r in (recipe, plain))
+    assert (s.sample_turns, p.sample_turns, s.seq_len) == (3, 1, 600 + 160)
+    with_tools, without = (estimate.make(r, x, cfg, model) for r, x in ((recipe, s), (plain, p)))
+    quiet = estimate.make(plain, estimate.settings_from(plain, 1, "fp32", sampled=0), cfg, model)
+    one_pass = without.flops_per_step - quiet.flops_per_step
+    assert one_pass > 0 and with_tools.flops_per_step - quiet.flops_per_step == pytest.approx(3 * one_pass)
