@@ -139,6 +139,27 @@ def test_a_model_reward_scores_chosen_completions_above_rejected_ones(trained):
     assert sum(c > r for c, r in zip(chosen, rejected)) >= 0.75 * len(records), (chosen, rejected)
 
 
+@pytest.mark.slow  # a training run
+def test_grpo_trains_on_the_reward_models_scores(trained, tiny_model, tmp_path):
+    """A GRPO run whose one reward is the trained reward model: every step logs its scores, and the held-out
+    generations are scored with it in `tunekit eval`."""
+    _, run_dir, _ = trained
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Reverse the word.\n\n{w}", "answer": w[::-1]}
+                                              for w in WORDS * 2])
+    raw = tiny_recipe(tiny_model, data, tmp_path / "grpo", training={"method": "grpo", "max_steps": 2,
+                                                                      "micro_batch_size": 4})
+    raw["data"].update(format="prompt", eval_fraction=0.25)
+    raw["grpo"] = {"completions": 4, "max_completion_length": 6, "rewards": [{"reward": "model", "run": str(run_dir)}]}
+    raw["eval"] = {"max_new_tokens": 6, "batch_size": 4, "during_training": False}
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    runner.run(recipe)
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "loss_history.jsonl").read_text().splitlines()]
+    means = [r["rewards/model/mean"] for r in rows if "rewards/model/mean" in r]
+    assert len(means) == 2 and all(math.isfinite(m) for m in means), rows
+    result = evaluator.end_of_training(recipe, tmp_path / "grpo")
+    assert math.isfinite(result["scores"]["reward/model"])
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda run, tmp: {"reward": "model"}, "grpo.rewards[0].run: reward model needs it"),
     (lambda run, tmp: {"reward": "model", "run": str(tmp / "nowhere")}, "is not a tunekit run directory"),
