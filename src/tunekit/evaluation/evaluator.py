@@ -281,9 +281,11 @@ def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtyp
     torch_dtype = eval_dtype(dtype)
     tokenizer = loader.load_tokenizer(target.recipe.model, target.tokenizer_dir)
     model = load_trained(target, torch_dtype)
-    log.info("eval %s: %d examples, batch %d, greedy, max %d new tokens, %s", target.label,
-             min(len(records), cfg.limit or len(records)), cfg.batch_size, cfg.max_new_tokens, torch_dtype)
-    if methods.of(target.recipe).score_head:  # a reward model: its held-out pairs scored, nothing generated
+    scored = methods.of(target.recipe).score_head  # a reward model: its held-out pairs scored, nothing generated
+    log.info("eval %s: %d examples, batch %d, %s, %s", target.label, min(len(records), cfg.limit or len(records)),
+             cfg.batch_size, "each pair scored" if scored else f"greedy, max {cfg.max_new_tokens} new tokens",
+             torch_dtype)
+    if scored:
         scores, rows = rewardmodel.evaluate_pairs(model, tokenizer, target.recipe, records, cfg)
     else:
         scores, rows = evaluate_model(model, tokenizer, target.recipe, records, cfg)
