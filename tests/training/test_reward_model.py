@@ -179,6 +179,13 @@ def test_a_model_reward_without_a_finished_reward_run_is_refused_in_one_line(tmp
     assert message in line, line
 
 
+def test_the_best_checkpoint_may_be_chosen_by_the_held_out_loss(tmp_path, tiny_model):
+    """A reward model's evaluations log eval_loss, with an eval section or without."""
+    raw = reward_raw(tiny_model, tmp_path)
+    raw["training"]["metric_for_best"] = "eval_loss"
+    assert recipes.load(write_recipe(tmp_path / "r.yaml", raw)).training.metric_for_best == "eval_loss"
+
+
 def fake_run(run_dir, method: str, status: str = "completed"):
     """A run directory holding only run.json (and an empty adapter/)."""
     (run_dir / "adapter").mkdir(parents=True)

@@ -127,7 +127,7 @@ declare(MethodSpec(
     "(data.format: preference) to score the chosen answer above the rejected one, TRL's RewardTrainer; "
     "grpo.rewards scores completions with it ({reward: model, run: RUN})",
     settings=RewardSettings, data_formats=PAIR_FORMATS, data_description=PAIRS, score_head=True,
-    eval_loss_beside_generation=False, sequences=2))  # chosen and rejected in one batch
+    sequences=2))  # chosen and rejected in one batch
 declare(MethodSpec(
     "grpo", "group relative policy optimization: sampled completions scored by rewards a program checks "
     "(exact match, BLEU, chrF, ROUGE, a format pattern, JSON, tool calls, length, your function), "
