@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 
-from tunekit.core.errors import TunekitError
 from tunekit.training.methods.base import register
 from tunekit.training.methods.pairs import PreferenceMethod, build
 
@@ -27,6 +26,9 @@ class Reward(PreferenceMethod):
         return trainer_class()
 
     def build_data(self, recipe, tokenizer):
+        """The pairs as dpo builds them, each as its two whole sequences (prompt + answer, cut at data.max_length).
+        The score is read at the last token that is not the pad token (models.tokenizer sets one: the
+        end-of-sequence token where the tokenizer has none)."""
         from tunekit.evaluation.rewardmodel import whole_pair
 
         bundle = build(recipe, tokenizer)
@@ -43,8 +45,6 @@ class Reward(PreferenceMethod):
                             center_rewards_coefficient=recipe.reward.center_rewards_coefficient)
 
     def make_trainer(self, inputs):
-        if inputs.tokenizer.pad_token is None:
-            raise TunekitError("model: the tokenizer has no pad token, which a reward model's score is read against")
         inputs.generation_eval = None  # a reward model generates nothing; its evaluations log pair accuracy
         trainer, collate = super().make_trainer(inputs)
         if inputs.recipe.quantization is not None:
@@ -52,9 +52,6 @@ class Reward(PreferenceMethod):
 
             loader.trainable_in_fp32(trainer.model)  # TRL casts a quantized model's trained weights to bf16
         return trainer, collate
-
-    def measures(self, model, tokenizer, recipe, records, limit, batch_size) -> dict:
-        return {}  # `tunekit eval` scores a reward model's pairs itself (evaluation.rewardmodel.evaluate_pairs)
 
 
 @functools.cache
