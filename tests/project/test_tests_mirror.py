@@ -43,8 +43,6 @@ THROUGH = {
                                  "time_and_output",
     "tunekit.runs.history": "tests/reporting/test_report.py::test_page_holds_both_runs_curves_scores_and_the_before_"
                             "after_table",
-    "tunekit.training.checkpointing": "tests/e2e/test_faults.py::test_resume_after_sigkill_matches_an_"
-                                      "uninterrupted_run",
     "tunekit.training.dscheckpoint": "tests/e2e/test_multiprocess.py::test_deepspeed_checkpoints_are_safetensors_and_"
                                      "resume_exactly",
     "tunekit.training.fsdpstate": "tests/e2e/test_multiprocess.py::test_fsdp2_resumes_on_one_process_after_a_kill",

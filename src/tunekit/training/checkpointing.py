@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import torch
 from transformers import TrainerCallback
 
 from tunekit.core.errors import TunekitError
@@ -23,20 +24,45 @@ class MarkComplete(TrainerCallback):
             (ckpt / MARKER).write_text(json.dumps({"step": state.global_step}) + "\n")
 
 
+def all_finite(tensors: list) -> bool:
+    """Whether every element of every tensor is finite, with one host sync: the largest |element| of each
+    (torch._foreach_norm at ord inf: a few fused kernels on a GPU; NaN and inf carry through a maximum,
+    which never overflows) taken per device and dtype. Tensors of other kinds (FSDP's DTensors) are asked
+    one by one."""
+    groups: dict[tuple, list] = {}
+    for t in tensors:
+        t = t.detach()
+        if type(t) is torch.Tensor:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        elif not bool(t.isfinite().all()):
+            return False
+    if not groups:
+        return True
+    largest = [m.float() for g in groups.values() for m in torch._foreach_norm(g, math.inf)]
+    devices = {m.device for m in largest}
+    return all(bool(torch.stack([m for m in largest if m.device == d]).isfinite().all()) for d in devices)
+
+
 class StopOnNonFinite(TrainerCallback):
     """Stop at the first non-finite loss or weight, before that step can be checkpointed."""
 
     def __init__(self):
         self.model = None
+        self.named = None  # the model's named parameters, listed once (walking the modules costs a few ms a step)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.model = model
+        self.model, self.named = model, None
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.model is None:
             return
-        for name, p in self.model.named_parameters():
-            if p.requires_grad and p.numel() and not bool(p.detach().isfinite().all()):
+        if self.named is None:
+            self.named = list(self.model.named_parameters())
+        trained = [(name, p) for name, p in self.named if p.requires_grad and p.numel()]
+        if all_finite([p for _, p in trained]):
+            return
+        for name, p in trained:  # the first one, in the model's order
+            if not bool(p.detach().isfinite().all()):
                 raise TunekitError(f"training diverged at step {state.global_step}: weight {name} is not finite; "
                                    "lower training.learning_rate (the last good checkpoint is kept)")
 

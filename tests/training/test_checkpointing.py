@@ -1,0 +1,38 @@
+"""The non-finite stop: one check over every trained weight, the first non-finite one named."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tunekit.core.errors import TunekitError
+from tunekit.training import checkpointing
+
+
+def test_all_finite_sees_a_nan_or_an_infinity_in_any_tensor_of_any_dtype():
+    fine = [torch.randn(3, 4), torch.full((5,), 3e38), torch.randn(2, dtype=torch.bfloat16),
+            torch.tensor([6e4, -6e4], dtype=torch.float16), torch.randn(1, 1, requires_grad=True)]
+    assert checkpointing.all_finite(fine) and checkpointing.all_finite([])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in range(len(fine)):
+            for at in (0, -1):
+                tensors = [t.detach().clone() for t in fine]
+                tensors[i].view(-1)[at] = bad
+                assert not checkpointing.all_finite(tensors), (bad, i, at)
+
+
+def test_a_non_finite_trained_weight_stops_the_run_naming_the_first_and_frozen_ones_are_not_checked():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)
+    stop = checkpointing.StopOnNonFinite()
+    stop.on_train_begin(None, None, None, model=model)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")  # frozen: not the run's to stop for
+    stop.on_step_end(None, SimpleNamespace(global_step=6), None)
+    with torch.no_grad():
+        model[2].weight[1, 1] = float("inf")
+        model[1].bias[0] = float("nan")
+    with pytest.raises(TunekitError, match=r"at step 7: weight 1\.bias is not finite"):
+        stop.on_step_end(None, SimpleNamespace(global_step=7), None)
