@@ -46,8 +46,6 @@ THROUGH = {
     "tunekit.training.dscheckpoint": "tests/e2e/test_multiprocess.py::test_deepspeed_checkpoints_are_safetensors_and_"
                                      "resume_exactly",
     "tunekit.training.fsdpstate": "tests/e2e/test_multiprocess.py::test_fsdp2_resumes_on_one_process_after_a_kill",
-    "tunekit.training.methods.acting": "tests/training/test_grpo_tools.py::test_a_run_plays_episodes_masks_the_"
-                                       "results_and_logs_the_tools",
     "tunekit.training.methods.base": "tests/training/test_methods.py::test_a_registered_method_is_a_training_method_"
                                      "with_its_section",
     "tunekit.training.methods.sft": "tests/training/test_train.py::test_lora_lowers_loss_and_leaves_base_weights_"
