@@ -11,14 +11,16 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import set_seed
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
-from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
+from conftest import refused_in_process, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.config.methodsettings import RewardSpec
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import evaluator, rewardmodel, rewards
+from tunekit.export import merge
 from tunekit.models import loader
+from tunekit.plan import estimate
 from tunekit.runs.layout import RunRecord, resolve_target
 from tunekit.runs.trained import load_trained
 from tunekit.training import runner
@@ -184,6 +186,105 @@ def test_the_best_checkpoint_may_be_chosen_by_the_held_out_loss(tmp_path, tiny_m
     raw = reward_raw(tiny_model, tmp_path)
     raw["training"]["metric_for_best"] = "eval_loss"
     assert recipes.load(write_recipe(tmp_path / "r.yaml", raw)).training.metric_for_best == "eval_loss"
+
+
+@pytest.mark.parametrize("metric", ["eval_accuracy", "eval_margin"])
+def test_the_best_checkpoint_may_be_chosen_by_held_out_pair_accuracy_or_margin(tmp_path, tiny_model, metric):
+    """What a reward model's evaluations log beside eval_loss, greater being better."""
+    raw = reward_raw(tiny_model, tmp_path)
+    raw["training"]["metric_for_best"] = metric
+    training = recipes.load(write_recipe(tmp_path / "r.yaml", raw)).training
+    assert training.metric_for_best == metric and training.best_is_greater
+
+
+@pytest.mark.parametrize("method, metric, message", [
+    ("sft", "eval_accuracy", "eval_accuracy is a reward model's held-out pair measure, logged by training.method: "
+                             "reward, not sft, whose evaluations log eval_loss"),
+    ("dpo", "eval_margin", "eval_margin is a reward model's held-out pair measure"),
+    ("reward", "eval_bleu", "eval_bleu is not logged at evaluations of training.method: reward, which generate "
+                            "nothing; logged: eval_loss, eval_accuracy, eval_margin"),
+])
+def test_a_measure_the_evaluations_do_not_log_is_refused_in_one_line(tmp_path, tiny_model, method, metric, message):
+    raw = reward_raw(tiny_model, tmp_path)
+    raw["training"].update(method=method, metric_for_best=metric)
+    raw["eval"]["metrics"] = ["bleu"]
+    if method == "sft":
+        raw["data"] = {**raw["data"], "format": "prompt_completion", "train": str(write_jsonl(
+            tmp_path / "sft.jsonl", [{"prompt": w, "completion": w[::-1]} for w in WORDS])), "eval": None}
+        raw["data"]["eval_fraction"] = 0.25
+    with pytest.raises(TunekitError, match="training.metric_for_best") as e:
+        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_the_best_checkpoint_by_margin_is_the_one_kept(tiny_model, tmp_path):
+    """eval_margin reaches the evaluation's metrics counted over the pairs: the run keeps the checkpoint with the
+    greatest one."""
+    raw = reward_raw(tiny_model, tmp_path, metric_for_best="eval_margin", max_steps=8, eval_steps=4)
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    runner.run(recipe)
+    history = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
+    margins = {h["step"]: h["eval_margin"] for h in history if "eval_margin" in h}
+    best = RunRecord.load(tmp_path / "run").best
+    assert len(margins) == 2 and best["value"] == pytest.approx(max(margins.values())), (margins, best)
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_a_merged_reward_model_reloads_with_its_score_head_and_gives_the_runs_scores(trained, tmp_path, caplog):
+    """The merge checks parity on the [batch, 1] scores (not logits per token); the merged directory loads with
+    plain AutoModelForSequenceClassification, reads the score where training did, and gives the scores the adapter
+    run's `tunekit eval` wrote."""
+    recipe, run_dir, _ = trained
+    with caplog.at_level("INFO", logger="tunekit"):
+        out = merge.merge(run_dir, tmp_path / "merged", dtype="fp32")
+    assert "parity: max |score diff|" in caplog.text and "pair order agreement 100.00%" in caplog.text
+    parity = json.loads((out / "tunekit.json").read_text())["parity"]
+    assert parity["measure"] == "scores" and parity["max_abs_diff"] < 1e-4 and parity["top1_agreement"] == 1.0
+    assert "AutoModelForSequenceClassification.from_pretrained" in (out / "README.md").read_text()
+    model = AutoModelForSequenceClassification.from_pretrained(out)  # plain transformers, no peft
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.num_labels == 1 and model.config.pad_token_id == tok.pad_token_id
+    written = [json.loads(line) for line in (run_dir / "eval" / "predictions.jsonl").read_text().splitlines()]
+    chosen = [r["chosen"] for r in written]
+    rows = rewardmodel.scored_pairs(model, tok, recipe, evaluator.held_out_records(recipe), None, 4)
+    assert [r["chosen"] for r in rows] == chosen
+    for row, old in zip(rows, written):
+        assert row["chosen_score"] == pytest.approx(old["chosen_score"], abs=1e-4)
+        assert row["rejected_score"] == pytest.approx(old["rejected_score"], abs=1e-4)
+
+
+@pytest.mark.slow  # seconds: make test-fast leaves it out
+def test_gguf_export_of_a_reward_model_is_refused_in_one_line(trained, tmp_path, capsys, monkeypatch):
+    _, run_dir, _ = trained
+    line = refused_in_process(["export", str(run_dir), "--quant", "q8_0"], tmp_path, capsys, monkeypatch)
+    assert "a reward model ends in a score head" in line and "GGUF does not apply" in line, line
+
+
+def test_a_reward_plan_counts_a_score_head_not_vocabulary_logits(tmp_path, tiny_model):
+    """The score head gives one number per position (hidden x 1), the language-model head one per vocabulary entry:
+    a DPO plan of the same pairs and an SFT plan of the same model keep their vocabulary-sized logits."""
+    raw = reward_raw(tiny_model, tmp_path)
+    reward = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    raw["training"]["method"] = "dpo"
+    dpo = recipes.load(write_recipe(tmp_path / "d.yaml", raw))  # the same pairs, a language-model head
+    plans = {}
+    for name, recipe in (("reward", reward), ("dpo", dpo)):
+        cfg, model = estimate.meta_model(recipe)
+        s = estimate.Settings(micro_batch=2, sequences=2, seq_len=64, precision="fp32")
+        plans[name] = (cfg, model, estimate.make(recipe, s, cfg, model), s)
+    cfg, model, plan, s = plans["reward"]
+    tokens = s.micro_batch * s.sequences * s.seq_len
+    assert plan.parts["logits and loss"] < tokens * 16  # a few bytes per position, no vocabulary
+    assert plan.parts["logits and loss"] < plans["dpo"][2].parts["logits and loss"] / cfg.vocab_size * 2
+    assert model.get_output_embeddings() is None and [n for n, _ in model.named_parameters() if "score" in n]
+    assert plans["dpo"][2].parts["logits and loss"] == tokens * cfg.vocab_size * (4 + 6)  # fp32 logits, log-softmax
+    sft = recipes.load(write_recipe(tmp_path / "s.yaml", tiny_recipe(
+        tiny_model, write_jsonl(tmp_path / "sft.jsonl", reverse_rows(8)), tmp_path / "sft",
+        training={"chunked_loss": False})))
+    s = estimate.Settings(micro_batch=2, seq_len=64, precision="fp32")
+    sft_plan = estimate.make(sft, s, *estimate.meta_model(sft))
+    assert sft_plan.parts["logits and loss"] == 2 * 64 * cfg.vocab_size * (4 + 6)
 
 
 def fake_run(run_dir, method: str, status: str = "completed"):

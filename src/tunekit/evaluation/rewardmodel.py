@@ -42,19 +42,25 @@ def sequence_scores(model, sequences: list[list[int]], pad_id: int, batch_size: 
     return out
 
 
-def scored_pairs(model, tokenizer, recipe, records: list, limit: int | None, batch_size: int) -> list[dict]:
-    """Each held-out pair's chosen and rejected score (records whose prompt alone fills data.max_length are left
-    out, as training leaves them out)."""
+def pair_sequences(tokenizer, recipe, records: list) -> list[tuple]:
+    """(record, tokenized pair, its two whole sequences) of each record, rendered and cut as in training; records
+    whose prompt alone fills data.max_length are left out, as training leaves them out."""
     from tunekit.data.mixture import Renderers
     from tunekit.evaluation.preference import tokenize_pair
 
     renderer = Renderers(recipe.data, tokenizer)
     cut = recipe.data.max_length
     kept = []
-    for record in records[:limit or None]:
+    for record in records:
         pair = tokenize_pair(record, renderer.of(record), tokenizer)
         if len(pair["prompt_ids"]) < cut:
             kept.append((record, pair, whole_pair(pair, cut)))
+    return kept
+
+
+def scored_pairs(model, tokenizer, recipe, records: list, limit: int | None, batch_size: int) -> list[dict]:
+    """Each held-out pair's chosen and rejected score (pair_sequences: cut and left out as in training)."""
+    kept = pair_sequences(tokenizer, recipe, records[:limit or None])
     model.eval()
     sequences = [w[side] for _, _, w in kept for side in ("chosen_ids", "rejected_ids")]
     scores = sequence_scores(model, sequences, tokenizer.pad_token_id, batch_size)

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from tunekit import __version__
+from tunekit.config.methods import DECLARED as METHODS
 from tunekit.config.modelsource import looks_like_path, resolve_model
 from tunekit.config.recipes import load as load_recipe
 from tunekit.config.recipes import to_yaml
@@ -104,8 +105,13 @@ def front_matter(card: Card) -> dict:
     found = list(dict.fromkeys(HUB_METRICS[k] for k in (card.scores or {}) if k in HUB_METRICS))
     if found:
         meta["metrics"] = found
-    meta["pipeline_tag"] = "text-generation"
+    meta["pipeline_tag"] = "text-classification" if scores_sequences(card) else "text-generation"
     return meta
+
+
+def scores_sequences(card: Card) -> bool:
+    """The model ends in a score head (a reward model): it scores sequences and generates nothing."""
+    return card.recipe is not None and METHODS[card.recipe.training.method].score_head
 
 
 def render(card: Card) -> str:
@@ -155,17 +161,18 @@ def _local(spec: str) -> bool:
 
 def _usage(card: Card) -> str:
     where = card.repo or "this_dir"
+    task = "SequenceClassification" if scores_sequences(card) else "CausalLM"  # a reward model: its score head
     if card.what == "adapter":
-        code = (f'from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n'
-                f'model = AutoPeftModelForCausalLM.from_pretrained("{where}")\n'
+        code = (f'from peft import AutoPeftModelFor{task}\nfrom transformers import AutoTokenizer\n\n'
+                f'model = AutoPeftModelFor{task}.from_pretrained("{where}")\n'
                 f'tokenizer = AutoTokenizer.from_pretrained("{where}")')
         if not card.base_model_id:
             code += ("\n# the base model named in adapter_config.json is a local path: load your copy of it and\n"
                      f'# PeftModel.from_pretrained(base, "{where}")')
         return f"## How to load\n\n```python\n{code}\n```\n"
     if card.what == "merged":
-        return ("## How to load\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-                f'model = AutoModelForCausalLM.from_pretrained("{where}")\n'
+        return (f"## How to load\n\n```python\nfrom transformers import AutoModelFor{task}, AutoTokenizer\n\n"
+                f'model = AutoModelFor{task}.from_pretrained("{where}")\n'
                 f'tokenizer = AutoTokenizer.from_pretrained("{where}")\n```\n')
     run = (f"ollama run hf.co/{card.repo}\nllama-cli -hf {card.repo}" if card.repo else
            "ollama create NAME -f NAME.Modelfile\nllama-cli -m NAME.gguf")

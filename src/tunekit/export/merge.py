@@ -1,4 +1,5 @@
-"""Adapter + base -> merged weights that load with plain AutoModelForCausalLM.from_pretrained.
+"""Adapter + base -> merged weights that load with plain AutoModelForCausalLM.from_pretrained (a reward model's:
+AutoModelForSequenceClassification, its score head merged in; parity on its scores, one per sequence).
 
 LoRA is merged in fp32 and cast afterwards. A QLoRA adapter was trained against the dequantized
 4-bit base, not the original weights, so the base is re-quantized exactly as in training,
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
+from tunekit.config import methods
 from tunekit.config.recipes import load as load_recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
@@ -35,10 +37,14 @@ log = logging.getLogger("tunekit")
 @dataclass
 class Parity:
     max_abs_diff: float
-    top1_agreement: float
-    positions: int
+    top1_agreement: float  # scores: the share of pairs ranked alike (chosen above rejected, or not)
+    positions: int  # scores: the sequences scored
+    measure: str = "logits"  # or "scores": a score head's one number per sequence (a reward model)
 
     def line(self) -> str:
+        if self.measure == "scores":
+            return (f"parity: max |score diff| {self.max_abs_diff:.2e}, pair order agreement "
+                    f"{100 * self.top1_agreement:.2f}% over {self.positions} sequences")
         return (f"parity: max |logit diff| {self.max_abs_diff:.2e}, top-1 agreement {100 * self.top1_agreement:.2f}% "
                 f"over {self.positions} positions")
 
@@ -67,6 +73,37 @@ def logits(model, batch) -> torch.Tensor:
     return out.logits.float().cpu()
 
 
+def parity_pairs(recipe, tokenizer, n: int = 4) -> list[list[int]]:
+    """A reward run's parity sequences: a few pairs of its own data (held out where it has some), each as the two
+    whole sequences it was trained to score (chosen, rejected, chosen, ...)."""
+    from tunekit.evaluation.rewardmodel import pair_sequences
+
+    records = (split.held_out(recipe.data, recipe.training.seed)
+               or list(itertools.islice(split.train_source(recipe.data), 4 * n)))
+    kept = pair_sequences(tokenizer, recipe, records[:4 * n])[:n]
+    if not kept:
+        raise TunekitError("merge: no usable pair in the run's data for the parity check")
+    return [w[side] for _, _, w in kept for side in ("chosen_ids", "rejected_ids")]
+
+
+@torch.no_grad()
+def scores(model, sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    """A score head's fp32 scores of `sequences`, [batch, 1], read as training reads them (the last token that is
+    not padding); sets the model's pad_token_id, so a merged model saved after this reads them there too."""
+    from tunekit.evaluation.rewardmodel import sequence_scores
+
+    model.eval()
+    return torch.tensor(sequence_scores(model, sequences, pad_id, len(sequences))).unsqueeze(-1)
+
+
+def compare_scores(reference: torch.Tensor, merged: torch.Tensor) -> Parity:
+    """Parity on [batch, 1] scores of (chosen, rejected) sequences in turn."""
+    ranked = [(t[0::2] > t[1::2]) for t in (reference, merged)]
+    return Parity(max_abs_diff=(reference - merged).abs().max().item(),
+                  top1_agreement=(ranked[0] == ranked[1]).float().mean().item(),
+                  positions=reference.shape[0], measure="scores")
+
+
 def compare(reference: torch.Tensor, merged: torch.Tensor, mask: torch.Tensor) -> Parity:
     keep = mask.bool()
     ref, got = reference[keep], merged[keep]
@@ -75,18 +112,18 @@ def compare(reference: torch.Tensor, merged: torch.Tensor, mask: torch.Tensor) -
                   positions=int(keep.sum()))
 
 
-def _merged_model(recipe, record: RunRecord, adapter_dir: Path, batch) -> tuple[torch.nn.Module, torch.Tensor]:
-    """Return the merged fp32 model and the adapter model's logits on `batch` (the reference)."""
+def _merged_model(recipe, record: RunRecord, adapter_dir: Path, measure) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Return the merged fp32 model and the adapter model's `measure` (its logits or scores: the reference)."""
     if recipe.quantization is None:
         model = loader.load_adapter_model(recipe.model, adapter_dir, torch.float32)
-        reference = logits(model, batch)
+        reference = measure(model)
         return model.merge_and_unload(), reference
     # Same load dtype as training so that the 4-bit codes and scales are the ones trained against.
     load_dtype, quant = quantization_as_trained(recipe, record, torch.float32)
     adapter_model = loader.load_adapter_model(recipe.model, adapter_dir, load_dtype, quant)
-    reference = logits(adapter_model, batch)
+    reference = measure(adapter_model)
     del adapter_model
-    base = loader.load_base(recipe.model, load_dtype, quant)
+    base = loader.load_base(recipe.model, load_dtype, quant, score_head=loader.saved_with_score_head(adapter_dir))
     for module in base.modules():  # dequantize straight to fp32, without rounding to the load dtype
         state = getattr(getattr(module, "weight", None), "quant_state", None)
         if state is not None:
@@ -126,10 +163,25 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
     dtype = dtype or _default_dtype(recipe)
 
     tokenizer = loader.load_tokenizer(recipe.model, adapter_dir)
-    batch = parity_batch(recipe, tokenizer)
+    if methods.of(recipe).score_head:  # a reward model: one score per sequence, not logits per token
+        sequences = parity_pairs(recipe, tokenizer)
+
+        def measure(model):
+            return scores(model, sequences, tokenizer.pad_token_id)
+
+        def judge(reference, got):
+            return compare_scores(reference, got)
+    else:
+        batch = parity_batch(recipe, tokenizer)
+
+        def measure(model):
+            return logits(model, batch)
+
+        def judge(reference, got):
+            return compare(reference, got, batch["attention_mask"])
     log.info("merging %s adapter into %s in fp32", recipe.adapter_kind, recipe.model.name_or_path)
-    merged, reference = _merged_model(recipe, record, adapter_dir, batch)
-    parity = compare(reference, logits(merged, batch), batch["attention_mask"])
+    merged, reference = _merged_model(recipe, record, adapter_dir, measure)
+    parity = judge(reference, measure(merged))
     log.info(parity.line())
     if not parity.max_abs_diff <= tolerance:
         raise TunekitError(f"merge refused: {parity.line()} exceeds tolerance {tolerance:g}; nothing written to {out}")

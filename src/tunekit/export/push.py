@@ -202,9 +202,11 @@ def _notes(merged_dir: Path | None) -> list[str]:
     parity = read_json(marker, MERGED_FIX).get("parity") if marker is not None and marker.is_file() else None
     if not isinstance(parity, dict):
         return []
-    return [f"Merged from the adapter in fp32; parity with the adapter model: max |logit diff| "
-            f"{parity.get('max_abs_diff', float('nan')):.2e}, top-1 agreement "
-            f"{100 * parity.get('top1_agreement', float('nan')):.2f}% over {parity.get('positions')} positions"]
+    scores = parity.get("measure") == "scores"  # a reward model's: one score per sequence (export.merge.Parity)
+    return [f"Merged from the adapter in fp32; parity with the adapter model: max |{'score' if scores else 'logit'} "
+            f"diff| {parity.get('max_abs_diff', float('nan')):.2e}, "
+            f"{'pair order' if scores else 'top-1'} agreement {100 * parity.get('top1_agreement', float('nan')):.2f}% "
+            f"over {parity.get('positions')} {'sequences' if scores else 'positions'}"]
 
 
 def _gguf_base(path: Path) -> str | None:

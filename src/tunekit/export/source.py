@@ -102,6 +102,18 @@ def resolve(target: str) -> Source:
     return Source("merged", path, t.recipe, Facts(name, t.recipe.model.name_or_path, None, facts))
 
 
+def scores_sequences(source: Source) -> bool:
+    """The source ends in a one-number score head (a reward model: training.method reward, or a saved
+    ...ForSequenceClassification), read before any weight loads."""
+    from tunekit.config.methods import DECLARED
+
+    if source.recipe is not None:
+        return DECLARED[source.recipe.training.method].score_head
+    from tunekit.models.loader import saved_with_score_head
+
+    return saved_with_score_head(source.path)
+
+
 def config(source: Source):
     """The model's config, read before anything is merged or loaded."""
     if source.recipe is None:

@@ -68,6 +68,10 @@ class Gguf(ExportFormat):
         from tunekit.export import source as export_source
         from tunekit.export.architectures import architecture
 
+        if export_source.scores_sequences(source):
+            raise TunekitError(f"export target {target}: a reward model ends in a score head (one number per "
+                               "sequence), not the language-model head llama.cpp generates with, so GGUF does not "
+                               "apply; use tunekit merge or --format safetensors (AutoModelForSequenceClassification)")
         if not out.name.endswith(".gguf"):
             raise TunekitError(f"--out {out}: give a file name ending in .gguf")
         if QUANTS[options["quant"]].llama_cpp:
@@ -154,12 +158,14 @@ class Safetensors(ExportFormat):
 
     @staticmethod
     def _save(source: Source, model_dir: Path, out: Path, dtype: str | None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
         from tunekit.core.hardware import DTYPES
+        from tunekit.models.loader import saved_with_score_head
         from tunekit.runs import layout
 
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype] if dtype else "auto")
+        auto = AutoModelForSequenceClassification if saved_with_score_head(model_dir) else AutoModelForCausalLM
+        model = auto.from_pretrained(str(model_dir), dtype=DTYPES[dtype] if dtype else "auto")
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         saved = str(model.dtype).removeprefix("torch.")
         with outputs.atomic_dir(out) as tmp:

@@ -9,6 +9,7 @@ ZeRO-3 gather whole on a device, and when, is in plan.sharding. Time per step: p
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -99,16 +100,22 @@ class Plan:
 
 def meta_model(recipe: Recipe, cfg=None):
     """The model's config (`cfg` when given, else its own, else tunekit's shipped copy) and the model
-    (with its adapter) built on the meta device: no weights."""
-    from transformers import AutoModelForCausalLM
+    (with its adapter) built on the meta device: no weights. A method that ends in a score head (a reward
+    model) builds it as training loads it: AutoModelForSequenceClassification, num_labels 1, no language-model
+    head."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from tunekit.models.info import model_config
     from tunekit.models.loader import lora_config
 
     if cfg is None:
         cfg = model_config(recipe.model, shipped=True)
+    auto, built = AutoModelForCausalLM, cfg
+    if methods.of(recipe).score_head:
+        auto, built = AutoModelForSequenceClassification, copy.deepcopy(cfg)
+        built.num_labels = 1
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.model.trust_remote_code)
+        model = auto.from_config(built, trust_remote_code=recipe.model.trust_remote_code)
     peft_cfg = lora_config(recipe)
     if peft_cfg is not None:
         peft_cfg.init_lora_weights = True  # shapes are the same; PiSSA/OLoRA cannot decompose meta tensors
@@ -221,8 +228,11 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     Chunked path (losspath): the trained positions' hidden states gathered, their gradient held from
     forward to backward, one chunk of logits (fp32, log-sum-exp, softmax and gradient in place; below
     fp32 also the compute-dtype logits or the gradient cast back, one at a time: measured with
-    bench/plan_check.py), and an fp32 gradient for a trained head."""
-    h, vocab = cfg.hidden_size, cfg.vocab_size
+    bench/plan_check.py), and an fp32 gradient for a trained head.
+    The head's width follows the method: the vocabulary for a language-model head, 1 for a score head (a reward
+    model: one number per position, the last real one's read; its loss is on those scores alone)."""
+    h = cfg.hidden_size
+    vocab = 1 if methods.of(recipe).score_head else cfg.vocab_size  # the head's outputs per position
     tokens = s.micro_batch * s.sequences * s.seq_len
     elem = 4 if s.precision == "fp32" else 2
     # below fp32, a head stored in fp32 (full fine-tuning's master weights) is cast for the matmul; FSDP2 and

@@ -5,8 +5,10 @@ its `reward:` recipe section is declared in tunekit.config.methodsettings.
 The pairs are rendered and tokenized by tunekit's own code, as for dpo (training.methods.pairs), and handed to TRL as
 the two whole sequences it scores (evaluation.rewardmodel.whole_pair). The model loads with its score head
 (models.loader: AutoModelForSequenceClassification, num_labels 1; with LoRA the head is trained in full beside the
-adapter and saved with it). Each evaluation during training logs the held-out pair accuracy as eval_accuracy;
-`tunekit eval RUN` reports it as reward_accuracy (evaluation.rewardmodel)."""
+adapter and saved with it). Each evaluation during training logs the held-out pair accuracy as eval_accuracy and
+the mean margin (chosen minus rejected score) as eval_margin, both measures training.metric_for_best may name
+(config.rules.SCORE_HEAD_MEASURES); `tunekit eval RUN` reports them as reward_accuracy and reward_margin
+(evaluation.rewardmodel)."""
 
 from __future__ import annotations
 
@@ -64,9 +66,10 @@ def trainer_class():
     from tunekit.training.trainer import GenerationEval, SafeState
 
     class RewardModelTrainer(SafeState, GenerationEval, RewardTrainer):
-        """RewardTrainer with tunekit's pickle-free checkpoints. Its held-out accuracy is counted over the pairs
-        (TRL averages the batches' accuracies, which weighs a short last batch as a full one) and reaches the
-        evaluation's metrics (eval_accuracy: the callbacks, metric_for_best), not only the logged line."""
+        """RewardTrainer with tunekit's pickle-free checkpoints. Its held-out accuracy and margin are counted over
+        the pairs (TRL averages the batches' values, which weighs a short last batch as a full one) and reach the
+        evaluation's metrics (eval_accuracy, eval_margin: the callbacks, metric_for_best), not only the logged
+        line."""
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # already chosen_ids / rejected_ids from tunekit's renderer, cut at data.max_length
@@ -76,19 +79,24 @@ def trainer_class():
             if not self.model.training:
                 chosen, rejected = torch.chunk(outputs.logits.squeeze(-1), chunks=2)
                 right = self.accelerator.gather_for_metrics((chosen > rejected).sum().reshape(1)).sum()
+                margin = self.accelerator.gather_for_metrics((chosen - rejected).float().sum().reshape(1)).sum()
                 total = self.accelerator.gather_for_metrics(torch.tensor([len(chosen)], device=chosen.device)).sum()
                 self._pairs_right = getattr(self, "_pairs_right", 0) + int(right)
+                self._pairs_margin = getattr(self, "_pairs_margin", 0.0) + float(margin)
                 self._pairs_seen = getattr(self, "_pairs_seen", 0) + int(total)
             return (loss, outputs) if return_outputs else loss
 
         def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                             metric_key_prefix="eval"):
             self._pairs_right = self._pairs_seen = 0
+            self._pairs_margin = 0.0
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
             if self._pairs_seen:
                 self._metrics["eval"].pop("accuracy", None)
+                self._metrics["eval"].pop("margin", None)
                 output.metrics[f"{metric_key_prefix}_accuracy"] = self._pairs_right / self._pairs_seen
+                output.metrics[f"{metric_key_prefix}_margin"] = self._pairs_margin / self._pairs_seen
             return output
 
     RewardModelTrainer.__module__, RewardModelTrainer.__qualname__ = __name__, "RewardModelTrainer"
