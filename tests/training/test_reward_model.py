@@ -322,3 +322,14 @@ def test_full_and_qlora_reward_models_learn_and_reload(tmp_path, tiny_model, ada
     assert result["scores"]["reward_accuracy"] >= 0.75, result["scores"]
     saved = tmp_path / "run" / ("model" if "quantization" not in raw else "adapter")
     assert loader.saved_with_score_head(saved)
+    # QLoRA: merged into the re-quantized base with its score head; full: saved as it is, score head kept
+    from tunekit.export.exporting import export
+
+    out = export(str(tmp_path / "run"), out=tmp_path / "merged", format="safetensors", dtype="fp32")
+    if "quantization" in raw:
+        parity = json.loads((out / "tunekit.json").read_text())["parity"]
+        assert parity["measure"] == "scores" and parity["max_abs_diff"] < 1e-3, parity
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    rows = rewardmodel.scored_pairs(model, tok, recipe, evaluator.held_out_records(recipe), None, 4)
+    assert rewardmodel.pair_scores(rows)["reward_accuracy"] == result["scores"]["reward_accuracy"]
