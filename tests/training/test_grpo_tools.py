@@ -194,3 +194,12 @@ def test_plan_counts_a_generate_pass_per_turn(tmp_path, long_model, monkeypatch)
     quiet = estimate.make(plain, estimate.settings_from(plain, 1, "fp32", sampled=0), cfg, model)
     one_pass = without.flops_per_step - quiet.flops_per_step
     assert one_pass > 0 and with_tools.flops_per_step - quiet.flops_per_step == pytest.approx(3 * one_pass)
+
+
+def test_the_report_draws_the_tool_curves_with_their_titles():
+    from tunekit.runs import history
+
+    titles = dict(history.titled({"tools/calls", "tools/failures", "tools/turns", "rewards/task_success/mean"}))
+    assert titles["tools/calls"] == "tools: calls per episode"
+    assert titles["tools/failures"] == "tools: failed calls per episode"
+    assert titles["tools/turns"] == "tools: turns per episode"

@@ -13,7 +13,9 @@ from tunekit.runs.layout import HISTORY_FILE
 CURVES = [("loss", "train loss"), ("eval_loss", "eval loss"), ("learning_rate", "learning rate"),
           ("grad_norm", "gradient norm"), ("examples_per_s", "throughput (examples/s)"),
           ("reward", "GRPO: mean reward (weighted sum)"), ("eval_reward", "GRPO: held-out reward (greedy)"),
-          ("kl", "GRPO: KL to the reference"), ("completions/mean_length", "GRPO: completion length")]
+          ("kl", "GRPO: KL to the reference"), ("completions/mean_length", "GRPO: completion length"),
+          ("tools/calls", "tools: calls per episode"), ("tools/failures", "tools: failed calls per episode"),
+          ("tools/turns", "tools: turns per episode")]
 SKIP = {"step", "epoch", "time", "tokens_collated", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
         "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
