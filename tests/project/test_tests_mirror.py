@@ -41,8 +41,6 @@ THROUGH = {
     "tunekit.plan.steptime": "tests/plan/test_plan.py::test_a_memory_bandwidth_adds_the_elementwise_work",
     "tunekit.reporting.listing": "tests/reporting/test_runlist.py::test_lists_every_run_with_status_steps_scores_wall_"
                                  "time_and_output",
-    "tunekit.runs.history": "tests/reporting/test_report.py::test_page_holds_both_runs_curves_scores_and_the_before_"
-                            "after_table",
     "tunekit.training.dscheckpoint": "tests/e2e/test_multiprocess.py::test_deepspeed_checkpoints_are_safetensors_and_"
                                      "resume_exactly",
     "tunekit.training.fsdpstate": "tests/e2e/test_multiprocess.py::test_fsdp2_resumes_on_one_process_after_a_kill",
