@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from tunekit.training.methods.base import register
+from tunekit.training.methods.base import built_on_use, register
 from tunekit.training.methods.pairs import PreferenceMethod
 
 
@@ -43,10 +43,7 @@ def trainer_class():
     return DpoTrainer
 
 
-def __getattr__(name: str):
-    if name == "DpoTrainer":  # `from tunekit.training.methods.dpo import DpoTrainer` builds it (imports TRL)
-        return trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = built_on_use(__name__, DpoTrainer=trainer_class)
 
 
 register(Dpo())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 
 from tunekit.training.methods import rollouts
-from tunekit.training.methods.base import Method, TrainerInputs, register
+from tunekit.training.methods.base import Method, TrainerInputs, built_on_use, register
 from tunekit.training.methods.rollouts import build, frozen_base, scorers_of
 
 
@@ -87,10 +87,7 @@ def trainer_class():
     return GrpoTrainer
 
 
-def __getattr__(name: str):
-    if name == "GrpoTrainer":  # `from tunekit.training.methods.grpo import GrpoTrainer` builds it (imports TRL)
-        return trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = built_on_use(__name__, GrpoTrainer=trainer_class)
 
 
 register(Grpo())

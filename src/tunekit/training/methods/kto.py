@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from tunekit.training.methods.base import register
+from tunekit.training.methods.base import built_on_use, register
 from tunekit.training.methods.pairs import PreferenceMethod, build, tokenize_unpaired
 
 
@@ -56,10 +56,7 @@ def trainer_class():
     return KtoTrainer
 
 
-def __getattr__(name: str):
-    if name == "KtoTrainer":  # `from tunekit.training.methods.kto import KtoTrainer` builds it (imports TRL)
-        return trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = built_on_use(__name__, KtoTrainer=trainer_class)
 
 
 register(Kto())

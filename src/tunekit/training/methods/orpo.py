@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from tunekit.training.methods.base import register
+from tunekit.training.methods.base import built_on_use, register
 from tunekit.training.methods.pairs import PreferenceMethod
 
 
@@ -111,12 +111,7 @@ def trainer_class():
     return OrpoTrainer
 
 
-def __getattr__(name: str):  # the classes, built on first use (they import TRL and torch)
-    if name == "OrpoTrainer":
-        return trainer_class()
-    if name == "PairCounter":
-        return pair_counter()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = built_on_use(__name__, OrpoTrainer=trainer_class, PairCounter=pair_counter)
 
 
 register(Orpo())

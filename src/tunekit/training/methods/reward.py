@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from tunekit.training.methods.base import register
+from tunekit.training.methods.base import built_on_use, register
 from tunekit.training.methods.pairs import PreferenceMethod, build
 
 log = logging.getLogger("tunekit")
@@ -103,10 +103,7 @@ def trainer_class():
     return RewardModelTrainer
 
 
-def __getattr__(name: str):
-    if name == "RewardModelTrainer":  # `from tunekit.training.methods.reward import RewardModelTrainer` (imports TRL)
-        return trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = built_on_use(__name__, RewardModelTrainer=trainer_class)
 
 
 register(Reward())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 
 from tunekit.training.methods import rollouts
-from tunekit.training.methods.base import Method, TrainerInputs, register
+from tunekit.training.methods.base import Method, TrainerInputs, built_on_use, register
 
 
 class Rloo(Method):
@@ -76,10 +76,7 @@ def trainer_class():
     return RlooTrainer
 
 
-def __getattr__(name: str):
-    if name == "RlooTrainer":  # `from tunekit.training.methods.rloo import RlooTrainer` builds it (imports TRL)
-        return trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = built_on_use(__name__, RlooTrainer=trainer_class)
 
 
 register(Rloo())
