@@ -126,8 +126,7 @@ def test_a_run_plays_episodes_masks_the_results_and_logs_the_tools(tmp_path, lon
     monkeypatch.setattr(cls, "tool_mask", keep_mask)
     runner.run(recipe)
     run_dir = tmp_path / "run"
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "loss" in r and "eval_loss" not in r]
+    steps = tool_steps(run_dir)
     assert len(steps) == 2
     for r in steps:
         assert r["tools/calls"] == 0.5 and r["tools/failures"] == 0 and r["tools/turns"] == 1.5
@@ -186,7 +185,7 @@ def calling_model(long_model, tmp_path_factory):
             seqs.append((ids, labels))
     finally:
         sys.path.remove(str(where))
-    model = AutoModelForCausalLM.from_pretrained(long_model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(long_model, dtype=torch.float32)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     width = max(len(ids) for ids, _ in seqs)
     ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in seqs])
@@ -211,6 +210,7 @@ def calling_model(long_model, tmp_path_factory):
 
 
 def tool_steps(run_dir):
+    """The training steps' rows of the run's loss history."""
     rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss" in r and "eval_loss" not in r]
 
