@@ -102,6 +102,8 @@ class FieldMap(Section):
     rejected: str = Field("rejected", description="preference: the dispreferred answer's column.")
     label: str = Field("label", description="unpaired_preference: column saying whether the completion is "
                        "desirable (true/false or 1/0).")
+    images: str = Field("images", description="chat: column holding the example's images in the LLaVA shape (a list of "
+                        "paths, URLs or base64 data URLs, one per `<image>` placeholder in the messages' text).")
     tools: str = Field("tools", description="chat: column holding the example's tool (function) schemas, a list or "
                        "a JSON text; passed to the chat template.")
     tool_calls: str = Field("tool_calls", description="chat: key of an assistant message's tool calls "

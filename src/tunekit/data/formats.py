@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from tunekit.config.dataformats import DECLARED
 from tunekit.core.errors import TunekitError
+from tunekit.data import images
 
 ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
 
@@ -45,6 +46,7 @@ class Parsed:
     rejected: str | None = None  # preference pairs: the dispreferred answer (messages end with the chosen one)
     desirable: bool | None = None  # unpaired preference (KTO): whether the answer the messages end in is wanted
     tools: list[dict] | None = None  # chat: the tool (function) schemas the conversation may call
+    images: tuple = ()  # chat: the record's images (data.images.Image), in the order their placeholders stand
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,11 @@ def chat(record: Record, f) -> Parsed:
     linked to their call, and a per-example list of tool (function) schemas."""
     from tunekit.data import agent
 
-    messages = _messages(record, f)
+    messages, found = _messages(record, f)
+    if record.values.get(f.images) not in (None, []):
+        if found:
+            raise TunekitError(f"{record.where}: images both in message parts and in field {f.images!r}; use one")
+        found = images.listed(record.values[f.images], messages, record.where, f.images)
     assistant = [m for m in messages if m["role"] == "assistant"]
     if not assistant:
         raise TunekitError(f"{record.where}: conversation has no assistant message to train on")
@@ -124,16 +130,18 @@ def chat(record: Record, f) -> Parsed:
                            "set it true on the answers to learn, or leave the record out")
     tools = _tools(record, f)
     agent.check_offered(messages, tools, record.where)
-    return Parsed(messages=messages, tools=tools)
+    return Parsed(messages=messages, tools=tools, images=images.checked(found))
 
 
-def _messages(record: Record, f) -> list[dict]:
+def _messages(record: Record, f) -> tuple[list[dict], list]:
+    """The messages, each image part replaced by data.images.PLACEHOLDER in its text, and those images."""
     from tunekit.data import agent
 
     raw = field(record, f.messages, "messages")
     if not isinstance(raw, list) or not raw:
         raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
     messages: list[dict] = []
+    found: list = []
     for i, m in enumerate(raw):
         where = f"{record.where}: message {i}"
         if not isinstance(m, dict) or not isinstance(m.get(f.role), str):
@@ -142,10 +150,16 @@ def _messages(record: Record, f) -> list[dict]:
         if role not in ROLES:
             raise TunekitError(f"{where} has role {role!r}; use one of {', '.join(ROLES)} "
                                "(or map the key names with data.fields.role)")
-        message = {"role": role, "content": _content(m, f, role, where)}
+        value = m.get(f.content)
+        if isinstance(value, list) and any(map(images.is_image_part, value)):
+            text, more = images.content(value, where)
+            found += more
+        else:
+            text = _content(m, f, role, where)
+        message = {"role": role, "content": text}
         message.update(agent.extras(m, f, role, where, messages))
         messages.append(message)
-    return messages
+    return messages, found
 
 
 def _content(m: dict, f, role: str, where: str) -> str:
@@ -209,7 +223,10 @@ def prompt_only(record: Record, f) -> Parsed:
 def _prompt(record: Record, f, answers: str) -> list[dict]:
     """The prompt of a preference record: chat messages ending before the answer, else a prompt text."""
     if f.messages in record.values and record.values[f.messages] is not None:
-        prompt = _messages(record, f)
+        prompt, found = _messages(record, f)
+        if found:
+            raise TunekitError(f"{found[0].where}: images are read in data.format chat only; this record's format "
+                               "trains on text")
         if prompt[-1]["role"] == "assistant":
             raise TunekitError(f"{record.where}: field {f.messages!r} must end before the answer (the last message "
                                f"is the assistant's); the answers go in {answers}")

@@ -56,9 +56,13 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
     is left to training), "shipped" (else tunekit's copy of a well-known model's config, else an error),
     "optional" (as shipped, else a warning saying what was not checked) or "skip". "shipped" and "optional"
     return the recipe with data.max_length fitted."""
-    answered = _reference_check(recipe)
+    checks = [c for c in (_reference_check(recipe), _text_only_check(recipe)) if c is not None]
+
+    def each(record, parsed) -> None:
+        for c in checks:
+            c(record, parsed)
     for key, spec, split, cfg in data_files(recipe):
-        check_data(spec, split, key, cfg, data_needed, _limit(key, cfg), answered)
+        check_data(spec, split, key, cfg, data_needed, _limit(key, cfg), each)
     assert model in ("needed", "shipped", "optional", "skip"), model
     if model == "skip":
         return recipe
@@ -85,6 +89,16 @@ def _reference_check(recipe: Recipe):
         if not parsed.messages[-1]["content"].strip():
             raise TunekitError(f"{record.where}: no reference answer, and {needing[0]} scores against one; give "
                                "each record one (data.fields.answer) or use rewards without a reference")
+    return check
+
+
+def _text_only_check(recipe: Recipe):
+    """Records with images (data.images) need a model that reads them; tunekit loads causal language models."""
+    def check(record, parsed) -> None:
+        if parsed.images:
+            raise TunekitError(f"{parsed.images[0].where}: the record has {len(parsed.images)} image(s), and "
+                               f"{recipe.model.name_or_path} is loaded as a text-only causal language model; leave "
+                               "the images out")
     return check
 
 

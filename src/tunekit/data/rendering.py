@@ -52,6 +52,9 @@ class Renderer:
 
     def _conversation(self, parsed, where: str, observation: str | None = None
                       ) -> tuple[list[dict], list | None, list[dict]]:
+        if parsed.images:  # data.precheck refuses these before anything loads; a caller that skips it, here
+            raise TunekitError(f"{parsed.images[0].where}: the record has {len(parsed.images)} image(s); this "
+                               "renderer writes text only; leave the images out")
         messages = parsed.messages
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages

@@ -1,0 +1,135 @@
+"""Images in chat records (data.format: chat), read and checked: OpenAI-style content parts
+(`{"type": "image_url", "image_url": {"url": ...}}`, `{"type": "image", "image" | "url" | "path": ...}`) and the
+LLaVA shape (a record field `images`, data.fields.images, with one `<image>` placeholder in the text per image).
+
+A message's text marks each image with PLACEHOLDER where it stands; the record's images come in that order as
+Image values. Where an image comes from: a local path (absolute, or relative to the working directory as data
+paths are), an http(s) URL (fetched where reachable), or base64 (a `data:image/...;base64,` URL). Each is checked
+when the record is parsed, which every command does before weights load: a missing or empty file, bytes Pillow
+cannot read as an image, a URL that cannot be fetched, a placeholder count that does not match the images, each
+one line naming the file, line and message."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import io
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunekit.core.errors import TunekitError
+
+PLACEHOLDER = "<image>"  # the LLaVA placeholder; vision-language renderers put the processor's image tokens here
+IMAGE_PARTS = ("image", "image_url")
+URL_TIMEOUT = 10  # seconds to fetch one image URL
+
+
+@dataclass(frozen=True)
+class Image:
+    kind: str  # "path", "url" or "base64"
+    value: str  # the path, the URL, or the base64 payload
+    where: str  # "FILE line N: message M" for error messages
+
+    def data(self) -> bytes:
+        """The image file's bytes (a URL fetched, base64 decoded); a one-line error when there are none."""
+        if self.kind == "base64":
+            try:
+                return base64.b64decode(self.value, validate=True)
+            except (binascii.Error, ValueError):
+                raise TunekitError(f"{self.where}: the image's base64 data does not decode; give the file's bytes "
+                                   "base64-encoded (data:image/png;base64,...)") from None
+        if self.kind == "url":
+            try:
+                with urllib.request.urlopen(self.value, timeout=URL_TIMEOUT) as response:
+                    return response.read()
+            except (OSError, ValueError) as e:
+                raise TunekitError(f"{self.where}: cannot fetch image {self.value} ({e}); download it and give its "
+                                   "path") from None
+        path = Path(self.value)
+        if not path.is_file():
+            raise TunekitError(f"{self.where}: image file {self.value} not found (paths are relative to the "
+                               "working directory); fix the path or leave the record out")
+        return path.read_bytes()
+
+    def load(self):
+        """The image as a PIL image in RGB."""
+        from PIL import Image as PILImage
+        from PIL import UnidentifiedImageError
+
+        raw = self.data()
+        name = self.value if self.kind != "base64" else "base64 image"
+        if not raw:
+            raise TunekitError(f"{self.where}: image {name} is empty (0 bytes); replace it or leave the record out")
+        try:
+            with PILImage.open(io.BytesIO(raw)) as probe:
+                probe.verify()  # the whole file, not only its header
+            return PILImage.open(io.BytesIO(raw)).convert("RGB")
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+            raise TunekitError(f"{self.where}: image {name} is not a readable image ({e}); replace it or leave the "
+                               "record out") from None
+
+
+def source(value, where: str) -> Image:
+    """An Image from a part's or an `images` entry's value: a path, a URL, a data URL, or {"url": ...}."""
+    if isinstance(value, dict):
+        value = value.get("url", value.get("path"))
+    if not isinstance(value, str) or not value.strip():
+        raise TunekitError(f"{where}: an image needs a path, a URL or base64 data (a text value)")
+    if value.startswith("data:"):
+        header, _, payload = value.partition(",")
+        if not header.endswith(";base64") or not payload:
+            raise TunekitError(f"{where}: a data URL image must be base64 (data:image/png;base64,...)")
+        return Image("base64", payload, where)
+    if value.startswith(("http://", "https://")):
+        return Image("url", value, where)
+    return Image("path", value.removeprefix("file://"), where)
+
+
+def is_image_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+
+
+def part_source(part: dict, where: str) -> Image:
+    value = part.get("image_url") if part["type"] == "image_url" else next(
+        (part[k] for k in ("image", "url", "path") if k in part), None)
+    return source(value, where)
+
+
+def content(parts: list, where: str) -> tuple[str, list[Image]]:
+    """A message's parts as text with PLACEHOLDER at each image, and the images in order."""
+    text, found = [], []
+    for part in parts:
+        if is_image_part(part):
+            found.append(part_source(part, where))
+            text.append(PLACEHOLDER)
+        elif isinstance(part, dict) and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        else:
+            raise TunekitError(f"{where}: a content part must be {{\"type\": \"text\", \"text\": ...}} or an image "
+                               f"part ({', '.join(IMAGE_PARTS)}); got {str(part)[:60]!r}")
+    return "".join(text), found
+
+
+def listed(value, messages: list[dict], where: str, key: str) -> list[Image]:
+    """The LLaVA shape: a record's `images` list, one per PLACEHOLDER in the messages' text, in order."""
+    if not isinstance(value, list):
+        value = [value]
+    marks = sum(m["content"].count(PLACEHOLDER) for m in messages)
+    if marks != len(value):
+        raise TunekitError(f"{where}: {marks} {PLACEHOLDER} placeholder(s) in the messages but {len(value)} "
+                           f"image(s) in field {key!r}; put one {PLACEHOLDER} where each image belongs")
+    return [source(v, f"{where}: field {key!r} [{i}]") for i, v in enumerate(value)]
+
+
+def checked(found: list[Image]) -> tuple[Image, ...]:
+    """The images, each read and verified once per process (records are parsed more than once)."""
+    for image in found:
+        _verified(image)
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=65536)
+def _verified(image: Image) -> None:
+    image.load()
