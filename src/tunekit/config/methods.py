@@ -54,6 +54,9 @@ class MethodSpec:
     # the model ends in a one-number score head (AutoModelForSequenceClassification, num_labels 1) instead of the
     # language-model head: it scores sequences and generates nothing (a reward model)
     score_head: bool = False
+    # what its evaluations during training log beside eval_loss, generating nothing (a score head's held-out pair
+    # accuracy and mean margin, chosen minus rejected score; greater is better)
+    eval_measures: tuple[str, ...] = ()
 
     @property
     def section(self) -> str | None:
@@ -127,7 +130,7 @@ declare(MethodSpec(
     "(data.format: preference) to score the chosen answer above the rejected one, TRL's RewardTrainer; "
     "grpo.rewards scores completions with it ({reward: model, run: RUN})",
     settings=RewardSettings, data_formats=PAIR_FORMATS, data_description=PAIRS, score_head=True,
-    sequences=2))  # chosen and rejected in one batch
+    eval_measures=("accuracy", "margin"), sequences=2))  # chosen and rejected in one batch
 declare(MethodSpec(
     "grpo", "group relative policy optimization: sampled completions scored by rewards a program checks "
     "(exact match, BLEU, chrF, ROUGE, a format pattern, JSON, tool calls, length, your function), "

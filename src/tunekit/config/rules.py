@@ -137,11 +137,6 @@ def batch(recipe) -> None:
                          f"must be a multiple of {key}.completions ({grpo.completions})")
 
 
-# what the evaluations of a method ending in a score head log beside eval_loss (training.methods.reward: the held-out
-# pair accuracy and mean margin, chosen minus rejected score; greater is better)
-SCORE_HEAD_MEASURES = ("accuracy", "margin")
-
-
 def best_metric_is_logged(recipe) -> None:
     """metric_for_best names a metric the evaluations log: a generation metric of the eval section that runs
     during training, or eval_loss (beside those only where the method computes it: not GRPO); a score head's
@@ -151,11 +146,11 @@ def best_metric_is_logged(recipe) -> None:
         return
     key = name.removeprefix("eval_")
     method = methods.of(recipe)
-    if method.score_head:
-        if key not in ("loss", *SCORE_HEAD_MEASURES):
+    if method.eval_measures:
+        if key not in ("loss", *method.eval_measures):
             raise ValueError(f"training.metric_for_best: {name} is not logged at evaluations of training.method: "
                              f"{method.name}, which generate nothing; logged: eval_loss, "
-                             + ", ".join(f"eval_{m}" for m in SCORE_HEAD_MEASURES))
+                             + ", ".join(f"eval_{m}" for m in method.eval_measures))
         return
     during = recipe.eval is not None and recipe.eval.during_training
     logs_loss = not during or method.eval_loss_beside_generation
@@ -163,8 +158,8 @@ def best_metric_is_logged(recipe) -> None:
     generated = []
     if during:
         generated = [k for m in recipe.eval.metrics if declared[m].scored for k, _ in declared[m].rows]
-    if key in SCORE_HEAD_MEASURES and key not in generated:
-        scored = [m.name for m in methods.DECLARED.values() if m.score_head]
+    scored = [m.name for m in methods.DECLARED.values() if key in m.eval_measures]
+    if scored and key not in generated:
         raise ValueError(f"training.metric_for_best: {name} is a reward model's held-out pair measure, logged by "
                          f"training.method: {' or '.join(scored)}, not {method.name}, whose evaluations log "
                          + (", ".join(["eval_loss"] * logs_loss + generated) or "no such measure"))

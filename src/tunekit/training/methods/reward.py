@@ -7,7 +7,7 @@ the two whole sequences it scores (evaluation.rewardmodel.whole_pair). The model
 (models.loader: AutoModelForSequenceClassification, num_labels 1; with LoRA the head is trained in full beside the
 adapter and saved with it). Each evaluation during training logs the held-out pair accuracy as eval_accuracy and
 the mean margin (chosen minus rejected score) as eval_margin, both measures training.metric_for_best may name
-(config.rules.SCORE_HEAD_MEASURES); `tunekit eval RUN` reports them as reward_accuracy and reward_margin
+(its MethodSpec's eval_measures); `tunekit eval RUN` reports them as reward_accuracy and reward_margin
 (evaluation.rewardmodel)."""
 
 from __future__ import annotations
