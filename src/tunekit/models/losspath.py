@@ -150,12 +150,14 @@ class TrainedPositionsHead:
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             if self.targets is None:
                 return stock(hidden)
-            targets = self.targets.to(hidden.device)
-            keep = targets != IGNORE
-            self.trained = int(keep.sum())
+            targets = self.targets.to(hidden.device).reshape(-1)
+            # the trained positions' indices: one host sync a step (boolean-mask indexing syncs once per use)
+            keep = (targets != IGNORE).nonzero().squeeze(1)
+            self.trained = keep.numel()
             # Under ZeRO-3 the weight is gathered only inside this call, so the loss is computed here.
             loss_sum = self.loss_sum or linear_cross_entropy_sum
-            return loss_sum(hidden[keep], self.head.weight, self.head.bias, targets[keep], self.rows)
+            return loss_sum(hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep), self.head.weight,
+                            self.head.bias, targets.index_select(0, keep), self.rows)
 
         self.head.forward = forward  # an instance attribute: parameter names and state dicts are unchanged
 
