@@ -15,6 +15,7 @@ from PIL import Image
 from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config.schema import FieldMap
 from tunekit.core.errors import TunekitError
+from tunekit.data import images
 from tunekit.data.formats import FORMATS, Record
 
 
@@ -39,7 +40,8 @@ def test_parts_become_placeholders_and_images_in_order(tmp_path):
     parsed = parse(chat({"type": "text", "text": "Colours? "}, {"type": "image", "image": red},
                         {"type": "image_url", "image_url": {"url": data_url}},
                         {"type": "image", "path": f"file://{blue}"}, {"type": "text", "text": " Name them."}))
-    assert parsed.messages[0]["content"] == "Colours? <image><image><image> Name them."
+    assert images.PLACEHOLDER == "<image>"
+    assert parsed.messages[0]["content"] == f"Colours? {images.PLACEHOLDER * 3} Name them."
     assert [(i.kind, i.value) for i in parsed.images] == [("path", red), ("base64", data_url.split(",")[1]),
                                                          ("path", blue)]
     assert [i.load().getpixel((0, 0)) for i in parsed.images] == [(200, 30, 30), (0, 255, 0), (0, 0, 255)]

@@ -295,10 +295,10 @@ def test_real_model_answers_more_held_out_requests_after_grpo_with_tools(tmp_pat
     or more after GRPO. Measured by hand (docs/methods.md): 0.675 -> 0.75."""
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
     res = run_cli("train", "recipes/smollm2_tools.yaml", "--set", f"output_dir={sft}", "--set", "eval=null",
-                  cwd=ROOT)
+                  cwd=ROOT, timeout=3600)
     assert res.returncode == 0, res.stderr[-3000:]
     res = run_cli("train", "recipes/smollm2_grpo_tools.yaml", "--set", f"output_dir={grpo}", "--set",
-                  f"model.adapter_from={sft}", cwd=ROOT)
+                  f"model.adapter_from={sft}", cwd=ROOT, timeout=3600)
     assert res.returncode == 0, res.stderr[-3000:]
     start = next(json.loads(line) for line in (grpo / "loss_history.jsonl").read_text().splitlines()
                  if '"eval_reward/task_success"' in line)
