@@ -55,8 +55,11 @@ class Image:
 
     def load(self):
         """The image as a PIL image in RGB."""
-        from PIL import Image as PILImage
-        from PIL import UnidentifiedImageError
+        try:
+            from PIL import Image as PILImage
+            from PIL import UnidentifiedImageError
+        except ImportError:
+            raise TunekitError(f"{self.where}: reading images needs Pillow: pip install 'tunekit[vision]'") from None
 
         raw = self.data()
         name = self.value if self.kind != "base64" else "base64 image"
