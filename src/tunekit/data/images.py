@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import io
 import urllib.request
 from dataclasses import dataclass
@@ -127,12 +126,20 @@ def listed(value, messages: list[dict], where: str, key: str) -> list[Image]:
 
 
 def checked(found: list[Image]) -> tuple[Image, ...]:
-    """The images, each read and verified once per process (records are parsed more than once)."""
+    """The images, each read and verified once per process (records are parsed more than once, and many records
+    may share an image); a failure is raised again, naming its own record, wherever the image recurs."""
     for image in found:
-        _verified(image)
+        if (image.kind, image.value) not in _VERIFIED:
+            image.load()
+            _VERIFIED.add((image.kind, image.value))
     return tuple(found)
 
 
-@functools.lru_cache(maxsize=65536)
-def _verified(image: Image) -> None:
-    image.load()
+_VERIFIED: set[tuple[str, str]] = set()
+
+
+def refuse_text_only(found: tuple[Image, ...], model: str) -> None:
+    """Images reach only a model that reads them; tunekit loads causal language models, text only."""
+    if found:
+        raise TunekitError(f"{found[0].where}: the record has {len(found)} image(s), and {model} is loaded as a "
+                           "text-only causal language model; leave the images out")

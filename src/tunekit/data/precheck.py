@@ -24,7 +24,7 @@ from tunekit.config import methods, rewardkinds
 from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import DataConfig, ModelConfig, Recipe
 from tunekit.core.errors import TunekitError
-from tunekit.data import mixture
+from tunekit.data import images, mixture
 from tunekit.data.formats import FORMATS
 from tunekit.data.reading import file_records
 from tunekit.models import hub, info
@@ -95,10 +95,7 @@ def _reference_check(recipe: Recipe):
 def _text_only_check(recipe: Recipe):
     """Records with images (data.images) need a model that reads them; tunekit loads causal language models."""
     def check(record, parsed) -> None:
-        if parsed.images:
-            raise TunekitError(f"{parsed.images[0].where}: the record has {len(parsed.images)} image(s), and "
-                               f"{recipe.model.name_or_path} is loaded as a text-only causal language model; leave "
-                               "the images out")
+        images.refuse_text_only(parsed.images, recipe.model.name_or_path)
     return check
 
 

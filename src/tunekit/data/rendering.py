@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
+from tunekit.data import images
 from tunekit.data.chat import Chat
 from tunekit.data.formats import FORMATS, Record
 
@@ -52,9 +53,8 @@ class Renderer:
 
     def _conversation(self, parsed, where: str, observation: str | None = None
                       ) -> tuple[list[dict], list | None, list[dict]]:
-        if parsed.images:  # data.precheck refuses these before anything loads; a caller that skips it, here
-            raise TunekitError(f"{parsed.images[0].where}: the record has {len(parsed.images)} image(s); this "
-                               "renderer writes text only; leave the images out")
+        # data.precheck refuses these before anything loads; here for a caller that skips it
+        images.refuse_text_only(parsed.images, getattr(self.tok, "name_or_path", None) or "the model")
         messages = parsed.messages
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
