@@ -97,6 +97,36 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_model(tmp_path_factory) -> Path:
+    """A tiny random LLaVA (SigLIP tower, projector, Llama): 32x32 images, 16 image tokens each."""
+    from tunekit.models.tiny import build_vision_model
+
+    path = tmp_path_factory.mktemp("tiny-llava")
+    build_vision_model(path, build_tokenizer(path))
+    return path
+
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30), "black": (0, 0, 0)}
+
+
+def colour_rows(folder: Path, n: int, start: int = 0) -> list[dict]:
+    """Chat records asking the colour of a plain image (PNG files written to `folder`, sizes varying), answered
+    with its colour's name: the text alone cannot give the answer."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(start, start + n):
+        name = list(COLOURS)[i % len(COLOURS)]
+        path = folder / f"{i}.png"
+        Image.new("RGB", (24 + i % 9, 20 + i % 7), COLOURS[name]).save(path)
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image", "path": str(path)}, {"type": "text", "text": "Colour?"}]},
+            {"role": "assistant", "content": name}]})
+    return rows
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model):
     from transformers import AutoTokenizer
 

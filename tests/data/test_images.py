@@ -102,3 +102,13 @@ def test_a_text_model_refuses_image_records_before_weights_load(tmp_path, tiny_m
     recipe = write_recipe(tmp_path / "r.yaml", raw)
     line = refused_in_process(["train", str(recipe)], tmp_path, capsys, monkeypatch)
     assert "train.jsonl line 1: message 0: the record has 1 image(s)" in line and "text-only" in line, line
+
+
+def test_a_method_that_trains_on_text_only_refuses_image_records(tmp_path, tiny_vision_model, capsys, monkeypatch):
+    a = png(tmp_path / "a.png")
+    train = write_jsonl(tmp_path / "train.jsonl", [chat({"type": "image", "image": a}, {"type": "text", "text": "?"})])
+    raw = tiny_recipe(tiny_vision_model, train, tmp_path / "run", data={"format": "chat", "train": str(train)},
+                      training={"method": "grpo"}, grpo={"rewards": [{"reward": "chrf"}]})
+    line = refused_in_process(["train", str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys, monkeypatch)
+    assert "train.jsonl line 1: message 0: the record has images, and training.method: grpo trains on text only; " \
+           "images train with method sft" in line, line

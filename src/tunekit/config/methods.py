@@ -57,6 +57,8 @@ class MethodSpec:
     # what its evaluations during training log beside eval_loss, generating nothing (a score head's held-out pair
     # accuracy and mean margin, chosen minus rejected score; greater is better)
     eval_measures: tuple[str, ...] = ()
+    # trains a vision-language model on records with images (data.images; models.vision)
+    images: bool = False
 
     @property
     def section(self) -> str | None:
@@ -108,7 +110,8 @@ def renamed_sections(raw: dict) -> list[tuple[str, str]]:
 # The built-in methods, in the order the recipe reference lists them.
 declare(MethodSpec(
     "sft", "supervised fine-tuning on answers",
-    chunked_loss=True, packs=True, groups_by_length=True, prompt_loss_optional=True, implicit_reward=True))
+    chunked_loss=True, packs=True, groups_by_length=True, prompt_loss_optional=True, implicit_reward=True,
+    images=True))
 declare(MethodSpec(
     "dpo", "direct preference optimization on (prompt, chosen, rejected) pairs (data.format: preference) "
     "with TRL's DPOTrainer",

@@ -390,6 +390,17 @@ class EvalConfig(Section):
         "once per epoch), on the first `limit` examples, logged beside eval_loss.")
 
 
+class VisionConfig(Section):
+    """What trains in a vision-language model (one AutoModelForImageTextToText loads): the language model always
+    (LoRA, QLoRA or full, as the recipe's adapter says), the projector and the vision tower only when asked."""
+
+    train_projector: bool = Field(False, description="Train the projector that maps image features into the "
+                                  "language model (in full, saved beside a LoRA adapter): on for a projector "
+                                  "newly made, as when composing a model as LLaVA composes one.")
+    train_tower: bool = Field(False, description="Train the vision tower too (LoRA on its linear layers with an "
+                              "adapter, in full without one): for images far from what the tower saw.")
+
+
 class RecipeBase(Section):
     """The sections every recipe has; `Recipe` adds each training method's section (tunekit.config.methods)."""
 
@@ -403,6 +414,8 @@ class RecipeBase(Section):
     data: DataConfig = Field(description="Training and eval data.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation settings.")
     eval: EvalConfig | None = Field(None, description="Generate and score at the end of training.")
+    vision: VisionConfig | None = Field(None, description="Vision-language models only: what trains beside the "
+                                        "language model; left out, the language model alone.")
 
     @model_validator(mode="before")
     @classmethod

@@ -31,7 +31,7 @@ from tunekit.config.schema import DataConfig
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
 from tunekit.core.outputs import cache_root
-from tunekit.data import chat, mixture, split
+from tunekit.data import chat, imagetokens, mixture, split
 from tunekit.data.rendering import Rendered
 from tunekit.data.tokenizing import DataStats, tokenize_batch, trained_count
 
@@ -125,17 +125,20 @@ def _records(rows) -> list[mixture.Sourced]:
 
 def _encode(batch, renderer: mixture.Renderers, cfg: DataConfig):
     renders = [r for record in _records(batch) for r in renderer.examples(record)]
-    examples = tokenize_batch(renders, renderer.tok, cfg.max_length, cfg.mask_prompt)
+    examples = tokenize_batch(renders, renderer.tok, cfg.max_length, cfg.mask_prompt, renderer.image_tokens)
     notes = [""] * len(examples)  # the default renderings used (Renderer.notes), on a batch's first row
     if notes:
         notes[0] = "\n".join(sorted(renderer.notes))
-    return {
+    columns = {
         "input_ids": [ex.input_ids for ex, _ in examples],
         "labels": [ex.labels for ex, _ in examples],
         "truncated": [t for _, t in examples],
         "trained": [trained_count(ex.labels) for ex, _ in examples],
         "notes": notes,
     }
+    if renderer.image_tokens is not None:  # the images each example's tokens stand for, read again when batched
+        columns["images"] = [imagetokens.stored(ex.images) for ex, _ in examples]
+    return columns
 
 
 def _save(ds, path: Path) -> None:
@@ -160,7 +163,9 @@ def _tokenized(raw, renderer: mixture.Renderers, cfg: DataConfig, work: Path, na
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "labels": datasets.Sequence(datasets.Value("int32")),
                                   "truncated": datasets.Value("bool"), "trained": datasets.Value("int32"),
-                                  "notes": datasets.Value("string")})
+                                  "notes": datasets.Value("string"),
+                                  **({"images": datasets.Sequence(datasets.Value("string"))}
+                                     if renderer.image_tokens is not None else {})})
     procs = num_proc if num_proc is not None else (min(os.cpu_count() or 1, 8) if len(raw) >= PARALLEL_FROM else None)
     if console.mode() == "lines":  # datasets' bar (the data phase's) is drawn on a terminal only
         log.info("tokenizing %s: %d examples", name, len(raw))
@@ -268,10 +273,12 @@ def _load(directory: Path, cfg: DataConfig, renderer: mixture.Renderers) -> Data
 _TEMPORARY: list[tempfile.TemporaryDirectory] = []  # uncached builds live as long as the process
 
 
-def build(cfg: DataConfig, tokenizer, seed: int, num_proc: int | None = None) -> DataBundle:
-    """The prepared train/eval data sets for `cfg`, from the cache when it holds them."""
-    renderer = mixture.Renderers(cfg, tokenizer)  # template errors first, before any data is read
-    key = fingerprint(cfg, tokenizer, seed)
+def build(cfg: DataConfig, tokenizer, seed: int, num_proc: int | None = None, image_tokens=None) -> DataBundle:
+    """The prepared train/eval data sets for `cfg`, from the cache when it holds them (`image_tokens`: a
+    vision-language model's, data.imagetokens; such sets are prepared anew each run, as the images they name can
+    change under their paths)."""
+    renderer = mixture.Renderers(cfg, tokenizer, image_tokens=image_tokens)  # template errors first
+    key = None if image_tokens is not None else fingerprint(cfg, tokenizer, seed)
     if key is None:
         holder = tempfile.TemporaryDirectory(prefix="tunekit-data-")
         _TEMPORARY.append(holder)

@@ -34,14 +34,33 @@ class CountingCollator:
         return 1 - self.real / self.computed if self.computed else 0.0
 
 
-def collator(tokenizer, packing: bool = False, boundaries: bool = False):
+class WithImages:
+    """Padded batches of a vision-language model's examples: the text padded by `inner`, and the pixel inputs of
+    each example's images (the `images` column of the prepared set) from the model's processor."""
+
+    def __init__(self, inner, image_tokens):
+        self.inner = inner
+        self.image_tokens = image_tokens
+
+    def __call__(self, features):
+        from tunekit.data.imagetokens import restored
+
+        per_example = [restored(f.get("images") or []) for f in features]
+        batch = self.inner([{k: v for k, v in f.items() if k != "images"} for f in features])
+        batch.update(self.image_tokens.pixels(per_example))
+        return batch
+
+
+def collator(tokenizer, packing: bool = False, boundaries: bool = False, image_tokens=None):
     """Padded batches: input_ids padded with the pad token, labels with -100 (DataCollatorForSeq2Seq).
     Packed: DataCollatorWithFlattening concatenates the micro-batch into one row, restarts position
     ids per example and sets each example's first label to -100; attention builds a block-diagonal
     causal mask from the position ids or, with `boundaries`, reads the sequence boundaries
-    (flash-attention), so no example sees another."""
+    (flash-attention), so no example sees another. With a vision-language model's `image_tokens`: padded, with
+    each batch's pixel inputs (image examples are never packed)."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     if packing:
         return DataCollatorWithFlattening(separator_id=IGNORE, return_flash_attn_kwargs=boundaries)
-    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)
+    padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)
+    return padded if image_tokens is None else WithImages(padded, image_tokens)

@@ -227,7 +227,9 @@ def texts(parsed: Parsed) -> tuple[str, str, str]:
     turns = [(m.get("role"), _said(m)) for m in parsed.messages]
     rest = (json.dumps([parsed.rejected, parsed.desirable]) if (parsed.rejected, parsed.desirable) != (None, None)
             else "")
-    return ("\n".join(str(c) for role, c in turns if role not in ("assistant", "system")),
+    # an image is part of the prompt: the same question about another image is another example
+    seen = [f"[image {image.digest()}]" for image in parsed.images]
+    return ("\n".join([*(str(c) for role, c in turns if role not in ("assistant", "system")), *seen]),
             "\n".join(str(c) for role, c in turns if role == "assistant"), rest)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import urllib.request
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ class Image:
             raise TunekitError(f"{self.where}: image file {self.value} not found (paths are relative to the "
                                "working directory); fix the path or leave the record out")
         return path.read_bytes()
+
+    def digest(self) -> str:
+        """A short digest of the image's bytes: the same picture under two names is one image."""
+        return hashlib.blake2b(self.data(), digest_size=8).hexdigest()
 
     def load(self):
         """The image as a PIL image in RGB."""
@@ -139,7 +144,8 @@ _VERIFIED: set[tuple[str, str]] = set()
 
 
 def refuse_text_only(found: tuple[Image, ...], model: str) -> None:
-    """Images reach only a model that reads them; tunekit loads causal language models, text only."""
+    """Images reach only a model that reads them (a vision-language model, models.vision)."""
     if found:
-        raise TunekitError(f"{found[0].where}: the record has {len(found)} image(s), and {model} is loaded as a "
-                           "text-only causal language model; leave the images out")
+        raise TunekitError(f"{found[0].where}: the record has {len(found)} image(s), and {model} is a text-only "
+                           "language model (its config has no vision_config); leave the images out or train a "
+                           "vision-language model")

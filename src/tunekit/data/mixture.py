@@ -92,16 +92,18 @@ class Renderers:
     """A Renderer per source; a record is rendered by its own source's (a record read elsewhere, --data say,
     by data.format's)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False, tools: list[dict] | None = None):
-        self.base = Renderer(cfg, tokenizer, roles=roles, tools=tools)
+    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False, tools: list[dict] | None = None,
+                 image_tokens=None):
+        self.base = Renderer(cfg, tokenizer, roles=roles, tools=tools, image_tokens=image_tokens)
         made: dict[str, Renderer] = {cfg.model_dump_json(): self.base}
         self.each = []
         for source in sources(cfg):
             key = source.cfg.model_dump_json()
             if key not in made:
-                made[key] = Renderer(source.cfg, tokenizer, roles=roles, tools=tools)
+                made[key] = Renderer(source.cfg, tokenizer, roles=roles, tools=tools, image_tokens=image_tokens)
             self.each.append(made[key])
         self.tok = tokenizer
+        self.image_tokens = image_tokens
         self.cfg = cfg
         self.template = "+".join(dict.fromkeys(r.template for r in [self.base, *self.each]))
 

@@ -23,11 +23,14 @@ PACKABLE = frozenset({
 })
 
 
-def use(model, setting: bool | str) -> bool:
+def use(model, setting: bool | str, images: bool = False) -> bool:
     """Whether to pack. auto packs the architectures in PACKABLE: on the bench's real data sets packed
     batches were never slower than padded ones (bench/RESULTS.md); true packs any model, with a warning
-    when its architecture is not in the list."""
+    when its architecture is not in the list. A vision-language model's batches (`images`) are never packed."""
     if setting is False:
+        return False
+    if images:
+        log.info("packing: off for a vision-language model (its image examples are padded, never packed)")
         return False
     kind = getattr(model.config, "model_type", "?")
     if kind in PACKABLE:

@@ -27,7 +27,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.data import images, mixture
 from tunekit.data.formats import FORMATS
 from tunekit.data.reading import file_records
-from tunekit.models import hub, info
+from tunekit.models import hub, info, vision
 
 log = logging.getLogger("tunekit")
 
@@ -56,7 +56,7 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
     is left to training), "shipped" (else tunekit's copy of a well-known model's config, else an error),
     "optional" (as shipped, else a warning saying what was not checked) or "skip". "shipped" and "optional"
     return the recipe with data.max_length fitted."""
-    checks = [c for c in (_reference_check(recipe), _text_only_check(recipe)) if c is not None]
+    checks = [c for c in (_reference_check(recipe), _images_check(recipe)) if c is not None]
 
     def each(record, parsed) -> None:
         for c in checks:
@@ -92,10 +92,22 @@ def _reference_check(recipe: Recipe):
     return check
 
 
-def _text_only_check(recipe: Recipe):
-    """Records with images (data.images) need a model that reads them; tunekit loads causal language models."""
+def _images_check(recipe: Recipe):
+    """Records with images (data.images) need a model that reads them (models.vision), trained with SFT."""
+    reads = None
+
     def check(record, parsed) -> None:
-        images.refuse_text_only(parsed.images, recipe.model.name_or_path)
+        nonlocal reads
+        if not parsed.images:
+            return
+        if reads is None:
+            reads = vision.reads_images(recipe.model)
+        if not reads:
+            images.refuse_text_only(parsed.images, recipe.model.name_or_path)
+        if not methods.of(recipe).images:
+            able = ", ".join(m.name for m in methods.DECLARED.values() if m.images)
+            raise TunekitError(f"{parsed.images[0].where}: the record has images, and training.method: "
+                               f"{recipe.training.method} trains on text only; images train with method {able}")
     return check
 
 

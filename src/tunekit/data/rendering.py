@@ -22,6 +22,7 @@ class Rendered:
     desirable: bool | None = None  # unpaired preference data: whether that answer is wanted
     where: str | None = None  # the record it came from (file and line)
     roles: list[tuple[int, int, str]] | None = None  # character ranges by message role (Renderer(roles=True))
+    images: tuple = ()  # the record's images (data.images.Image) the text marks, in order (vision-language models)
 
 
 class Renderer:
@@ -29,8 +30,10 @@ class Renderer:
     record, more where a chat template rewrites earlier turns), `render` for generation and scoring (the
     conversation through its last assistant message, with that message's prompt and reference)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False, tools: list[dict] | None = None):
+    def __init__(self, cfg: DataConfig, tokenizer, roles: bool = False, tools: list[dict] | None = None,
+                 image_tokens=None):
         self.cfg = cfg
+        self.image_tokens = image_tokens  # data.imagetokens.ImageTokens of a vision-language model, else None
         self.tools = tools  # tool schemas offered where a record offers none (grpo.tools, grpo.environment)
         self.tok = tokenizer
         self.format = FORMATS[cfg.format]
@@ -53,9 +56,13 @@ class Renderer:
 
     def _conversation(self, parsed, where: str, observation: str | None = None
                       ) -> tuple[list[dict], list | None, list[dict]]:
-        # data.precheck refuses these before anything loads; here for a caller that skips it
-        images.refuse_text_only(parsed.images, getattr(self.tok, "name_or_path", None) or "the model")
         messages = parsed.messages
+        if self.image_tokens is None:
+            # data.precheck refuses these before anything loads; here for a caller that skips it
+            images.refuse_text_only(parsed.images, getattr(self.tok, "name_or_path", None) or "the model")
+        elif parsed.images:  # each image where the model's chat template puts one
+            marker = self.image_tokens.marker
+            messages = [dict(m, content=m["content"].replace(images.PLACEHOLDER, marker)) for m in messages]
         if self.cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
         if observation:  # an environment's reset() text, added to the last user message before the answer
@@ -71,7 +78,7 @@ class Renderer:
         messages, tools, meta = self._conversation(parsed, record.where)
         out = []
         for piece in self.chat.pieces(messages, tools, meta, record.where):
-            rendered = Rendered(piece.text, piece.spans, False)
+            rendered = Rendered(piece.text, piece.spans, False, images=self._images(parsed, piece.text))
             if self.with_roles:
                 rendered.roles = self.chat.roles(messages, tools, piece.text, record.where)
             out.append(self._finish(rendered, parsed, record.where))
@@ -90,8 +97,15 @@ class Renderer:
         turn = self.chat.turn(messages, tools, last, record.where)
         spans = self.chat.spans(messages, tools, turn, meta[last], record.where) if meta[last]["train"] else []
         rendered = Rendered(turn.through, spans, False, prompt=turn.before,
-                            reference=self.chat.reference(messages, tools, turn, meta[last], record.where))
+                            reference=self.chat.reference(messages, tools, turn, meta[last], record.where),
+                            images=self._images(parsed, turn.through))
         return self._finish(rendered, parsed, record.where)
+
+    def _images(self, parsed, text: str) -> tuple:
+        """The images of a rendered piece: as many of the record's, in order, as its text has markers for."""
+        if not parsed.images or self.image_tokens is None:
+            return ()
+        return tuple(parsed.images[:text.count(self.image_tokens.marker)])
 
     @staticmethod
     def _finish(rendered: Rendered, parsed, where: str) -> Rendered:

@@ -16,6 +16,7 @@ IGNORE = -100  # the label of a position the loss skips
 class Example:
     input_ids: list[int]
     labels: list[int]
+    images: tuple = ()  # data.images.Image values whose tokens the ids hold (vision-language models)
 
 
 @dataclass
@@ -39,42 +40,53 @@ def trained_count(labels: list[int]) -> int:
     return sum(1 for label in labels[1:] if label != IGNORE)
 
 
-def tokenize(rendered: Rendered, tokenizer, max_length: int, mask_prompt: bool) -> tuple[Example, bool]:
-    """Token ids and labels; a token is trained when its first character lies in a trained span.
+def tokenize(rendered: Rendered, tokenizer, max_length: int, mask_prompt: bool,
+             image_tokens=None) -> tuple[Example, bool]:
+    """Token ids and labels; a token is trained when its first character lies in a trained span; each image's
+    marker becomes its image tokens, never trained (`image_tokens`: data.imagetokens.ImageTokens).
     Returns the example and whether it was truncated."""
     enc = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens, return_offsets_mapping=True)
-    return _labelled(enc["input_ids"], enc["offset_mapping"], rendered.spans, max_length, mask_prompt)
+    return _labelled(enc["input_ids"], enc["offset_mapping"], rendered, max_length, mask_prompt, image_tokens)
 
 
-def _labelled(ids: list[int], offsets, spans, max_length: int, mask_prompt: bool) -> tuple[Example, bool]:
+def _labelled(ids: list[int], offsets, rendered: Rendered, max_length: int, mask_prompt: bool,
+              image_tokens=None) -> tuple[Example, bool]:
     if mask_prompt:
         labels = [IGNORE] * len(ids)
         for j, (start, end) in enumerate(offsets):
-            if end > start and any(s <= start < e for s, e in spans):
+            if end > start and any(s <= start < e for s, e in rendered.spans):
                 labels[j] = ids[j]
     else:
         labels = list(ids)
-    truncated = len(ids) > max_length
-    return Example(ids[:max_length], labels[:max_length]), truncated
+    if not rendered.images:
+        return Example(ids[:max_length], labels[:max_length]), len(ids) > max_length
+    from tunekit.data import imagetokens
+
+    full, labels, ends = image_tokens.expand(ids, labels, rendered.images, rendered.where)
+    sizes = [len(image_tokens.ids(image)) for image in rendered.images]
+    kept_ids, kept_labels, kept = imagetokens.cut(full, labels, ends, sizes, max_length)
+    return Example(kept_ids, kept_labels, rendered.images[:kept]), len(full) > max_length
 
 
 def tokenize_batch(renders: list[Rendered], tokenizer, max_length: int,
-                   mask_prompt: bool) -> list[tuple[Example, bool]]:
+                   mask_prompt: bool, image_tokens=None) -> list[tuple[Example, bool]]:
     """`tokenize` for many: one tokenizer call per special-token setting (fast tokenizers batch in Rust)."""
     out: list[tuple[Example, bool] | None] = [None] * len(renders)
     for flag in {r.add_special_tokens for r in renders}:
         idx = [i for i, r in enumerate(renders) if r.add_special_tokens == flag]
         enc = tokenizer([renders[i].text for i in idx], add_special_tokens=flag, return_offsets_mapping=True)
         for k, i in enumerate(idx):
-            out[i] = _labelled(enc["input_ids"][k], enc["offset_mapping"][k], renders[i].spans, max_length, mask_prompt)
+            out[i] = _labelled(enc["input_ids"][k], enc["offset_mapping"][k], renders[i], max_length, mask_prompt,
+                               image_tokens)
     return out  # type: ignore[return-value]
 
 
-def build_examples(renders: list[Rendered], tokenizer, cfg: DataConfig) -> tuple[list[Example], DataStats]:
+def build_examples(renders: list[Rendered], tokenizer, cfg: DataConfig,
+                   image_tokens=None) -> tuple[list[Example], DataStats]:
     """The examples with a trained token left after truncation, and their counts."""
     stats = DataStats()
     out = []
-    for ex, truncated in tokenize_batch(renders, tokenizer, cfg.max_length, cfg.mask_prompt):
+    for ex, truncated in tokenize_batch(renders, tokenizer, cfg.max_length, cfg.mask_prompt, image_tokens):
         stats.truncated += truncated
         trained = trained_count(ex.labels)
         if trained == 0:

@@ -199,10 +199,15 @@ def context_window(cfg: ModelConfig, shipped: bool = False, given=None) -> tuple
         config = given if given is not None else raw_config(cfg, shipped)
     except (OSError, ValueError):
         return None
-    for key in CONTEXT_KEYS:
-        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value, f"{key} in the config of {cfg.name_or_path}"
+    def read(config, key):
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    # a vision-language model's window is its language model's (text_config)
+    for where, part in (("", config), ("text_config.", read(config, "text_config"))):
+        for key in CONTEXT_KEYS if part is not None else ():
+            value = read(part, key)
+            if isinstance(value, int) and value > 0:
+                return value, f"{where}{key} in the config of {cfg.name_or_path}"
     return None
 
 

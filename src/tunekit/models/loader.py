@@ -16,14 +16,20 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+)
 
 from tunekit.config import dsconfig, methods
 from tunekit.config.modelsource import ModelSource, resolve_model
 from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
-from tunekit.models import hub, kernels
+from tunekit.models import hub, kernels, vision
 from tunekit.models.ggufread import one_reader
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 
@@ -174,7 +180,8 @@ def new_score_head():
 def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | None = None, device_map=None,
               score_head: bool = False):
     """The model `cfg` names; `score_head`: with a one-number score head in place of the language-model head (a
-    reward model: AutoModelForSequenceClassification, num_labels 1), as it is also for a directory saved so."""
+    reward model: AutoModelForSequenceClassification, num_labels 1), as it is also for a directory saved so. A
+    vision-language model (models.vision) loads with AutoModelForImageTextToText."""
     location = materialize(cfg.name_or_path, cfg.revision)
     saved_so = Path(location).is_dir() and saved_with_score_head(Path(location))
     if cfg.trust_remote_code:
@@ -190,8 +197,9 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
         kwargs["num_labels"] = 1
     try:
         with new_score_head() if score_head and not saved_so else contextlib.nullcontext():
-            model = (AutoModelForSequenceClassification if score_head or saved_so else AutoModelForCausalLM
-                     ).from_pretrained(location, **kwargs)
+            auto = (AutoModelForSequenceClassification if score_head or saved_so else
+                    AutoModelForImageTextToText if vision.reads_images(cfg) else AutoModelForCausalLM)
+            model = auto.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as e:
         raise hub.load_error("model.name_or_path", cfg.name_or_path, e) from None
     if quant is not None:
@@ -281,6 +289,13 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
         model = prepare_quantized(model, precision.dtype, recipe.training.gradient_checkpointing)
     kernels.apply(model, recipe.training.kernels)
     peft_cfg = lora_config(recipe)
+    images = vision.reads_images(recipe.model)
+    if images and peft_cfg is not None:
+        peft_cfg = vision.scope_lora(model, peft_cfg, recipe.vision)
+    elif images:
+        vision.freeze_for_full(model, recipe.vision)
+    if images:
+        log.info("%s", vision.describe(model, recipe.vision, recipe.adapter))
     if start_adapter is not None:
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     elif peft_cfg is not None:

@@ -73,3 +73,39 @@ def build_model(path: Path, tokenizer, seed: int = 0, context: int = 512) -> Non
                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+IMAGE_TOKEN = "<image>"
+
+
+def build_vision_model(path: Path, tokenizer, seed: int = 0, image_size: int = 32, patch: int = 8) -> None:
+    """Save a tiny random vision-language model composed as LLaVA composes one (a 2-layer SigLIP vision tower, a
+    projector, the 2-layer Llama of build_model) with its processor (SigLIP's image processor at `image_size`, each
+    image (image_size / patch)^2 tokens) to `path`; `tokenizer` gains the image token."""
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    torch.manual_seed(seed)
+    tower = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               image_size=image_size, patch_size=patch)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    cfg = LlavaConfig(vision_config=tower, text_config=text,
+                      image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_layer=-1,
+                      vision_feature_select_strategy="full", projector_hidden_act="gelu")
+    LlavaForConditionalGeneration(cfg).save_pretrained(path)
+    processor = LlavaProcessor(image_processor=SiglipImageProcessor(size={"height": image_size, "width": image_size}),
+                               tokenizer=tokenizer, patch_size=patch, vision_feature_select_strategy="full",
+                               num_additional_image_tokens=0, chat_template=tokenizer.chat_template)
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)

@@ -26,7 +26,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision, resolve_precision
 from tunekit.data import packing, preview
 from tunekit.data.collating import CountingCollator
-from tunekit.models import info, loader
+from tunekit.models import info, loader, vision
 from tunekit.runs import checkpoints, layout
 from tunekit.runs.layout import (
     ADAPTER_DIR,
@@ -365,7 +365,8 @@ def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: P
     model = loader.load_for_training(recipe, inputs.precision, inputs.start_adapter)
     if inputs.start_adapter is not None:
         log.info("adapter: starting from %s", inputs.start_adapter)
-    packed = method.packs and packing.use(model, recipe.data.packing)  # TRL's collators pad the pairs
+    packed = method.packs and packing.use(model, recipe.data.packing,  # TRL's collators pad the pairs
+                                          images=vision.reads_images(recipe.model))
     attention = model.config._attn_implementation
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
              "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention)

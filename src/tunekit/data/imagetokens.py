@@ -1,0 +1,128 @@
+"""Image tokens of a vision-language model: where its chat template puts an image, the tokens its processor turns
+each image into, and the pixel inputs of a batch.
+
+Why not the processor's own text path: a processor expands each image's marker inside the text before tokenizing,
+so the character offsets that label masking reads (data.tokenizing) no longer match the rendered text. Here the
+rendered text is tokenized as any other (its marker is a special token, or a few), then each image's marker tokens
+are replaced by the tokens the processor makes for that image alone, labelled IGNORE: image tokens never carry
+loss. The pixel inputs come from the same processor at batch time, so the counts agree."""
+
+from __future__ import annotations
+
+import json
+
+from tunekit.config.schema import ModelConfig
+from tunekit.core.errors import TunekitError
+from tunekit.data.images import Image
+
+IGNORE = -100
+TEXT = ("input_ids", "attention_mask")  # what the processor returns that tunekit's own tokenizing gives
+
+
+def of(cfg: ModelConfig) -> ImageTokens | None:
+    """The image tokens of the model `cfg` names, None for a text-only model."""
+    from tunekit.models import loader, vision
+
+    if not vision.reads_images(cfg):
+        return None
+    return ImageTokens(vision.load_processor(cfg, loader.materialize(cfg.name_or_path, cfg.revision)))
+
+
+def template_marker(tokenizer, image_token: str) -> str:
+    """The text the chat template writes for an image part: the difference between a user message rendered with
+    and without one ("<|vision_start|><|image_pad|><|vision_end|>" for Qwen2.5-VL); the processor's image token
+    where the template renders no image parts (a text template, as a model composed as LLaVA has)."""
+    def rendered(content):
+        try:
+            return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+        except Exception:  # noqa: BLE001 -- a template that cannot render parts: the fallback below
+            return None
+
+    text = [{"type": "text", "text": "\x00"}]
+    with_image, without = rendered([{"type": "image"}, *text]), rendered(text)
+    if with_image is None or without is None:
+        return image_token
+    start = 0
+    while start < min(len(with_image), len(without)) and with_image[start] == without[start]:
+        start += 1
+    end = 0
+    while end < len(without) - start and with_image[len(with_image) - 1 - end] == without[len(without) - 1 - end]:
+        end += 1
+    marker = with_image[start:len(with_image) - end]
+    return marker.strip("\n") if image_token in marker else image_token
+
+
+class ImageTokens:
+    """A vision-language model's processor, for rendering (`marker`), tokenizing (`expand`) and batching
+    (`pixels`)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        token = getattr(processor, "image_token", None)
+        self.marker = template_marker(self.tokenizer, getattr(processor, "boi_token", None) or token)
+        self.marker_ids = self.tokenizer(self.marker, add_special_tokens=False)["input_ids"]
+        self._ids: dict[tuple[str, str], list[int]] = {}
+
+    def ids(self, image: Image) -> list[int]:
+        """The tokens the processor makes for `image` where its marker stands (their number can depend on the
+        image's size)."""
+        key = (image.kind, image.value)
+        if key not in self._ids:
+            out = self.processor(text=self.marker, images=[image.load()], add_special_tokens=False)
+            self._ids[key] = list(out["input_ids"][0])
+        return self._ids[key]
+
+    def expand(self, ids: list[int], labels: list[int], found: tuple[Image, ...], where: str | None
+               ) -> tuple[list[int], list[int], list[int]]:
+        """`ids`/`labels` with each image's marker tokens, in order, replaced by that image's tokens (label
+        IGNORE), and where each image's tokens end."""
+        out_ids, out_labels, ends, i, k, n = [], [], [], 0, 0, len(self.marker_ids)
+        while i < len(ids):
+            if k < len(found) and ids[i:i + n] == self.marker_ids:
+                image = self.ids(found[k])
+                out_ids += image
+                out_labels += [IGNORE] * len(image)
+                ends.append(len(out_ids))
+                i, k = i + n, k + 1
+            else:
+                out_ids.append(ids[i])
+                out_labels.append(labels[i])
+                i += 1
+        if k != len(found):
+            raise TunekitError(f"{where or 'a record'}: {len(found)} image(s) but {k} place(s) for them in the "
+                               f"rendered text; an image's text must not be cut or rewritten by the chat template")
+        return out_ids, out_labels, ends
+
+
+    def pixels(self, per_example: list[list[Image]]) -> dict:
+        """The processor's image inputs (pixel_values and what goes with them) for a batch, images grouped by
+        example."""
+        if not any(per_example):
+            return {}
+        texts = [self.marker * len(found) for found in per_example]
+        out = self.processor(text=texts, images=[[image.load() for image in found] for found in per_example],
+                             add_special_tokens=False, return_tensors="pt", padding=True)
+        return {k: v for k, v in out.items() if k not in TEXT}
+
+
+def cut(ids: list[int], labels: list[int], ends: list[int], sizes: list[int], max_length: int
+        ) -> tuple[list[int], list[int], int]:
+    """Truncation to `max_length` that never cuts an image in two: the example ends before the first image that
+    does not fit whole. Returns ids, labels and how many images remain."""
+    keep, length = len(ends), max_length
+    for k, (end, size) in enumerate(zip(ends, sizes)):
+        if end > max_length:
+            keep, length = k, min(max_length, end - size)
+            break
+    return ids[:length], labels[:length], keep
+
+
+def stored(found: tuple[Image, ...]) -> list[str]:
+    """Images as the prepared data set keeps them (a JSON object each)."""
+    return [json.dumps({"kind": i.kind, "value": i.value, "where": i.where}) for i in found]
+
+
+def restored(column: list[str]) -> list[Image]:
+    return [Image(**json.loads(text)) for text in column]
+

@@ -1,0 +1,152 @@
+"""Vision-language models: whether a model reads images, its processor, and the parts it is made of (the language
+model, the projector, the vision tower), which decide what trains (the recipe's `vision` section).
+
+A model reads images when its config holds a `vision_config` (LLaVA, Qwen2.5-VL, Idefics3/SmolVLM, Gemma 3,
+Llama 3.2 Vision all do): it is loaded with AutoModelForImageTextToText and its own processor. Its parts are found
+from the model itself, not from its type: the language model is what `get_decoder()` returns, the vision tower
+the other pretrained model inside it, the projector whatever else holds weights beside those two."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from dataclasses import dataclass
+
+from tunekit.config.schema import ModelConfig, VisionConfig
+from tunekit.core.errors import TunekitError
+from tunekit.models import hub, info
+
+log = logging.getLogger("tunekit")
+
+
+def reads_images(cfg: ModelConfig) -> bool:
+    """Whether the model is a vision-language model (read from its config.json, without torch)."""
+    try:
+        raw = info.raw_config(cfg)
+    except hub.Unavailable:
+        return False
+    return isinstance(raw.get("vision_config"), dict)
+
+
+@functools.lru_cache(maxsize=4)
+def _processor(location: str, revision: str | None, trust_remote_code: bool):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(location, revision=revision, trust_remote_code=trust_remote_code)
+
+
+def load_processor(cfg: ModelConfig, location: str):
+    """The model's processor (image processor and tokenizer together), from `location` (the materialized model or
+    a run directory it was saved to)."""
+    try:
+        processor = _processor(location, cfg.revision, cfg.trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise TunekitError(f"model.name_or_path: cannot load the processor of {cfg.name_or_path} ({e}); a "
+                           "vision-language model needs its processor files (processor_config.json or "
+                           "preprocessor_config.json) beside its weights") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise TunekitError(f"model.name_or_path: {cfg.name_or_path} has a vision config but its processor "
+                           f"({type(processor).__name__}) has no image processor; save the model's processor with it")
+    return processor
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Qualified module names: the language model, the vision tower, the projector (empty where the tower holds
+    it, as Qwen2.5-VL's patch merger is)."""
+
+    language: str
+    tower: str | None
+    projector: tuple[str, ...]
+
+    def under(self, name: str, *prefixes: str | None) -> bool:
+        return any(p is not None and (name == p or name.startswith(p + ".")) for p in prefixes)
+
+
+def parts(model) -> Parts:
+    """The parts of a loaded vision-language model (a PEFT wrapper looked through)."""
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder()
+    names = {id(m): n for n, m in base.named_modules()}
+    language = names.get(id(decoder))
+    if not language:
+        raise TunekitError(f"{type(base).__name__}: its language model is not a module inside it; tunekit cannot "
+                           "tell which weights are the language model's")
+    parent = language.rpartition(".")[0]
+    container = base.get_submodule(parent) if parent else base
+    towers = [n for n, m in container.named_children()
+              if isinstance(m, PreTrainedModel) and m is not decoder]
+    tower = f"{parent}.{towers[0]}" if parent and towers else (towers[0] if towers else None)
+    projector = tuple(f"{parent}.{n}" if parent else n for n, m in container.named_children()
+                      if m is not decoder and n not in towers and any(True for _ in m.parameters()))
+    return Parts(language, tower, projector)
+
+
+def linear_names(model, prefixes: tuple[str, ...], wanted: list[str] | str) -> list[str]:
+    """The linear layers under `prefixes` that LoRA targets: every one for "all-linear", else those whose own
+    name is listed (as peft matches a list)."""
+    from torch import nn
+
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or not any(name.startswith(p + ".") for p in prefixes):
+            continue
+        if wanted == "all-linear" or name.rpartition(".")[2] in wanted:
+            out.append(name)
+    return out
+
+
+def scope_lora(model, peft_cfg, vision: VisionConfig | None):
+    """`peft_cfg` aimed at the parts that train: LoRA on the language model's linear layers (and the tower's with
+    vision.train_tower), the projector trained in full beside it with vision.train_projector. peft's
+    "all-linear" would put LoRA on the tower and projector too."""
+    vision = vision or VisionConfig()
+    found = parts(model)
+    prefixes = (found.language,) + ((found.tower,) if vision.train_tower and found.tower else ())
+    targets = linear_names(model, prefixes, peft_cfg.target_modules)
+    if not targets:
+        wanted = peft_cfg.target_modules
+        shown = wanted if isinstance(wanted, str) else ", ".join(sorted(wanted))
+        raise TunekitError(f"lora.target_modules: {shown} names no linear layer of the language "
+                           f"model ({found.language}); name its projections (q_proj, v_proj, ...) or use all-linear")
+    peft_cfg.target_modules = targets
+    if vision.train_projector:
+        if not found.projector:
+            raise TunekitError(f"vision.train_projector: {type(model).__name__} has no projector apart from its vision "
+                               "tower; set vision.train_tower instead")
+        peft_cfg.modules_to_save = [*(peft_cfg.modules_to_save or ()), *found.projector]
+    return peft_cfg
+
+
+def freeze_for_full(model, vision: VisionConfig | None) -> None:
+    """Full fine-tuning: the tower and projector frozen unless the recipe trains them."""
+    vision = vision or VisionConfig()
+    found = parts(model)
+    frozen = ((found.tower,) if not vision.train_tower else ()) + (found.projector if not vision.train_projector
+                                                                  else ())
+    for name, p in model.named_parameters():
+        if found.under(name, *frozen):
+            p.requires_grad = False
+
+
+def describe(model, vision: VisionConfig | None, adapter: str) -> str:
+    """One line: what trains and what is frozen."""
+    vision = vision or VisionConfig()
+    found = parts(model)
+    how = "LoRA" if adapter == "lora" else "in full"
+    trained = [f"the language model ({found.language}, {how})"]
+    frozen = []
+    for label, names, on, mode in (("the projector", found.projector, vision.train_projector, "in full"),
+                                   ("the vision tower", (found.tower,) if found.tower else (), vision.train_tower,
+                                    how)):
+        if names:
+            (trained if on else frozen).append(f"{label} ({', '.join(_short(n) for n in names)}"
+                                               + (f", {mode})" if on else ")"))
+    return f"vision: training {', '.join(trained)}; frozen: {', '.join(frozen) or 'nothing'}"
+
+
+def _short(name: str) -> str:
+    return re.sub(r"^(?:base_model\.)?(?:model\.)?", "", name)
