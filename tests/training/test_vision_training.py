@@ -57,3 +57,31 @@ def test_lora_on_image_records_learns_and_freezes_what_the_recipe_says(tmp_path,
         frozen == "the projector (multi_modal_projector), the vision tower (vision_tower)"
     assert "packing: off for a vision-language model" in said and "batches: padded" in said
     assert json.loads((result.run_dir / "run.json").read_text())["data"]["packed"] is False
+
+
+def test_held_out_images_are_answered_and_the_merge_reads_them_as_the_adapter_did(tmp_path, tiny_vision_model):
+    """Every prompt's text is the same, so only the image tells the colour (chance: 1 in 4): the held-out answers,
+    generated with their images, are right after training; the merged model loads with
+    AutoModelForImageTextToText and its processor, and answers the same."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tunekit import api
+
+    rows = colour_rows(tmp_path / "img", 96)
+    train, held = write_jsonl(tmp_path / "train.jsonl", rows[:80]), write_jsonl(tmp_path / "eval.jsonl", rows[80:])
+    raw = tiny_recipe(tiny_vision_model, train, tmp_path / "run", data={"format": "chat", "eval": str(held)},
+                      training={"max_steps": 40, "learning_rate": 1e-2, "eval_steps": 20},
+                      vision={"train_projector": True}, eval={"metrics": ["exact_match"], "max_new_tokens": 4})
+    run = api.train(write_recipe(tmp_path / "r.yaml", raw)).run_dir
+    scores = json.loads((run / "eval" / "metrics.json").read_text())["scores"]
+    assert scores["examples"] == 16 and scores["exact_match"] >= 90, scores
+    predictions = [json.loads(line) for line in (run / "eval" / "predictions.jsonl").read_text().splitlines()]
+    assert [p["images"] for p in predictions] == [[str(tmp_path / "img" / f"{i}.png")] for i in range(80, 96)]
+
+    merged = api.merge(run).out
+    assert AutoModelForImageTextToText.from_pretrained(merged).config.model_type == "llava"
+    assert type(AutoProcessor.from_pretrained(merged)).__name__ == "LlavaProcessor"
+    (again,) = api.evaluate(merged, data=held, out=tmp_path / "merged-eval").evaluations
+    assert again.scores["exact_match"] == scores["exact_match"]
+    rows_again = [json.loads(line) for line in (again.out / "predictions.jsonl").read_text().splitlines()]
+    assert [r["prediction"] for r in rows_again] == [p["prediction"] for p in predictions]

@@ -16,7 +16,7 @@ from tunekit.config.schema import EvalConfig, Recipe
 from tunekit.core import console, distributed, outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
-from tunekit.data import chat, mixture, split
+from tunekit.data import chat, imagetokens, mixture, split
 from tunekit.data.collating import collator
 from tunekit.data.formats import Record
 from tunekit.data.reading import read_records
@@ -70,12 +70,12 @@ def check_held_out(target: Target, records: list[Record]) -> None:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, batch_size: int,
-             max_new_tokens: int) -> list[str]:
+             max_new_tokens: int, images: list[tuple] | None = None, image_tokens=None) -> list[str]:
     """Greedy generation in batches of similar length, left-padded; outputs in input order. In a
     process group each process generates every world_size-th batch and all receive every output; the
     batches are those of one process, so the text is the same for any number of processes. A process
     out of batches repeats one (its output unused) while others still generate: under ZeRO-3 every
-    forward needs all processes."""
+    forward needs all processes. `images`: each prompt's images, for a vision-language model's `image_tokens`."""
     rank, world = distributed.rank_and_world()
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -89,7 +89,8 @@ def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, bat
     try:
         for k in range(-(-len(batches) // world)):
             idx = mine[k] if k < len(mine) else batches[0]
-            answers = generate_batch(model, tokenizer, [prompts[i] for i in idx], add_special_tokens, max_new_tokens)
+            answers = generate_batch(model, tokenizer, [prompts[i] for i in idx], add_special_tokens, max_new_tokens,
+                                     images=[images[i] for i in idx] if images else None, image_tokens=image_tokens)
             if k < len(mine):
                 found.update(zip(idx, answers))
             bar.update_to(min((k + 1) * batch_size * world, len(order)))
@@ -103,29 +104,38 @@ def generate(model, tokenizer, prompts: list[str], add_special_tokens: bool, bat
 
 @torch.no_grad()
 def generate_batch(model, tokenizer, prompts: list[str], add_special_tokens: bool, max_new_tokens: int,
-                   streamer=None) -> list[str]:
+                   streamer=None, images: list[tuple] | None = None, image_tokens=None) -> list[str]:
     """One generate() call: greedy continuations of `prompts` (padded on the tokenizer's side; `generate` sets
     left), decoded without special tokens and stripped. Eval's decoding, which `tunekit chat` shares
-    (evaluation.conversation), there with a transformers streamer showing the answer as it is generated."""
+    (evaluation.conversation), there with a transformers streamer showing the answer as it is generated. With a
+    vision-language model's `image_tokens`, each prompt's `images` in its tokens and the batch's pixel inputs."""
     device = next(model.parameters()).device
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
+    if images and any(images):
+        ids = [image_tokens.expand(enc, enc, found, None)[0] for enc, found in
+               zip(tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"], images)]
+        batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
+        batch.update(image_tokens.pixels([list(found) for found in images]))
+        batch = batch.to(device)
+    else:
+        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, streamer=streamer)
     return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in out[:, batch["input_ids"].shape[1]:]]
 
 
 @torch.no_grad()
-def token_loss(model, tokenizer, examples: list[Example], batch_size: int) -> float:
+def token_loss(model, tokenizer, examples: list[Example], batch_size: int, image_tokens=None) -> float:
     """Mean cross-entropy per trained token (the training objective on held-out data)."""
     tokenizer.padding_side = "right"
-    collate = collator(tokenizer)
+    collate = collator(tokenizer, image_tokens=image_tokens)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
-        batch = collate([{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels}
+        batch = collate([{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels,
+                          **({"images": imagetokens.stored(e.images)} if image_tokens else {})}
                          for e in chunk]).to(device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
         labels = batch["labels"][:, 1:]
         losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels,
                                                    ignore_index=IGNORE, reduction="sum")
@@ -135,7 +145,8 @@ def token_loss(model, tokenizer, examples: list[Example], batch_size: int) -> fl
 
 
 def rendered_examples(recipe: Recipe, tokenizer, records: list[Record], cfg: EvalConfig) -> list:
-    renderer = mixture.Renderers(recipe.data, tokenizer)  # each record by its source's format and fields
+    # each record by its source's format and fields
+    renderer = mixture.Renderers(recipe.data, tokenizer, image_tokens=imagetokens.of(recipe.model))
     # unpaired preference data: only the completions labelled desirable are references
     rendered = [x for x in map(renderer.render, records) if x.desirable is not False]
     chat.say(renderer.notes)
@@ -146,10 +157,11 @@ def rendered_examples(recipe: Recipe, tokenizer, records: list[Record], cfg: Eva
     return rendered
 
 
-def generation_scores(model, tokenizer, rendered: list, cfg: EvalConfig) -> tuple[dict, list[str]]:
+def generation_scores(model, tokenizer, rendered: list, cfg: EvalConfig, image_tokens=None
+                      ) -> tuple[dict, list[str]]:
     """Greedy generations on the rendered examples and their scores (every process gets all of them)."""
     predictions = generate(model, tokenizer, [r.prompt for r in rendered], rendered[0].add_special_tokens,
-                           cfg.batch_size, cfg.max_new_tokens)
+                           cfg.batch_size, cfg.max_new_tokens, [r.images for r in rendered], image_tokens)
     return text_scores(predictions, rendered, cfg), predictions
 
 
@@ -187,19 +199,20 @@ def evaluate_model(model, tokenizer, recipe: Recipe, records: list[Record],
                    cfg: EvalConfig) -> tuple[dict, list[dict]]:
     kit, played = toolkit(recipe), None
     started = time.perf_counter()
+    image_tokens = imagetokens.of(recipe.model)
     if kit is None:
         rendered = rendered_examples(recipe, tokenizer, records, cfg)
-        scores, predictions = generation_scores(model, tokenizer, rendered, cfg)
+        scores, predictions = generation_scores(model, tokenizer, rendered, cfg, image_tokens)
     else:
         scores, rendered, predictions, played = episode_scores(model, tokenizer, recipe, records, cfg, kit)
     gen_seconds = time.perf_counter() - started
     if "loss" in cfg.metrics:  # on the tokens training's eval loss reads: every trained turn of each record scored
-        renderer = mixture.Renderers(recipe.data, tokenizer)
+        renderer = mixture.Renderers(recipe.data, tokenizer, image_tokens=image_tokens)
         scored = {r.where for r in rendered}
         pieces = [x for record in records if record.where in scored for x in renderer.examples(record)]
-        examples, _ = build_examples(pieces, tokenizer, recipe.data)
+        examples, _ = build_examples(pieces, tokenizer, recipe.data, image_tokens)
         if examples:
-            loss = token_loss(model, tokenizer, examples, cfg.batch_size)
+            loss = token_loss(model, tokenizer, examples, cfg.batch_size, image_tokens)
             scores.update(eval_loss=loss, perplexity=math.exp(min(loss, 50)))
     # the training method's measures (preference accuracy and rewards on pairs, GRPO's rewards, ...)
     scores.update(preference.method_measures(model, tokenizer, recipe, records, cfg.limit, cfg.batch_size))
@@ -223,8 +236,9 @@ def episode_means(played: list) -> dict:
 
 def prediction_rows(rendered: list, predictions: list[str], extras: list[dict]) -> list[dict]:
     """predictions.jsonl's rows: each held-out example, its generation and what the method adds (rewards)."""
-    return [{"where": r.where, "prompt": r.prompt, "reference": r.reference, "prediction": p, **extra}
-            for r, p, extra in zip(rendered, predictions, extras)]
+    return [{"where": r.where, "prompt": r.prompt, "reference": r.reference, "prediction": p,
+             **({"images": [i.value if i.kind != "base64" else "(base64)" for i in r.images]} if r.images else {}),
+             **extra} for r, p, extra in zip(rendered, predictions, extras)]
 
 
 class DuringTraining:
@@ -236,13 +250,14 @@ class DuringTraining:
         self.recipe, self.tokenizer, self.records, self.samples = recipe, tokenizer, records, samples
         self.cfg = recipe.eval
         self.kit = toolkit(recipe)
+        self.image_tokens = imagetokens.of(recipe.model)
         self.rendered = rendered_examples(recipe, tokenizer, records, recipe.eval) if self.kit is None else None
         self.rows: list[dict] = []  # the last evaluation's predictions.jsonl rows
 
     def __call__(self, model) -> dict:
         training, played = model.training, None
         if self.kit is None:
-            scores, predictions = generation_scores(model, self.tokenizer, self.rendered, self.cfg)
+            scores, predictions = generation_scores(model, self.tokenizer, self.rendered, self.cfg, self.image_tokens)
         else:  # fresh episodes each time: an environment's state is the episode's
             scores, self.rendered, predictions, played = episode_scores(model, self.tokenizer, self.recipe,
                                                                         self.records, self.cfg, self.kit)

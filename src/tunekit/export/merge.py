@@ -22,7 +22,7 @@ from tunekit.config.recipes import load as load_recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
-from tunekit.data import mixture, split
+from tunekit.data import imagetokens, mixture, split
 from tunekit.data.collating import collator
 from tunekit.data.tokenizing import build_examples
 from tunekit.export import card
@@ -49,18 +49,20 @@ class Parity:
                 f"over {self.positions} positions")
 
 
-def parity_batch(recipe, tokenizer, n: int = 4):
+def parity_batch(recipe, tokenizer, n: int = 4, image_tokens=None):
     """A few real examples from the run's own data, each rendered as for generation (through its last assistant
-    message) and tokenized as in training."""
+    message) and tokenized as in training, with their images' pixel inputs for a vision-language model."""
     records = (split.held_out(recipe.data, recipe.training.seed)
                or list(itertools.islice(split.train_source(recipe.data), n)))
-    renderer = mixture.Renderers(recipe.data, tokenizer)  # each record by its source's format and fields
-    examples, _ = build_examples([renderer.render(r) for r in records[:n]], tokenizer, recipe.data)
+    # each record by its source's format and fields
+    renderer = mixture.Renderers(recipe.data, tokenizer, image_tokens=image_tokens)
+    examples, _ = build_examples([renderer.render(r) for r in records[:n]], tokenizer, recipe.data, image_tokens)
     if not examples:
         raise TunekitError("merge: no usable example in the run's data for the parity check")
     tokenizer.padding_side = "right"
-    return collator(tokenizer)(
-        [{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels} for e in examples])
+    return collator(tokenizer, image_tokens=image_tokens)(
+        [{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels,
+          **({"images": imagetokens.stored(e.images)} if image_tokens else {})} for e in examples])
 
 
 @torch.no_grad()
@@ -69,7 +71,7 @@ def logits(model, batch) -> torch.Tensor:
     onto the GPU (bitsandbytes' kernels run only there) while the batch is built on the CPU."""
     model.eval()
     device = next(model.parameters()).device
-    out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+    out = model(**{k: v.to(device) for k, v in batch.items() if k != "labels"})  # pixel inputs included
     return out.logits.float().cpu()
 
 
@@ -163,6 +165,7 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
     dtype = dtype or _default_dtype(recipe)
 
     tokenizer = loader.load_tokenizer(recipe.model, adapter_dir)
+    image_tokens = imagetokens.of(recipe.model)  # a vision-language model's processor, saved with the merge
     if methods.of(recipe).score_head:  # a reward model: one score per sequence, not logits per token
         sequences = parity_pairs(recipe, tokenizer)
 
@@ -172,7 +175,7 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
         def judge(reference, got):
             return compare_scores(reference, got)
     else:
-        batch = parity_batch(recipe, tokenizer)
+        batch = parity_batch(recipe, tokenizer, image_tokens=image_tokens)
 
         def measure(model):
             return logits(model, batch)
@@ -190,6 +193,8 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
     merged.config.use_cache = True
     with outputs.atomic_dir(out) as tmp:
         merged.save_pretrained(tmp, max_shard_size="2GB")
+        if image_tokens is not None:
+            image_tokens.processor.save_pretrained(tmp)
         tokenizer.padding_side = "left"
         tokenizer.save_pretrained(tmp)
         shutil.copy(run_dir / RECIPE_FILE, tmp / RECIPE_FILE)
