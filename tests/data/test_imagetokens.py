@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import colour_rows
+from conftest import colour_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config.schema import DataConfig
 from tunekit.data import imagetokens
 from tunekit.data.collating import collator
@@ -88,3 +88,20 @@ def test_the_marker_is_what_the_model_template_writes_for_an_image(tiny_tokenize
 
 def test_a_text_template_falls_back_to_the_processor_image_token(tiny_tokenizer):
     assert imagetokens.template_marker(tiny_tokenizer, "<image>") == "<image>"
+
+
+def test_tunekit_data_shows_each_image_as_a_placeholder_with_its_token_count(tmp_path, tiny_vision_model):
+    from tunekit import api
+
+    rows = colour_rows(tmp_path / "img", 5)
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    raw = tiny_recipe(tiny_vision_model, train, tmp_path / "run", data={"format": "chat"})
+    shown = api.data(write_recipe(tmp_path / "r.yaml", raw), show=1).preview
+    assert shown.roles["image"] == {"trained": 0, "untrained": 5 * 16}
+    assert shown.roles["assistant"]["trained"] == shown.stats.trained_tokens
+    (example,) = shown.shown
+    texts = [s["text"] for s in example.segments]
+    assert "[image 1: 16 tokens]" in "".join(texts)
+    image = next(s for s in example.segments if s["role"] == "image")
+    assert image == {"text": "[image 1: 16 tokens]", "trained": False, "role": "image", "tokens": 16}
+    assert "".join(s["text"] for s in example.segments if s["trained"]) == "red<|im_end|>"

@@ -109,10 +109,10 @@ def data(recipe: RecipeLike, overrides: Overrides = None, show: int = 3) -> Data
     if method.data_formats is not None:  # a method with its own data (pairs, labelled completions)
         raise TunekitError(f"training.method: {method.name} trains on {method.data_description}; tunekit data "
                            f"shows the examples of methods that train on every data format ({methods.DEFAULT})")
-    from tunekit.data import preview
+    from tunekit.data import imagetokens, preview
     from tunekit.models import info, tokenizer
 
     loaded = info.fit_max_length(loaded)  # as training fits it
-    renderer = preview.renderer_for(loaded.data, tokenizer.load(loaded.model))
+    renderer = preview.renderer_for(loaded.data, tokenizer.load(loaded.model), imagetokens.of(loaded.model))
     records, facts, found = preview.training_records(loaded.data, loaded.training.seed)
     return DataPreview(preview.preview(records, renderer, loaded.data, show), facts, found)

@@ -9,8 +9,9 @@ Each token's text is the stretch of the rendered text up to its end (so whitespa
 of offsets still shows); a special token the tokenizer adds (BOS, EOS) shows as its token string.
 
 A token's role is the message its first character lies in (Rendered.roles: system, user, assistant, tool;
-"template" for text no message owns). An example not chat-rendered (alpaca, raw text) has two: "answer" for
-its trained spans and "prompt" for the rest."""
+"template" for text no message owns); an image's tokens (a vision-language model's) have the role "image", shown as
+one placeholder naming the image and its token count. An example not chat-rendered (alpaca, raw text) has two:
+"answer" for its trained spans and "prompt" for the rest."""
 
 from __future__ import annotations
 
@@ -81,9 +82,9 @@ def length_buckets(max_length: int) -> list[tuple[int, int]]:
     return [(1 if i == 0 else edges[i - 1] + 1, edge) for i, edge in enumerate(edges)]
 
 
-def renderer_for(cfg: DataConfig, tokenizer) -> mixture.Renderers:
+def renderer_for(cfg: DataConfig, tokenizer, image_tokens=None) -> mixture.Renderers:
     """The renderers training uses (one per source), filling Rendered.roles (chat-rendered examples)."""
-    return mixture.Renderers(cfg, tokenizer, roles=True)
+    return mixture.Renderers(cfg, tokenizer, roles=True, image_tokens=image_tokens)
 
 
 def rendered(renderer: mixture.Renderers, records: Iterable[Record]) -> Iterator[Rendered]:
@@ -148,11 +149,29 @@ def _encoded(renders: list[Rendered], tokenizer) -> list[tuple[list[int], list]]
     return out
 
 
-def _add(p: Preview, renders: list[Rendered], tokenizer, show: int, histogram: list[int]) -> None:
+def _with_images(r: Rendered, ids: list[int], pieces: list[str], roles: list[str], image_tokens
+                 ) -> tuple[list[str], list[str]]:
+    """Pieces and roles of the text's tokens with each image's marker turned into its image tokens, as
+    tokenizing does: role "image", the first one's piece naming the image and its token count."""
+    out_pieces, out_roles, i, k, n = [], [], 0, 0, len(image_tokens.marker_ids)
+    while i < len(ids):
+        if k < len(r.images) and ids[i:i + n] == image_tokens.marker_ids:
+            size = len(image_tokens.ids(r.images[k]))
+            out_pieces += [f"[image {k + 1}: {size} tokens]"] + [""] * (size - 1)
+            out_roles += ["image"] * size
+            i, k = i + n, k + 1
+        else:
+            out_pieces.append(pieces[i])
+            out_roles.append(roles[i])
+            i += 1
+    return out_pieces, out_roles
+
+
+def _add(p: Preview, renders: list[Rendered], tokenizer, show: int, histogram: list[int], image_tokens=None) -> None:
     """Count one batch of examples into `p`, and keep those still to be shown."""
     buckets = length_buckets(p.max_length)
-    labelled = tokenize_batch(renders, tokenizer, p.max_length, p.mask_prompt)
-    for r, (ex, truncated), (_, offsets) in zip(renders, labelled, _encoded(renders, tokenizer)):
+    labelled = tokenize_batch(renders, tokenizer, p.max_length, p.mask_prompt, image_tokens)
+    for r, (ex, truncated), (ids, offsets) in zip(renders, labelled, _encoded(renders, tokenizer)):
         n = len(ex.input_ids)
         trained = trained_flags(ex.labels)
         count, index = sum(trained), p.stats.examples + p.stats.dropped_no_target + 1
@@ -167,12 +186,19 @@ def _add(p: Preview, renders: list[Rendered], tokenizer, show: int, histogram: l
             histogram[next(i for i, (_, hi) in enumerate(buckets) if n <= hi)] += 1
         if count == 0 and not keep:
             continue
-        roles = _roles(r, offsets[:n])
+        if r.images:
+            pieces, roles = _with_images(r, ids, _pieces(r, ids, offsets, False, tokenizer), _roles(r, offsets),
+                                         image_tokens)
+            pieces, roles = pieces[:n], roles[:n]
+        else:
+            roles = _roles(r, offsets[:n])
         for role, flag in zip(roles, trained) if count else ():
             tally = p.roles.setdefault(role, {"trained": 0, "untrained": 0})
             tally["trained" if flag else "untrained"] += 1
         if keep:
-            segments = merge(_pieces(r, ex.input_ids, offsets[:n], truncated, tokenizer), trained, roles)
+            if not r.images:
+                pieces = _pieces(r, ex.input_ids, offsets[:n], truncated, tokenizer)
+            segments = merge(pieces, trained, roles)
             p.shown.append(Shown(index, r.where, n, count, truncated, count == 0, segments))
 
 
@@ -183,7 +209,7 @@ def preview(records: Iterable[Record], renderer: mixture.Renderers, cfg: DataCon
     histogram = [0] * len(length_buckets(cfg.max_length))
     stream = rendered(renderer, records)
     while batch := list(itertools.islice(stream, BATCH)):
-        _add(p, batch, renderer.tok, show, histogram)
+        _add(p, batch, renderer.tok, show, histogram, renderer.image_tokens)
     p.lengths = [{"from": lo, "to": hi, "examples": n}
                  for (lo, hi), n in zip(length_buckets(cfg.max_length), histogram)]
     p.notes = sorted(renderer.notes)
