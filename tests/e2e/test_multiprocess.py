@@ -305,3 +305,27 @@ def test_fsdp2_run_merges_and_evaluates_as_the_run_without_it(fsdp2, ddp, recipe
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=WEIGHT_ATOL)
     predictions = [(tmp_path / n / "eval" / "predictions.jsonl").read_text() for n in ("fsdp", "ddp")]
     assert predictions[0] == predictions[1] and scores["fsdp"] == scores["ddp"]
+
+
+def test_a_vision_language_model_under_ddp_and_zero2_equals_one_process_and_trains_under_zero3(tmp_path,
+                                                                                                tiny_vision_model):
+    """Image batches split over two processes: DDP and ZeRO-2 give one process's run (its micro-batches accumulated);
+    ZeRO-3 trains (its losses leave DDP's by about 1e-3 from the second step: docs/vision.md)."""
+    from conftest import colour_rows
+
+    data = write_jsonl(tmp_path / "train.jsonl", colour_rows(tmp_path / "img", 32))
+    raw = tiny_recipe(tiny_vision_model, data, tmp_path / "unused", data={"format": "chat"},
+                      vision={"train_projector": True}, training={"max_steps": 4})
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    one = tmp_path / "one"
+    res = run_cli("train", str(recipe), "--set", f"output_dir={one}", "--set", "training.micro_batch_size=4",
+                  "--set", "training.gradient_accumulation_steps=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = {}
+    for name, sets in (("ddp", []), ("zero2", ["training.deepspeed=ds_configs/zero2.json"]),
+                       ("zero3", ["training.deepspeed=ds_configs/zero3.json"])):
+        runs[name] = tmp_path / name
+        launch(recipe, runs[name], 2, "training.micro_batch_size=4", *sets)
+    assert_same_run(one, runs["ddp"])
+    assert_same_run(one, runs["zero2"])
+    assert history(runs["zero3"])[-1] < history(runs["zero3"])[0]

@@ -1,7 +1,8 @@
 """Every shipped recipe, exactly as shipped (eval section included), on 2 CPU processes: the SmolLM2 SFT ones
 under DDP, ZeRO-2 and ZeRO-3, the preference ones under the launchers listed in ONLY (every launcher runs
 a preference method), the Llama ones under the ZeRO-2 they ship with (llama_grpo.yaml, shipped without
-DeepSpeed, under DDP). Shortened to two optimizer
+DeepSpeed, under DDP), the vision recipe under DDP and ZeRO-3 (its base model composed first by
+recipes/vision_shapes.py, into the test's directory). Shortened to two optimizer
 steps (one for the preference recipes, whose steps cost three to four forwards) and an eval on the first
 four rows of the eval data, nothing else changed.
 
@@ -19,6 +20,8 @@ tests/test-full-last-run.json records."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -46,6 +49,9 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
                         "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
                         "data.max_length=96", "grpo.max_completion_length=16", "eval.max_new_tokens=16"],
 }
+# a recipe whose base a script builds first (recipes/vision_shapes.py composes the vision demo's model): built into
+# the test's directory, the recipe pointed at it
+BUILT = {"smollm2_vision.yaml": "from recipes.vision_shapes import write_model; write_model(Path(sys.argv[1]))"}
 LAUNCHERS = {"ddp": ["training.deepspeed=null"], "zero2": ["training.deepspeed=ds_configs/zero2.json"],
              "zero3": ["training.deepspeed=ds_configs/zero3.json"]}
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
@@ -61,7 +67,8 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 # runs under DDP, its completions cut to 16 tokens.
 ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
         "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
-        "llama_grpo.yaml": ["ddp"], "smollm2_grpo_tools.yaml": ["ddp"], "smollm2_reward.yaml": ["ddp", "zero3"]}
+        "llama_grpo.yaml": ["ddp"], "smollm2_grpo_tools.yaml": ["ddp"], "smollm2_reward.yaml": ["ddp", "zero3"],
+        "smollm2_vision.yaml": ["ddp", "zero3"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
 # KTO under ZeRO-3 for its extra forwards on partitioned weights; the other launches are `full`.
@@ -103,6 +110,11 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
     four = tmp_path / "eval4.jsonl"
     rows = 8 if recipe == "smollm2_kto.yaml" else 4  # unpaired: every other completion is a desirable reference
     four.write_text("".join((ROOT / eval_file).read_text().splitlines(keepends=True)[:rows]))
+    if recipe in BUILT:
+        base = tmp_path / "base"
+        subprocess.run([sys.executable, "-c", f"import sys; from pathlib import Path; {BUILT[recipe]}", str(base)],
+                       cwd=ROOT, check=True, capture_output=True, timeout=1800)
+        offline = [*offline, f"model.name_or_path={base}"]
     res = launch(ROOT / "recipes" / recipe, out, 2, *offline, *LAUNCHERS[launcher], f"training.max_steps={steps}",
            f"data.eval={four}", "eval.limit=4")
     info = json.loads((out / "run.json").read_text())

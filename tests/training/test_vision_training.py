@@ -5,12 +5,14 @@ the run says what trains and that batches are not packed, and the adapter carrie
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import colour_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import NEEDS_SMOLLM2, ROOT, colour_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.training import runner
 
@@ -85,3 +87,40 @@ def test_held_out_images_are_answered_and_the_merge_reads_them_as_the_adapter_di
     assert again.scores["exact_match"] == scores["exact_match"]
     rows_again = [json.loads(line) for line in (again.out / "predictions.jsonl").read_text().splitlines()]
     assert [r["prediction"] for r in rows_again] == [p["prediction"] for p in predictions]
+
+
+@pytest.mark.full
+@NEEDS_SMOLLM2
+def test_real_model_composed_as_llava_learns_colours_only_the_images_hold(tmp_path):
+    """recipes/vision_shapes.py composes the real SmolLM2 with a CLIP ViT-B/32 tower (random weights, the real
+    architecture and preprocessing) and a new projector; recipes/smollm2_vision.yaml, as shipped, trains it on
+    shapes drawn with Pillow. Zero-shot the composed model names no held-out colour (chance: 1 in 6, the most
+    common colour 12 of 60); after training held-out exact match is well above chance. Measured by hand: 0% -> 100%."""
+    base, base_eval, run = tmp_path / "base", tmp_path / "base-eval", tmp_path / "run"
+    build = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from recipes.vision_shapes "
+                            "import write_model; write_model(Path(sys.argv[1]))", str(base)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert build.returncode == 0, build.stderr[-3000:]
+    res = run_cli("eval", str(base), "--recipe", "recipes/smollm2_vision.yaml", "--out", str(base_eval), timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_cli("train", "recipes/smollm2_vision.yaml", "--set", f"model.name_or_path={base}", "--set",
+                  f"output_dir={run}", timeout=3600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    before, after = (json.loads((d / "metrics.json").read_text())["scores"] for d in (base_eval, run / "eval"))
+    assert before["examples"] == after["examples"] == 60
+    assert before["exact_match"] <= 100 / 6 and after["exact_match"] >= 80, (before, after)
+
+
+def test_qlora_quantizes_the_language_model_alone_and_trains_the_projector(tmp_path, tiny_vision_model, caplog):
+    import bitsandbytes as bnb
+
+    result, losses = run(tmp_path, tiny_vision_model, caplog, adapter="qlora", vision={"train_projector": True},
+                         training={"gradient_checkpointing": True})
+    assert losses[-1] < losses[0] - 0.5, losses
+    base = result.trainer.model.get_base_model()
+    quantized = {n.split(".")[1] for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert quantized == {"language_model"}
+    tower = [p for n, p in base.named_parameters() if n.startswith("model.vision_tower.")]
+    assert tower and all(p.dtype == torch.float32 and not p.requires_grad for p in tower)
+    trained = [n for n, p in base.named_parameters() if p.requires_grad and "multi_modal_projector" in n]
+    assert trained and all(".modules_to_save." in n for n in trained)

@@ -4,6 +4,7 @@ and load a model for training, merging or inference."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -189,6 +190,9 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
     kwargs = dict(dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    if quant is not None and vision.reads_images(cfg):
+        quant = copy.deepcopy(quant)
+        quant.llm_int8_skip_modules = vision.unquantized(location, cfg)
     if quant is not None:
         kwargs["quantization_config"] = quant
     if device_map is not None:
@@ -229,6 +233,7 @@ def prepare_quantized(model, compute: torch.dtype, gradient_checkpointing: bool 
     embeddings = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
     kept = {id(p) for m in embeddings + [m for m in base.modules() if isinstance(m, nn.Embedding)]
             for p in m.parameters(recurse=False)}
+    kept |= vision.image_side(base)  # a vision-language model's tower and projector, unquantized, stay as loaded
     for p in model.parameters():
         p.requires_grad = False
         if p.dtype.is_floating_point and type(p).__name__ != "Params4bit":  # 4-bit codes keep their storage

@@ -85,6 +85,21 @@ def parts(model) -> Parts:
     return Parts(language, tower, projector)
 
 
+def unquantized(location: str, cfg: ModelConfig) -> list[str]:
+    """Modules a 4-/8-bit load leaves unquantized: what transformers leaves by default (the output head) and the
+    vision tower and projector, which stay in the compute dtype (they are small beside the language model, and a
+    projector trained in full cannot be 4-bit). Found on the model built from its config on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    config = AutoConfig.from_pretrained(location, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    found = parts(model)
+    return sorted({*get_keys_to_not_convert(model), *((found.tower,) if found.tower else ()), *found.projector})
+
+
 def linear_names(model, prefixes: tuple[str, ...], wanted: list[str] | str) -> list[str]:
     """The linear layers under `prefixes` that LoRA targets: every one for "all-linear", else those whose own
     name is listed (as peft matches a list)."""
@@ -119,6 +134,15 @@ def scope_lora(model, peft_cfg, vision: VisionConfig | None):
                                "tower; set vision.train_tower instead")
         peft_cfg.modules_to_save = [*(peft_cfg.modules_to_save or ()), *found.projector]
     return peft_cfg
+
+
+def image_side(model) -> set[int]:
+    """ids of the vision tower's and projector's parameters (none for a text-only model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "vision_config", None) is None:
+        return set()
+    found = parts(base)
+    return {id(p) for n, p in base.named_parameters() if found.under(n, found.tower, *found.projector)}
 
 
 def freeze_for_full(model, vision: VisionConfig | None) -> None:
