@@ -46,6 +46,29 @@ def test_parameter_counts_match_the_built_model(make_recipe, overrides):
         assert counts.quantized == quantized
 
 
+@pytest.mark.parametrize("overrides", [[], ["adapter=qlora"], ["adapter=none", "lora=null"]])
+def test_a_vision_language_model_is_planned_as_it_loads(tmp_path, tiny_vision_model, overrides):
+    """Built as training builds it (AutoModelForImageTextToText, LoRA on the language model, the projector trained
+    in full): the same parameters, trainable ones and 4-bit ones (the tower and projector stay unquantized); the
+    activations planned from the language model's config; the report names the tower and projector."""
+    from conftest import colour_rows
+
+    data = write_jsonl(tmp_path / "d.jsonl", colour_rows(tmp_path / "img", 2))
+    raw = tiny_recipe(tiny_vision_model, data, tmp_path / "run", data={"format": "chat"},
+                      vision={"train_projector": True})
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw), overrides)
+    cfg, meta = estimate.meta_model(recipe)
+    assert cfg.model_type == "llama" and {p.device.type for p in meta.parameters()} == {"meta"}
+    counts = estimate.count(recipe, meta)
+    built = loader.load_for_training(recipe, Precision("fp32", "test"))
+    assert (counts.total, counts.trainable) == loader.count_parameters(built)
+    quantized = sum(m.weight.numel() * 2 for m in built.modules() if isinstance(m, bnb.nn.Linear4bit))
+    assert counts.quantized == quantized and (quantized > 0) == (recipe.quantization is not None)
+    plan = estimate.make(recipe, estimate.settings_from(recipe, 1, "fp32"), cfg, meta)
+    assert plan.vision.startswith("vision: tower ") and "projector" in plan.vision
+    assert plan.vision in estimate.report(recipe, plan, None, [])
+
+
 def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
     n = 64 * 256 * 4
     assert estimate.quantized_bytes(n, 4, double_quant=False) == n / 2 + (n / 64) * 4

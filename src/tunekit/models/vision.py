@@ -156,6 +156,24 @@ def freeze_for_full(model, vision: VisionConfig | None) -> None:
             p.requires_grad = False
 
 
+def sizes(model) -> str | None:
+    """One line for `tunekit plan`: the tower's and projector's parameters and whether they train; None for a
+    text-only model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "vision_config", None) is None:
+        return None
+    found = parts(base)
+    words = []
+    for label, names in (("tower", (found.tower,) if found.tower else ()), ("projector", found.projector)):
+        ps = [p for n, p in model.named_parameters() if any(f".{x}." in f".{n}" for x in names)]
+        if ps:
+            trained = sum(p.numel() for p in ps if p.requires_grad)
+            words.append(f"{label} {sum(p.numel() for p in ps):,} parameters ("
+                         + (f"{trained:,} trained" if trained else "frozen") + ")")
+    return ("vision: " + ", ".join(words) + "; under QLoRA both stay unquantized (planned with the embeddings and "
+            "head); image tokens count within data.max_length")
+
+
 def describe(model, vision: VisionConfig | None, adapter: str) -> str:
     """One line: what trains and what is frozen."""
     vision = vision or VisionConfig()

@@ -18,6 +18,7 @@ import torch
 
 from tunekit.config import dsconfig, methods
 from tunekit.config.schema import Recipe
+from tunekit.models import vision
 from tunekit.plan import sharding, steptime
 from tunekit.plan.sizes import GiB, parse_size  # noqa: F401  (plan.parse_size: tests)
 
@@ -90,6 +91,7 @@ class Plan:
     time: steptime.StepTime | None = None  # step_seconds in parts: matmuls and elementwise work
     # beside a sharded plan on several devices: {"fsdp": (label, Plan), "zero3": (label, Plan)}, this one among them
     versus: dict | None = field(default=None, compare=False, repr=False)
+    vision: str | None = None  # a vision-language model's tower and projector (models.vision.sizes)
 
     @property
     def peak(self) -> int:
@@ -102,15 +104,17 @@ def meta_model(recipe: Recipe, cfg=None):
     """The model's config (`cfg` when given, else its own, else tunekit's shipped copy) and the model
     (with its adapter) built on the meta device: no weights. A method that ends in a score head (a reward
     model) builds it as training loads it: AutoModelForSequenceClassification, num_labels 1, no language-model
-    head."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    head; a vision-language model with AutoModelForImageTextToText, LoRA where training puts it, and the config
+    returned is its language model's (what the activations, logits and step time are planned from)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     from tunekit.models.info import model_config
     from tunekit.models.loader import lora_config
 
     if cfg is None:
         cfg = model_config(recipe.model, shipped=True)
-    auto, built = AutoModelForCausalLM, cfg
+    images = getattr(cfg, "vision_config", None) is not None
+    auto, built = AutoModelForImageTextToText if images else AutoModelForCausalLM, cfg
     if methods.of(recipe).score_head:
         auto, built = AutoModelForSequenceClassification, copy.deepcopy(cfg)
         built.num_labels = 1
@@ -121,15 +125,22 @@ def meta_model(recipe: Recipe, cfg=None):
         peft_cfg.init_lora_weights = True  # shapes are the same; PiSSA/OLoRA cannot decompose meta tensors
         from peft import get_peft_model
 
+        if images:
+            peft_cfg = vision.scope_lora(model, peft_cfg, recipe.vision)
         model = get_peft_model(model, peft_cfg)
-    return cfg, model
+    elif images:
+        vision.freeze_for_full(model, recipe.vision)
+    return (cfg.get_text_config() if images else cfg), model
 
 
 def count(recipe: Recipe, model) -> Counts:
     total = trainable = quantized = embeddings = 0
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     head = {id(p) for p in output.parameters()} if output is not None else set()
-    embedding = head | ({id(p) for p in inputs.parameters()} if inputs is not None else set())
+    # kept in the compute dtype under QLoRA (models.loader.prepare_quantized): embeddings, head, and a
+    # vision-language model's tower and projector
+    embedding = (head | ({id(p) for p in inputs.parameters()} if inputs is not None else set())
+                 | vision.image_side(model))
     seen: set[int] = set()
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -138,7 +149,7 @@ def count(recipe: Recipe, model) -> Counts:
             seen.add(id(p))
             n = p.numel()
             total += n
-            kind = sharding.kind(recipe, name, module, pname, head, p)
+            kind = sharding.kind(recipe, name, module, pname, embedding, p)
             trainable += n if kind == "trainable" else 0
             quantized += n if kind == "quantized" else 0
             if kind == "frozen" and (id(p) in embedding or isinstance(module, torch.nn.Embedding)):
@@ -399,7 +410,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
                              OPTIMIZER_BYTES.get(s.optimizer, 8), sampled)
     moments, phases = phase_groups(s, parts, act_key, autocast_key, terms)
     plan = Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), time.flops, time.seconds, phases, moments,
-                {t.key: t.category for t in terms}, remarks(recipe, s, parts), time)
+                {t.key: t.category for t in terms}, remarks(recipe, s, parts), time, vision=vision.sizes(model))
     if versus and s.world_size > 1:
         plan.versus = fsdp_versus_zero3(recipe, plan, cfg, model)
     return plan
@@ -606,6 +617,7 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         + (f" in up to {s.sample_turns} turns" if s.sampled and s.sample_turns > 1 else "")
         + f" x {s.seq_len} tokens, "
         f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, {sharding_words(s)}",
+        *([plan.vision] if plan.vision else []),
         "",
     ]
     width = max(len(k) for k in plan.parts) + 6

@@ -61,6 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tunekit.models import vision
+
 DEEPSPEED_DEFAULTS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
                       "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
                       "reduce_bucket_size": 500_000_000}
@@ -85,11 +87,15 @@ class Term:
     category: str
 
 
-def kind(recipe, name: str, module, pname: str, head: set, p) -> str:
-    if "lora_" in name or "modules_to_save" in name or recipe.full_finetuning:
+def kind(recipe, name: str, module, pname: str, unquantized: set, p) -> str:
+    """trainable, quantized or frozen; `unquantized`: ids of the weights a quantized load leaves in a float dtype
+    (the output head; a vision-language model's tower and projector, models.vision)."""
+    if recipe.full_finetuning:  # all but what stays frozen (a vision-language model's tower, models.vision)
+        return "trainable" if p.requires_grad else "frozen"
+    if "lora_" in name or "modules_to_save" in name:
         return "trainable"
     if (recipe.quantization is not None and isinstance(module, torch.nn.Linear) and pname == "weight"
-            and id(p) not in head):
+            and id(p) not in unquantized):
         return "quantized"
     return "frozen"
 
@@ -104,6 +110,7 @@ def params(recipe, model) -> list[Param]:
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     head = {id(p) for p in output.parameters()} if output is not None else set()
     embed = {id(p) for p in inputs.parameters()} - head if inputs is not None else set()
+    image_side = vision.image_side(model)
     out, seen = [], set()
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -111,7 +118,8 @@ def params(recipe, model) -> list[Param]:
                 continue
             seen.add(id(p))
             unit = "layer" if id(p) in layer_of else "embed" if id(p) in embed else "head"
-            out.append(Param(unit, layer_of.get(id(p), -1), p.numel(), kind(recipe, name, module, pname, head, p)))
+            out.append(Param(unit, layer_of.get(id(p), -1), p.numel(),
+                             kind(recipe, name, module, pname, head | image_side, p)))
     return out
 
 
