@@ -62,6 +62,7 @@ def test_a_missing_run_is_one_line_exit_2_before_torch(tmp_path):
     (["--once", " "], "--once: the text is empty"),
     (["--recipe", "missing.yaml"], "--recipe missing.yaml: file not found"),
     (["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
+    (["--image", "a.png"], "--image goes with --once; in the conversation, attach one with /image PATH"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, expected, tmp_path, capsys):
     try:
@@ -167,8 +168,20 @@ def test_interactive_on_stdin_until_end_of_input(lora_run, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("Reverse the word.\n\n/reset\nhello\n"))
     assert main.main(["chat", str(lora_run), "--system", "Be brief.", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("chat: /reset clear the conversation") and out.count("model> ") == 2
+    assert out.startswith("chat: /image PATH attach an image") and out.count("model> ") == 2
     assert "(conversation cleared)" in out and out.endswith("\n")
+
+
+def test_an_image_for_a_text_only_model_is_one_line_and_the_conversation_goes_on(lora_run, tmp_path, monkeypatch,
+                                                                                  capsys):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (200, 0, 0)).save(tmp_path / "red.png")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {tmp_path / 'red.png'}\n/image\nhello\n"))
+    assert main.main(["chat", str(lora_run), "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "tunekit: error: chat: /image " in out and "is a text-only language model" in out
+    assert "tunekit: error: /image: give the image's path" in out and out.count("model> ") == 1
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ the run says what trains and that batches are not packed, and the adapter carrie
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -79,6 +80,11 @@ def test_held_out_images_are_answered_and_the_merge_reads_them_as_the_adapter_di
     assert scores["examples"] == 16 and scores["exact_match"] >= 90, scores
     predictions = [json.loads(line) for line in (run / "eval" / "predictions.jsonl").read_text().splitlines()]
     assert [p["images"] for p in predictions] == [[str(tmp_path / "img" / f"{i}.png")] for i in range(80, 96)]
+    from tunekit.evaluation import conversation
+
+    for p in predictions[:4]:  # tunekit chat --once TEXT --image PATH answers as eval did
+        said = conversation.chat(str(run), once="Colour?", images=p["images"], out=io.StringIO())
+        assert said == p["prediction"]
 
     merged = api.merge(run).out
     assert AutoModelForImageTextToText.from_pretrained(merged).config.model_type == "llava"

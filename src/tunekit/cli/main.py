@@ -302,13 +302,15 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 def cmd_chat(a) -> int:
     from tunekit.evaluation import conversation  # imports no torch: a missing run is one line before loading
 
-    conversation.chat(a.target, a.recipe, a.once, a.system, a.max_new_tokens, a.dtype)
+    conversation.chat(a.target, a.recipe, a.once, a.system, a.max_new_tokens, a.dtype, images=a.image)
     return 0
 
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="run directory, merged directory, or base model (hub id, directory, GGUF)")
     p.add_argument("--once", metavar="TEXT", help="send one message, print the answer and exit (for scripts)")
+    p.add_argument("--image", metavar="PATH", action="append",
+                   help="an image sent with --once (repeat for more; vision-language models)")
     p.add_argument("--system", metavar="TEXT", help="system message (default: the recipe's data.system_prompt)")
     p.add_argument("--max-new-tokens", type=positive_int,
                    help="answer length cap (default: the recipe's eval.max_new_tokens, else 64)")

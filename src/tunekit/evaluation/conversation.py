@@ -31,7 +31,8 @@ log = logging.getLogger("tunekit")
 
 WHERE = "chat"  # how a refused conversation is named in errors (records name their file and line)
 NO_DATA = "tunekit-chat-reads-no-data"  # data.train of a base model's stand-in recipe: never read
-COMMANDS = {"/reset": "clear the conversation", "/exit": "end (as does Ctrl-D)", "/help": "these commands"}
+COMMANDS = {"/image PATH": "attach an image to your next message (vision-language models)",
+            "/reset": "clear the conversation", "/exit": "end (as does Ctrl-D)", "/help": "these commands"}
 
 
 def target_for(spec: str, recipe_path: str | None = None) -> Target:
@@ -115,10 +116,26 @@ class Conversation:
     prompter: Prompter
     max_new_tokens: int
     history: list[dict] = field(default_factory=list)
+    image_tokens: object = None  # a vision-language model's (data.imagetokens.ImageTokens), else None
+    images: list = field(default_factory=list)  # the images of the history's user messages, in order
+    pending: list = field(default_factory=list)  # images attached to the next message
+
+    def attach(self, path: str) -> int:
+        """An image for the next message (read and checked now); returns its token count."""
+        from tunekit.data import images
+
+        image = images.source(path, f"{WHERE}: /image {path}")
+        if self.image_tokens is None:
+            images.refuse_text_only((image,), self.prompter.renderer.tok.name_or_path)
+        image.load()
+        self.pending.append(image)
+        return len(self.image_tokens.ids(image))
 
     def prompt(self, text: str) -> str:
         """The text generation continues for `text`, the oldest turns left out where it would not fit."""
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        config = self.model.config
+        # a vision-language model's window is its language model's
+        limit = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
         while True:
             prompt = self.prompter.render(self.history, text)
             if not limit or self._length(prompt) + self.max_new_tokens <= limit:
@@ -128,28 +145,43 @@ class Conversation:
                                    f"{self.max_new_tokens} new tokens would not fit the model's {limit}; "
                                    "send a shorter one or lower --max-new-tokens")
             log.info("chat: the conversation outgrew the model's %d tokens; its oldest turn is left out", limit)
-            self.history = self.history[2:]
+            self._forget_oldest_turn()
 
     def _length(self, prompt: str) -> int:
-        return len(self.tokenizer(prompt, add_special_tokens=self.prompter.add_special_tokens)["input_ids"])
+        n = len(self.tokenizer(prompt, add_special_tokens=self.prompter.add_special_tokens)["input_ids"])
+        if self.image_tokens is not None:  # each image's marker stands for its image tokens
+            n += sum(len(self.image_tokens.ids(i)) - len(self.image_tokens.marker_ids)
+                     for i in self.images + self.pending)
+        return n
+
+    def _forget_oldest_turn(self) -> None:
+        dropped = sum(m["content"].count(self.image_tokens.marker) for m in self.history[:2]) \
+            if self.image_tokens is not None else 0
+        self.history, self.images = self.history[2:], self.images[dropped:]
 
     def reply(self, text: str, streamer=None) -> str:
         from tunekit.evaluation.evaluator import generate_batch
 
+        if self.pending:  # the images first, then the text, as image chat records usually put them
+            text = self.image_tokens.marker * len(self.pending) + text
         prompt = self.prompt(text)
         self.model.eval()
+        found = tuple(self.images + self.pending)
         answer = generate_batch(self.model, self.tokenizer, [prompt], self.prompter.add_special_tokens,
-                                self.max_new_tokens, streamer)[0]
+                                self.max_new_tokens, streamer, images=[found] if found else None,
+                                image_tokens=self.image_tokens)[0]
         self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+        self.images, self.pending = list(found), []
         return answer
 
     def reset(self) -> None:
-        self.history = []
+        self.history, self.images, self.pending = [], [], []
 
 
 def load(target: Target, max_new_tokens: int | None = None, system: str | None = None,
          dtype: str = "auto") -> Conversation:
     """The target's model and tokenizer loaded as `tunekit eval` loads them, and a conversation with them."""
+    from tunekit.data import imagetokens
     from tunekit.evaluation.evaluator import eval_dtype
     from tunekit.models import loader
     from tunekit.runs.trained import load_trained
@@ -161,7 +193,8 @@ def load(target: Target, max_new_tokens: int | None = None, system: str | None =
     cfg = generation_settings(target.recipe, max_new_tokens)
     log.info("chat with %s: greedy, max %d new tokens, %s, prompts rendered with %s", target.label,
              cfg.max_new_tokens, str(torch_dtype).removeprefix("torch."), prompter.renderer.template)
-    return Conversation(model, tokenizer, prompter, cfg.max_new_tokens)
+    return Conversation(model, tokenizer, prompter, cfg.max_new_tokens,
+                        image_tokens=imagetokens.of(target.recipe.model))
 
 
 def streamer(tokenizer, out: TextIO):
@@ -200,6 +233,15 @@ def talk(conversation: Conversation, read: Callable[[str], str] = input, out: Te
             conversation.reset()
             out.write("(conversation cleared)\n")
             continue
+        if command.startswith("/image"):
+            try:
+                path = command.removeprefix("/image").strip()
+                if not path:
+                    raise TunekitError("/image: give the image's path, e.g. /image photos/cat.png")
+                out.write(f"(image attached: {path}, {conversation.attach(path)} tokens)\n")
+            except TunekitError as e:
+                out.write(f"tunekit: error: {e}\n")
+            continue
         if command.startswith("/") and " " not in command and command not in ("/reset", "/exit"):
             said = "" if command == "/help" else f"unknown command {command}; "
             out.write(said + ", ".join(f"{c}: {h}" for c, h in COMMANDS.items()) + "\n")
@@ -217,14 +259,20 @@ def talk(conversation: Conversation, read: Callable[[str], str] = input, out: Te
 
 
 def chat(spec: str, recipe_path: str | None = None, once: str | None = None, system: str | None = None,
-         max_new_tokens: int | None = None, dtype: str = "auto", out: TextIO | None = None) -> str | None:
-    """`tunekit chat`: with `once`, one turn whose answer is printed and returned; else the interactive loop."""
+         max_new_tokens: int | None = None, dtype: str = "auto", out: TextIO | None = None,
+         images: list[str] | None = None) -> str | None:
+    """`tunekit chat`: with `once`, one turn whose answer is printed and returned (with `images` attached to it);
+    else the interactive loop."""
     out = out or sys.stdout
     if once is not None and not once.strip():
         raise TunekitError("--once: the text is empty; give the message to send, e.g. --once 'Hello'")
+    if images and once is None:
+        raise TunekitError("--image goes with --once; in the conversation, attach one with /image PATH")
     target = target_for(spec, recipe_path)
     check_before_loading(target)  # before torch
     conversation = load(target, max_new_tokens, system, dtype)
+    for path in images or ():
+        conversation.attach(path)
     if once is not None:
         answer = conversation.reply(once)
         out.write(answer + "\n")
