@@ -47,7 +47,7 @@ class WithImages:
 
         per_example = [restored(f.get("images") or []) for f in features]
         batch = self.inner([{k: v for k, v in f.items() if k != "images"} for f in features])
-        batch.update(self.image_tokens.pixels(per_example))
+        batch.update(self.image_tokens.pixels(per_example, batch["input_ids"]))
         return batch
 
 

@@ -9,6 +9,8 @@ loss. The pixel inputs come from the same processor at batch time, so the counts
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 
 from tunekit.config.schema import ModelConfig
@@ -16,7 +18,6 @@ from tunekit.core.errors import TunekitError
 from tunekit.data.images import Image
 
 IGNORE = -100
-TEXT = ("input_ids", "attention_mask")  # what the processor returns that tunekit's own tokenizing gives
 
 
 def of(cfg: ModelConfig) -> ImageTokens | None:
@@ -95,15 +96,34 @@ class ImageTokens:
         return out_ids, out_labels, ends
 
 
-    def pixels(self, per_example: list[list[Image]]) -> dict:
-        """The processor's image inputs (pixel_values and what goes with them) for a batch, images grouped by
-        example."""
+    def pixels(self, per_example: list[list[Image]], input_ids=None) -> dict:
+        """The image processor's inputs (pixel_values and what goes with them: grids, sizes, masks) for a batch,
+        images grouped by example, and where the model reads token types (Gemma 3's token_type_ids, Qwen2.5-VL's
+        mm_token_type_ids) those of `input_ids`: 1 on image tokens. The image processor is called alone: the
+        processor's text outputs would be those of the markers, not of the batch's tokens."""
         if not any(per_example):
             return {}
-        texts = [self.marker * len(found) for found in per_example]
-        out = self.processor(text=texts, images=[[image.load() for image in found] for found in per_example],
-                             add_special_tokens=False, return_tensors="pt", padding=True)
-        return {k: v for k, v in out.items() if k not in TEXT}
+        out = dict(self.processor.image_processor([[image.load() for image in found] for found in per_example],
+                                                  return_tensors="pt"))
+        for key in self.type_keys if input_ids is not None else ():
+            out[key] = (input_ids == self.image_id).long()
+        return out
+
+    @functools.cached_property
+    def image_id(self) -> int:
+        """The token an image's tokens repeat (the processor's own image_token_id can name its marker's first)."""
+        probe = self._probe()["input_ids"][0]
+        return collections.Counter(probe).most_common(1)[0][0]
+
+    @functools.cached_property
+    def type_keys(self) -> tuple[str, ...]:
+        """The token-type inputs the processor makes beside the ids (none for most models)."""
+        return tuple(k for k in self._probe() if k.endswith("token_type_ids"))
+
+    def _probe(self) -> dict:
+        from PIL import Image as PILImage
+
+        return self.processor(text=self.marker, images=[PILImage.new("RGB", (64, 64))], add_special_tokens=False)
 
 
 def cut(ids: list[int], labels: list[int], ends: list[int], sizes: list[int], max_length: int

@@ -114,7 +114,7 @@ def generate_batch(model, tokenizer, prompts: list[str], add_special_tokens: boo
         ids = [image_tokens.expand(enc, enc, found, None)[0] for enc, found in
                zip(tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"], images)]
         batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
-        batch.update(image_tokens.pixels([list(found) for found in images]))
+        batch.update(image_tokens.pixels([list(found) for found in images], batch["input_ids"]))
         batch = batch.to(device)
     else:
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
