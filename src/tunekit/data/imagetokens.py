@@ -22,11 +22,11 @@ IGNORE = -100
 
 def of(cfg: ModelConfig) -> ImageTokens | None:
     """The image tokens of the model `cfg` names, None for a text-only model."""
-    from tunekit.models import loader, vision
+    from tunekit.models import vision
 
     if not vision.reads_images(cfg):
         return None
-    return ImageTokens(vision.load_processor(cfg, loader.materialize(cfg.name_or_path, cfg.revision)))
+    return ImageTokens(vision.load_processor(cfg, vision.location(cfg)))
 
 
 def template_marker(tokenizer, image_token: str) -> str:

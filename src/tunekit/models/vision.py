@@ -13,6 +13,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import ModelConfig, VisionConfig
 from tunekit.core.errors import TunekitError
 from tunekit.models import hub, info
@@ -27,6 +28,15 @@ def reads_images(cfg: ModelConfig) -> bool:
     except hub.Unavailable:
         return False
     return isinstance(raw.get("vision_config"), dict)
+
+
+def location(cfg: ModelConfig) -> str:
+    """Where the model's files are (a directory, or a hub id checked to be reachable), without loading or
+    converting anything: a GGUF file is never a vision-language model here."""
+    source = resolve_model(cfg.name_or_path)
+    if source.kind == "hub":
+        hub.require(cfg.name_or_path, cfg.revision)
+    return source.location
 
 
 @functools.lru_cache(maxsize=4)
