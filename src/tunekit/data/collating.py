@@ -34,6 +34,15 @@ class CountingCollator:
         return 1 - self.real / self.computed if self.computed else 0.0
 
 
+def features(examples, images: bool = False) -> list[dict]:
+    """Tokenized examples (data.tokenizing.Example) as the collator takes them; `images`: with the images their
+    tokens stand for (a vision-language model's batches)."""
+    from tunekit.data.imagetokens import stored
+
+    return [{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels,
+             **({"images": stored(e.images)} if images else {})} for e in examples]
+
+
 class WithImages:
     """Padded batches of a vision-language model's examples: the text padded by `inner`, and the pixel inputs of
     each example's images (the `images` column of the prepared set) from the model's processor."""

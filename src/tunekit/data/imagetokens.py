@@ -16,8 +16,7 @@ import json
 from tunekit.config.schema import ModelConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data.images import Image
-
-IGNORE = -100
+from tunekit.data.tokenizing import IGNORE
 
 
 def of(cfg: ModelConfig) -> ImageTokens | None:
@@ -74,27 +73,33 @@ class ImageTokens:
             self._ids[key] = list(out["input_ids"][0])
         return self._ids[key]
 
-    def expand(self, ids: list[int], labels: list[int], found: tuple[Image, ...], where: str | None
-               ) -> tuple[list[int], list[int], list[int]]:
-        """`ids`/`labels` with each image's marker tokens, in order, replaced by that image's tokens (label
-        IGNORE), and where each image's tokens end."""
-        out_ids, out_labels, ends, i, k, n = [], [], [], 0, 0, len(self.marker_ids)
-        while i < len(ids):
-            if k < len(found) and ids[i:i + n] == self.marker_ids:
-                image = self.ids(found[k])
-                out_ids += image
-                out_labels += [IGNORE] * len(image)
-                ends.append(len(out_ids))
-                i, k = i + n, k + 1
+    def places(self, ids: list[int], found: tuple[Image, ...], where: str | None) -> list[int]:
+        """Where each image's marker starts in `ids`, in order (one per image)."""
+        starts, i, n = [], 0, len(self.marker_ids)
+        while i < len(ids) and len(starts) < len(found):
+            if ids[i:i + n] == self.marker_ids:
+                starts.append(i)
+                i += n
             else:
-                out_ids.append(ids[i])
-                out_labels.append(labels[i])
                 i += 1
-        if k != len(found):
-            raise TunekitError(f"{where or 'a record'}: {len(found)} image(s) but {k} place(s) for them in the "
-                               f"rendered text; an image's text must not be cut or rewritten by the chat template")
-        return out_ids, out_labels, ends
+        if len(starts) != len(found):
+            raise TunekitError(f"{where or 'a record'}: {len(found)} image(s) but {len(starts)} place(s) for them in "
+                               "the rendered text; an image's text must not be cut or rewritten by the chat template")
+        return starts
 
+    def expand(self, ids: list, labels: list, found: tuple[Image, ...], where: str | None,
+               image_label=lambda k, size: [IGNORE] * size) -> tuple[list, list, list[int]]:
+        """`ids`/`labels` with each image's marker tokens, in order, replaced by that image's tokens, and where each
+        image's tokens end. The image tokens' labels come from `image_label(k, size)` (IGNORE: never trained);
+        `labels` may be any list kept in step with the ids (`tunekit data` passes its token texts and roles)."""
+        out_ids, out_labels, ends, done = [], [], [], 0
+        for k, start in enumerate(self.places(ids, found, where)):
+            image = self.ids(found[k])
+            out_ids += ids[done:start] + image
+            out_labels += labels[done:start] + image_label(k, len(image))
+            ends.append(len(out_ids))
+            done = start + len(self.marker_ids)
+        return out_ids + ids[done:], out_labels + labels[done:], ends
 
     def pixels(self, per_example: list[list[Image]], input_ids=None) -> dict:
         """The image processor's inputs (pixel_values and what goes with them: grids, sizes, masks) for a batch,

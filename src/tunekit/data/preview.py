@@ -153,17 +153,10 @@ def _with_images(r: Rendered, ids: list[int], pieces: list[str], roles: list[str
                  ) -> tuple[list[str], list[str]]:
     """Pieces and roles of the text's tokens with each image's marker turned into its image tokens, as
     tokenizing does: role "image", the first one's piece naming the image and its token count."""
-    out_pieces, out_roles, i, k, n = [], [], 0, 0, len(image_tokens.marker_ids)
-    while i < len(ids):
-        if k < len(r.images) and ids[i:i + n] == image_tokens.marker_ids:
-            size = len(image_tokens.ids(r.images[k]))
-            out_pieces += [f"[image {k + 1}: {size} tokens]"] + [""] * (size - 1)
-            out_roles += ["image"] * size
-            i, k = i + n, k + 1
-        else:
-            out_pieces.append(pieces[i])
-            out_roles.append(roles[i])
-            i += 1
+    _, out_pieces, _ = image_tokens.expand(
+        ids, pieces, r.images, r.where,
+        image_label=lambda k, size: [f"[image {k + 1}: {size} tokens]"] + [""] * (size - 1))
+    _, out_roles, _ = image_tokens.expand(ids, roles, r.images, r.where, image_label=lambda k, size: ["image"] * size)
     return out_pieces, out_roles
 
 

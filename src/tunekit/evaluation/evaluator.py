@@ -17,7 +17,7 @@ from tunekit.core import console, distributed, outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
 from tunekit.data import chat, imagetokens, mixture, split
-from tunekit.data.collating import collator
+from tunekit.data.collating import collator, features
 from tunekit.data.formats import Record
 from tunekit.data.reading import read_records
 from tunekit.data.tokenizing import IGNORE, Example, build_examples
@@ -132,9 +132,7 @@ def token_loss(model, tokenizer, examples: list[Example], batch_size: int, image
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
-        batch = collate([{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels,
-                          **({"images": imagetokens.stored(e.images)} if image_tokens else {})}
-                         for e in chunk]).to(device)
+        batch = collate(features(chunk, image_tokens is not None)).to(device)
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
         labels = batch["labels"][:, 1:]
         losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels,

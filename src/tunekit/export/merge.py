@@ -23,7 +23,7 @@ from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
 from tunekit.data import imagetokens, mixture, split
-from tunekit.data.collating import collator
+from tunekit.data.collating import collator, features
 from tunekit.data.tokenizing import build_examples
 from tunekit.export import card
 from tunekit.models import loader
@@ -60,9 +60,7 @@ def parity_batch(recipe, tokenizer, n: int = 4, image_tokens=None):
     if not examples:
         raise TunekitError("merge: no usable example in the run's data for the parity check")
     tokenizer.padding_side = "right"
-    return collator(tokenizer, image_tokens=image_tokens)(
-        [{"input_ids": e.input_ids, "attention_mask": [1] * len(e.input_ids), "labels": e.labels,
-          **({"images": imagetokens.stored(e.images)} if image_tokens else {})} for e in examples])
+    return collator(tokenizer, image_tokens=image_tokens)(features(examples, image_tokens is not None))
 
 
 @torch.no_grad()

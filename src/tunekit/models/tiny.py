@@ -61,17 +61,23 @@ def build_sentencepiece_tokenizer(path: Path):
     return tok
 
 
+def llama_config(tokenizer, context: int = 512):
+    """A 2-layer, 64-wide Llama's config for `tokenizer`'s vocabulary and special tokens."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+
+
 def build_model(path: Path, tokenizer, seed: int = 0, context: int = 512) -> None:
     """Save a 2-layer, 64-wide random Llama (a 512-token context unless `context` says) and `tokenizer` to `path`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    LlamaForCausalLM(llama_config(tokenizer, context)).save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 
@@ -84,7 +90,6 @@ def build_vision_model(path: Path, tokenizer, seed: int = 0, image_size: int = 3
     image (image_size / patch)^2 tokens) to `path`; `tokenizer` gains the image token."""
     import torch
     from transformers import (
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -96,11 +101,7 @@ def build_vision_model(path: Path, tokenizer, seed: int = 0, image_size: int = 3
     torch.manual_seed(seed)
     tower = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                image_size=image_size, patch_size=patch)
-    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    cfg = LlavaConfig(vision_config=tower, text_config=text,
+    cfg = LlavaConfig(vision_config=tower, text_config=llama_config(tokenizer),
                       image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_layer=-1,
                       vision_feature_select_strategy="full", projector_hidden_act="gelu")
     LlavaForConditionalGeneration(cfg).save_pretrained(path)
