@@ -131,18 +131,6 @@ class ImageTokens:
         return self.processor(text=self.marker, images=[PILImage.new("RGB", (64, 64))], add_special_tokens=False)
 
 
-def cut(ids: list[int], labels: list[int], ends: list[int], sizes: list[int], max_length: int
-        ) -> tuple[list[int], list[int], int]:
-    """Truncation to `max_length` that never cuts an image in two: the example ends before the first image that
-    does not fit whole. Returns ids, labels and how many images remain."""
-    keep, length = len(ends), max_length
-    for k, (end, size) in enumerate(zip(ends, sizes)):
-        if end > max_length:
-            keep, length = k, min(max_length, end - size)
-            break
-    return ids[:length], labels[:length], keep
-
-
 def stored(found: tuple[Image, ...]) -> list[str]:
     """Images as the prepared data set keeps them (a JSON object each)."""
     return [json.dumps({"kind": i.kind, "value": i.value, "where": i.where}) for i in found]

@@ -60,12 +60,22 @@ def _labelled(ids: list[int], offsets, rendered: Rendered, max_length: int, mask
         labels = list(ids)
     if not rendered.images:
         return Example(ids[:max_length], labels[:max_length]), len(ids) > max_length
-    from tunekit.data import imagetokens
-
     full, labels, ends = image_tokens.expand(ids, labels, rendered.images, rendered.where)
     sizes = [len(image_tokens.ids(image)) for image in rendered.images]
-    kept_ids, kept_labels, kept = imagetokens.cut(full, labels, ends, sizes, max_length)
+    kept_ids, kept_labels, kept = cut(full, labels, ends, sizes, max_length)
     return Example(kept_ids, kept_labels, rendered.images[:kept]), len(full) > max_length
+
+
+def cut(ids: list[int], labels: list[int], ends: list[int], sizes: list[int], max_length: int
+        ) -> tuple[list[int], list[int], int]:
+    """Truncation to `max_length` that never cuts an image in two: the example ends before the first image that
+    does not fit whole. Returns ids, labels and how many images remain."""
+    keep, length = len(ends), max_length
+    for k, (end, size) in enumerate(zip(ends, sizes)):
+        if end > max_length:
+            keep, length = k, min(max_length, end - size)
+            break
+    return ids[:length], labels[:length], keep
 
 
 def tokenize_batch(renders: list[Rendered], tokenizer, max_length: int,
