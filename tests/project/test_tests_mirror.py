@@ -35,7 +35,6 @@ THROUGH = {
                                "tolerance",
     "tunekit.export.modelfile": "tests/export/test_push.py::test_a_gguf_file_arrives_with_its_modelfile",
     "tunekit.models.ggufread": "tests/e2e/test_e2e_smollm2.py::test_demo_pipeline_shows_a_clear_gain",
-    "tunekit.models.tokenizer": "tests/reporting/test_data_command.py",
     "tunekit.plan.sharding": "tests/plan/test_plan.py::test_fsdp2_terms_match_torchs_memory_tracker",
     "tunekit.plan.sizes": "tests/plan/test_plan.py::test_four_bit_bytes_by_hand_and_against_bitsandbytes",
     "tunekit.plan.steptime": "tests/plan/test_plan.py::test_a_memory_bandwidth_adds_the_elementwise_work",

@@ -13,7 +13,9 @@ does, each piece ending at the assistant turn(s) it trains, so every trained tur
 the template renders it for generation.
 
 Templates that cannot render tools, tool calls, tool results or reasoning get one documented
-default rendering (DEFAULTS), noted once in the run output, never a silent drop.
+default rendering (DEFAULTS), noted once in the run output, never a silent drop. Templates that read only
+content parts (the vision-language templates of Idefics3, SmolVLM, LLaVA-NeXT) get each text as a text part and
+each image marker as an image part.
 """
 
 from __future__ import annotations
@@ -107,6 +109,29 @@ def probe(apply) -> Support:
     )
 
 
+def reads_strings(apply) -> bool:
+    """Whether the template renders a message whose content is a string; False only where it renders the same
+    text given as a content part instead (a template that iterates parts)."""
+    def shows(content) -> bool:
+        try:
+            return "probe_text_zq" in apply([{"role": "user", "content": content}])
+        except Exception:  # noqa: BLE001 -- a template that raises on a shape does not render it
+            return False
+    return shows("probe_text_zq") or not shows([{"type": "text", "text": "probe_text_zq"}])
+
+
+def as_parts(content: str, marker: str | None) -> list[dict]:
+    """A string content as content parts: its text, each image `marker` in it an image part."""
+    pieces = content.split(marker) if marker else [content]
+    parts: list[dict] = []
+    for k, piece in enumerate(pieces):
+        if k:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts or [{"type": "text", "text": ""}]
+
+
 def say(notes) -> None:
     """Each note on a default rendering once in the run output (preparation and evaluation both meet them)."""
     for note in sorted(set(notes) - _SAID):
@@ -130,14 +155,19 @@ def call_text(calls: list[dict]) -> str:
 class Chat:
     """Renders parsed conversations with one tokenizer's chat template."""
 
-    def __init__(self, tokenizer, train_on: str, train_reasoning: bool):
+    def __init__(self, tokenizer, train_on: str, train_reasoning: bool, image_marker: str | None = None):
         self.tok = tokenizer
         self.train_on = train_on
         self.train_reasoning = train_reasoning
+        self.image_marker = image_marker  # where an image stands in a string content (data.imagetokens)
+        self.strings = reads_strings(lambda messages: self.tok.apply_chat_template(messages, tokenize=False))
         self.support = probe(lambda messages, tools: self._raw(messages, tools))
         self.notes: set[str] = set()
 
     def _raw(self, messages, tools, gen: bool = False) -> str:
+        if not self.strings:
+            messages = [dict(m, content=as_parts(m["content"], self.image_marker)) if isinstance(m.get("content"), str)
+                        else m for m in messages]
         return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=gen)
 
     def apply(self, messages: list[dict], tools, where: str, gen: bool = False) -> str:

@@ -47,7 +47,8 @@ class Renderer:
         if template == "alpaca" and not self.format.alpaca:
             raise TunekitError(f"data.template=alpaca only renders format alpaca, not {cfg.format}; use chat or raw")
         self.template = template
-        self.chat = Chat(tokenizer, cfg.train_on, cfg.train_reasoning) if template == "chat" else None
+        marker = image_tokens.marker if image_tokens is not None else None
+        self.chat = Chat(tokenizer, cfg.train_on, cfg.train_reasoning, marker) if template == "chat" else None
 
     @property
     def notes(self) -> set[str]:

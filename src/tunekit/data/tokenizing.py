@@ -1,5 +1,5 @@
 """Tokenizing with masks: a rendered record as token ids and labels, a token trained (its label its id)
-when its first character lies in a trained span, every other label IGNORE; truncation to data.max_length,
+when it overlaps a trained span, every other label IGNORE; truncation to data.max_length,
 and the counts of what a set of examples holds (DataStats)."""
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def trained_count(labels: list[int]) -> int:
 
 def tokenize(rendered: Rendered, tokenizer, max_length: int, mask_prompt: bool,
              image_tokens=None) -> tuple[Example, bool]:
-    """Token ids and labels; a token is trained when its first character lies in a trained span; each image's
+    """Token ids and labels; a token is trained when any of its characters lies in a trained span (a token that
+    merges the template's space before an answer with the answer's first word, as " Red" after "Assistant:", is
+    what the model writes after its generation prompt, so it trains); each image's
     marker becomes its image tokens, never trained (`image_tokens`: data.imagetokens.ImageTokens).
     Returns the example and whether it was truncated."""
     enc = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens, return_offsets_mapping=True)
@@ -54,7 +56,7 @@ def _labelled(ids: list[int], offsets, rendered: Rendered, max_length: int, mask
     if mask_prompt:
         labels = [IGNORE] * len(ids)
         for j, (start, end) in enumerate(offsets):
-            if end > start and any(s <= start < e for s, e in rendered.spans):
+            if end > start and any(start < e and end > s for s, e in rendered.spans):
                 labels[j] = ids[j]
     else:
         labels = list(ids)
