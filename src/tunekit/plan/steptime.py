@@ -10,6 +10,9 @@ FLOPs per device and micro-batch:
   do; eager multiplies the whole square); backward twice the forward. On Llama-3.2-1B they are 2% of a
   step's FLOPs at 512 tokens, a quarter at 8,192.
 - gradient checkpointing runs the forward twice; a no-grad forward (a reference model) is one forward.
+- a vision-language model's tower and projector run on image patches, not on the text's tokens: 2 per weight
+  and patch forward (models.vision.image_work: one image per example), and 4 more for those that train; a frozen
+  tower takes no backward (its input, the pixels, needs no gradient).
 
 Elementwise bytes (counted only with a bandwidth): the decoder layers' activations (estimate's bytes per
 token and layer) written and read in forward and their gradients written and read in backward, 4 passes (a
@@ -23,6 +26,8 @@ default) the utilization stands for the whole step, as a model-FLOPs utilization
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tunekit.models import vision
 
 
 @dataclass
@@ -56,11 +61,17 @@ def matmul_parameters(model, c) -> int:
 
 def step_flops(cfg, model, s, recipe, c) -> float:
     tokens = s.micro_batch * s.sequences * s.seq_len
-    weights = matmul_parameters(model, c)
-    trained = weights if recipe.full_finetuning else min(c.trainable, weights)  # weights with a gradient matmul
+    image = vision.image_work(model)
+    weights = matmul_parameters(model, c) - (image.parameters if image else 0)
+    trainable = c.trainable - (image.trained if image else 0)
+    trained = weights if recipe.full_finetuning else min(trainable, weights)  # weights with a gradient matmul
     forward = 2 * weights * tokens + attention_flops(cfg, s, recipe)
     backward = 2 * (weights + trained) * tokens + 2 * attention_flops(cfg, s, recipe)
     recomputed = forward if s.gradient_checkpointing else 0.0
+    if image:
+        patches = s.micro_batch * s.sequences * image.patches
+        forward += 2 * image.parameters * patches
+        backward += 4 * image.trained * patches
     return forward + backward + recomputed + s.extra_forwards * forward
 
 
