@@ -18,6 +18,8 @@ from tunekit.core.errors import TunekitError
 from tunekit.data.images import Image
 from tunekit.data.tokenizing import IGNORE
 
+_MADE: dict[int, tuple] = {}  # id(processor) -> (processor, its ImageTokens); the processor kept alive with it
+
 
 def of(cfg: ModelConfig) -> ImageTokens | None:
     """The image tokens of the model `cfg` names, None for a text-only model."""
@@ -25,7 +27,11 @@ def of(cfg: ModelConfig) -> ImageTokens | None:
 
     if not vision.reads_images(cfg):
         return None
-    return ImageTokens(vision.load_processor(cfg, vision.location(cfg)))
+    processor = vision.load_processor(cfg, vision.location(cfg))  # cached: one per model in a process
+    if id(processor) not in _MADE:  # one ImageTokens per processor, so that each image is expanded once
+        _MADE[id(processor)] = (processor, ImageTokens(processor))
+    return _MADE[id(processor)][1]
+
 
 
 def template_marker(tokenizer, image_token: str) -> str:
