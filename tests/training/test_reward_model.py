@@ -279,6 +279,13 @@ def test_a_reward_plan_counts_a_score_head_not_vocabulary_logits(tmp_path, tiny_
     assert plan.parts["logits and loss"] < plans["dpo"][2].parts["logits and loss"] / cfg.vocab_size * 2
     assert model.get_output_embeddings() is None and [n for n, _ in model.named_parameters() if "score" in n]
     assert plans["dpo"][2].parts["logits and loss"] == tokens * cfg.vocab_size * (4 + 6)  # fp32 logits, log-softmax
+    # with a memory bandwidth, the elementwise bytes: fp32 outputs written and read, 1 per position (score head)
+    import dataclasses
+
+    bw = dataclasses.replace(s, memory_bandwidth=1e9)
+    p = estimate.make(reward, bw, cfg, model)
+    layers = 4 * cfg.num_hidden_layers * tokens * estimate.layer_bytes_per_token(cfg, bw, reward)
+    assert p.time.elementwise_bytes == pytest.approx(layers + 4 * tokens * 1 * 4 + p.counts.trainable * 28)
     sft = recipes.load(write_recipe(tmp_path / "s.yaml", tiny_recipe(
         tiny_model, write_jsonl(tmp_path / "sft.jsonl", reverse_rows(8)), tmp_path / "sft",
         training={"chunked_loss": False})))

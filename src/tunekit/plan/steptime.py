@@ -16,17 +16,18 @@ FLOPs per device and micro-batch:
 
 Elementwise bytes (counted only with a bandwidth): the decoder layers' activations (estimate's bytes per
 token and layer) written and read in forward and their gradients written and read in backward, 4 passes (a
-recomputed forward 2 more, a no-grad forward 1); the logits likewise, in fp32; and the optimizer's pass over
-the trained weights (weight, gradient and state read, weight and state written). QLoRA's dequantization of
-its 4-bit weights is not counted. On a CPU this work (dropout masks, casts, norms, rotary, SiLU) took more
-than half of a LoRA step of a 1B model (bench/RESULTS.md), and no one utilization of the matmul peak
-describes it across model sizes: its share falls as the hidden size grows. Without a bandwidth (the
+recomputed forward 2 more, a no-grad forward 1); the logits likewise, in fp32 (a score head: 1 per position);
+and the optimizer's pass over the trained weights (weight, gradient and state read, weight and state written).
+QLoRA's dequantization of its 4-bit weights is not counted. On a CPU this work (dropout masks, casts, norms,
+rotary, SiLU) took more than half of a LoRA step of a 1B model (bench/RESULTS.md), and no one utilization of the
+matmul peak describes it across model sizes: its share falls as the hidden size grows. Without a bandwidth (the
 default) the utilization stands for the whole step, as a model-FLOPs utilization does."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tunekit.config import methods
 from tunekit.models import vision
 
 
@@ -75,13 +76,14 @@ def step_flops(cfg, model, s, recipe, c) -> float:
     return forward + backward + recomputed + s.extra_forwards * forward
 
 
-def elementwise_bytes(cfg, s, c, per_token_layer: float, optimizer_state: float) -> float:
-    """Bytes moved by the step's elementwise work (see the module's docstring)."""
+def elementwise_bytes(cfg, s, c, per_token_layer: float, optimizer_state: float, head_width: int) -> float:
+    """Bytes moved by the step's elementwise work (see the module's docstring); `head_width`: the outputs per
+    position (the vocabulary, or 1 for a reward model's score head)."""
     tokens = s.micro_batch * s.sequences * s.seq_len
     passes = 4 + (2 if s.gradient_checkpointing else 0)
     layers = cfg.num_hidden_layers * tokens * per_token_layer * passes
     layers += s.extra_forwards * cfg.num_hidden_layers * tokens * per_token_layer
-    logits = tokens * cfg.vocab_size * 4 * 4
+    logits = tokens * head_width * 4 * 4
     optimizer = c.trainable * (4 + 4 + optimizer_state + 4 + optimizer_state) / s.accumulation
     return layers + logits + optimizer
 
@@ -93,5 +95,6 @@ def estimate(cfg, model, s, recipe, c, per_token_layer: float, optimizer_state: 
     matmul = flops / (s.peak_tflops * 1e12 * s.utilization)
     if not s.memory_bandwidth:
         return StepTime(flops, 0.0, matmul, 0.0)
-    moved = elementwise_bytes(cfg, s, c, per_token_layer, optimizer_state)
+    width = 1 if methods.of(recipe).score_head else cfg.vocab_size
+    moved = elementwise_bytes(cfg, s, c, per_token_layer, optimizer_state, width)
     return StepTime(flops, moved, matmul, moved / s.memory_bandwidth)
