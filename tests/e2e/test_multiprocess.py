@@ -307,10 +307,10 @@ def test_fsdp2_run_merges_and_evaluates_as_the_run_without_it(fsdp2, ddp, recipe
     assert predictions[0] == predictions[1] and scores["fsdp"] == scores["ddp"]
 
 
-def test_a_vision_language_model_under_ddp_and_zero2_equals_one_process_and_trains_under_zero3(tmp_path,
-                                                                                                tiny_vision_model):
-    """Image batches split over two processes: DDP and ZeRO-2 give one process's run (its micro-batches accumulated);
-    ZeRO-3 trains (its losses leave DDP's by about 1e-3 from the second step: docs/vision.md)."""
+def test_a_vision_language_model_under_ddp_and_zero2_and_zero3_equals_one_process(tmp_path, tiny_vision_model):
+    """Image batches split over two processes: DDP, ZeRO-2 and ZeRO-3 give one process's run (its micro-batches
+    accumulated). ZeRO-3's partitioned init draws from the RNG while a vision-language model loads: the adapter is
+    seeded as it is made, or its LoRA matrices differ."""
     from conftest import colour_rows
 
     data = write_jsonl(tmp_path / "train.jsonl", colour_rows(tmp_path / "img", 32))
@@ -328,4 +328,4 @@ def test_a_vision_language_model_under_ddp_and_zero2_equals_one_process_and_trai
         launch(recipe, runs[name], 2, "training.micro_batch_size=4", *sets)
     assert_same_run(one, runs["ddp"])
     assert_same_run(one, runs["zero2"])
-    assert history(runs["zero3"])[-1] < history(runs["zero3"])[0]
+    assert_same_run(one, runs["zero3"])

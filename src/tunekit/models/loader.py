@@ -304,6 +304,12 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     if start_adapter is not None:
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     elif peft_cfg is not None:
+        # the adapter's initialisation draws from the global RNG, seeded here: a vision-language model built
+        # under ZeRO-3's partitioned init draws from it while loading (a text model or a plain load does not),
+        # which gave ZeRO-3 other LoRA matrices than DDP
+        from transformers import set_seed
+
+        set_seed(recipe.training.seed)
         model = get_peft_model(model, peft_cfg)
     if quant is not None or peft_cfg is not None or start_adapter is not None:
         # beside fp32 adapter matrices: one dtype for everything trained (ZeRO-3 flattens them into one buffer)
