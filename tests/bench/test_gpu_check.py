@@ -33,6 +33,8 @@ def test_the_set_covers_the_paths_the_check_promises():
     assert "training.kernels=liger" in sets["liger"] and "training.kernels=cut_cross_entropy" in sets["cce"]
     assert {g.SHAPES[c.shape] for c in g.CHECKS} == {"meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B",
                                                      "Qwen/Qwen2.5-7B"}
+    vlm = by_name["vlm-qlora"]
+    assert vlm.recipe == "qwen_vl_qlora.yaml" and vlm.shape in g.VISION_SHAPES and vlm.data == "vision"
     for c in g.CHECKS:  # every recipe it starts from is a shipped one
         assert (ROOT / "recipes" / c.recipe).is_file()
 
@@ -52,6 +54,24 @@ def test_shapes_are_the_shipped_configs_with_the_check_tokenizer_ids():
 
 # Its CPU run (--tiny, tunekit against the TRL script) is tests/bench/test_gpu_kit.py's, from the kit, as on a
 # GPU machine.
+
+
+def test_the_vision_check_trains_on_image_batches_on_a_cpu(tmp_path):
+    """--tiny: the LLaVA composition built from LlavaConfig's tower on the Llama shape, saved with its processor,
+    trained with qwen_vl_qlora.yaml's settings on the shapes and planned beside it."""
+    import json
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--tiny", "--only", "vlm-qlora",
+                          "--steps", "3", "--work", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+    assert row["result"] == "ok" and row["plan"] and len(row["loss"]) == 3, row
+    log = (tmp_path / "vlm-qlora.log").read_text()
+    assert "vision: training the language model" in log and "packing: off for a vision-language model" in log
+    config = json.loads((tmp_path / "models" / "llava-1b" / "config.json").read_text())
+    assert config["model_type"] == "llava" and config["vision_config"]["patch_size"] == 14
 
 
 def test_steady_tokens_per_second_leaves_the_warm_up_out():
