@@ -26,6 +26,9 @@ PUBLISHED = {
     "google/gemma-2-2b": "2.61B", "google/gemma-2-9b": "9.24B", "google/gemma-2-27b": "27.2B",
     "google/gemma-3-1b-pt": "1.0B", "google/gemma-3-4b-pt": "4.3B", "google/gemma-3-12b-pt": "12.2B",
     "google/gemma-3-27b-pt": "27.4B",
+    # a vision-language model (its tower and merger included): its safetensors index's total_size, 7,509,245,952
+    # bytes in bf16
+    "Qwen/Qwen2.5-VL-3B-Instruct": "3.75B",
 }
 TABLE = json.loads(info.SHIPPED.read_text())
 
@@ -42,11 +45,12 @@ def rounded(n: int, published: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_shipped_config_gives_the_published_parameter_count(name):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = info.shipped_config(name)
+    auto = AutoModelForImageTextToText if getattr(cfg, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = auto.from_config(cfg)
     total = sum(p.numel() for p in model.parameters())  # parameters() counts a tied head once
     assert rounded(total, PUBLISHED[name]) == PUBLISHED[name], f"{name}: {total:,}"
 
