@@ -33,7 +33,6 @@ def of(cfg: ModelConfig) -> ImageTokens | None:
     return _MADE[id(processor)][1]
 
 
-
 def template_marker(tokenizer, image_token: str) -> str:
     """The text the chat template writes for an image part: the difference between a user message rendered with
     and without one ("<|vision_start|><|image_pad|><|vision_end|>" for Qwen2.5-VL); the processor's image token

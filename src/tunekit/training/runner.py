@@ -361,7 +361,7 @@ def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: P
     """The model to train, with its adapter, into `inputs` (and whether batches are packed, the attention);
     `fresh_main`: the main process of a new run saves a rewritten adapter initialisation."""
     recipe = inputs.recipe
-    set_seed(recipe.training.seed)  # adapter initialisation draws from the global RNG
+    set_seed(recipe.training.seed)  # what loading draws (the adapter is seeded again as it is made: models.loader)
     model = loader.load_for_training(recipe, inputs.precision, inputs.start_adapter)
     if inputs.start_adapter is not None:
         log.info("adapter: starting from %s", inputs.start_adapter)
