@@ -27,9 +27,10 @@ PACKAGE = Path(tunekit.__file__).parent
 def test_the_allowed_methods_and_sections_are_the_registry():
     allowed = typing.get_args(schema.TrainingConfig.model_fields["method"].annotation)
     assert allowed == tuple(declared.DECLARED) == tuple(methods.METHODS) == (
-        "sft", "dpo", "kto", "orpo", "reward", "grpo", "rloo")
+        "sft", "dpo", "kto", "orpo", "reward", "grpo", "rloo", "distill")
     sections = {m.section for m in methods.METHODS.values() if m.section}
-    assert sections == {"dpo", "kto", "orpo", "reward", "grpo", "rloo"} and sections <= set(schema.Recipe.model_fields)
+    assert sections == {"dpo", "kto", "orpo", "reward", "grpo", "rloo", "distill"}
+    assert sections <= set(schema.Recipe.model_fields)
     for m in methods.METHODS.values():
         assert m.name in schema.TrainingConfig.model_fields["method"].description
 
@@ -38,7 +39,7 @@ def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_
     raw = tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}]),
                       tmp_path / "run", training={"method": "ppo"})
     with pytest.raises(TunekitError,
-                       match="training.method: .*'sft', 'dpo', 'kto', 'orpo', 'reward', 'grpo' or 'rloo'"):
+                       match="training.method: .*'sft', 'dpo', 'kto', 'orpo', 'reward', 'grpo', 'rloo' or 'distill'"):
         recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     with pytest.raises(TunekitError, match="unknown method 'ppo'; registered: sft, dpo, kto, orpo, reward, grpo"):
         methods.get("ppo")
@@ -112,7 +113,7 @@ def test_the_rules_across_sections_run_in_one_order():
     recipe breaking two is told of the first."""
     assert [r.__name__ for r in rules.RULES] == [
         "method_sections", "starting_adapter", "data_formats", "learning_rate", "settings_apply", "reference",
-        "grpo_rewards", "installed", "batch", "best_metric_is_logged", "sharding_fits_the_quantization",
+        "grpo_rewards", "installed", "batch", "distillation", "best_metric_is_logged", "sharding_fits_the_quantization",
         "precision_agrees"]
 
 

@@ -46,6 +46,9 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
     from tunekit.data import precheck
 
     recipe = precheck.check(recipe, data_needed=needs.data_needed, model=needs.model)
+    from tunekit.training import methods as trainers
+
+    trainers.of(recipe).check(recipe, needs.model)  # the method's own: distillation's teacher
     section, settings = methods.sampled(recipe)
     if settings is not None:  # a reward's own code imports (trust_local_code: the recipe asked for it)
         from tunekit.evaluation import rewards

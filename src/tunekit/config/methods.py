@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tunekit.config import dataformats
 from tunekit.config.methodsettings import (
+    DistillSettings,
     DpoSettings,
     GrpoSettings,
     KtoSettings,
@@ -149,6 +150,13 @@ declare(MethodSpec(
     data_description="prompts (data.format: prompt, or the prompts of prompt_completion, alpaca or chat records)",
     has_reference=True, reference_switch="beta", loss_tracks_learning=False,
     eval_loss_beside_generation=False, no_grad_forwards=1))  # the reference, with rloo.beta > 0 (step_shape)
+declare(MethodSpec(
+    "distill", "distillation: the student trained to match a teacher's next-token distributions (distill.teacher) on "
+    "the data's answers, on its own sampled answers, or both, with a divergence beside an optional SFT loss",
+    settings=DistillSettings, data_formats=("prompt", "prompt_completion", "alpaca", "chat"),
+    data_description="prompts with or without answers (data.format: prompt for on-policy distillation, else "
+    "prompt_completion, alpaca or chat)",
+    loss_tracks_learning=False))  # the teacher's forward is counted from the teacher's size (plan.estimate)
 
 
 def sampled(recipe) -> tuple[str, SampledSettings] | tuple[None, None]:

@@ -182,3 +182,59 @@ class RlooSettings(SampledSettings):
                         "reward as RLOO does (TRL's default 0.05); 0 computes no reference at all.")
     normalize_advantages: bool = Field(False, description="Scale the advantages to mean 0 and spread 1 over each "
                                        "batch of completions.")
+
+
+# ---------------------------------------------------------------- distill
+
+# What the student is trained to match the teacher by, per trained position (GKD's generalized JSD, Agarwal et al.
+# 2024, eq. 1): forward_kl = KL(teacher || student), reverse_kl = KL(student || teacher), jsd its mixture form.
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+DISTILL_MODES = ("off_policy", "on_policy", "mixed")
+
+
+class DistillSettings(MethodSettings):
+    teacher: str | None = Field(None, description="The teacher: a hub name, a local model directory, or the "
+                                "output_dir of a tunekit run (its adapter on its base, or its full or merged "
+                                "weights). It must share the student's vocabulary, checked before weights load.")
+    mode: Literal[DISTILL_MODES] = Field(  # type: ignore[valid-type]
+        "off_policy", description="off_policy: match the teacher on the data's answers; on_policy: on answers the "
+        "student samples itself (the data's answers are never read: prompts suffice, data.format: prompt); mixed: "
+        "each example drawn (seeded) on-policy with on_policy_fraction, else off-policy.")
+    on_policy_fraction: float = Field(0.5, gt=0, lt=1, description="mixed: the share of examples answered by the "
+                                      "student's own samples.")
+    temperature: float = Field(1.0, gt=0, description="Softens both distributions before the divergence; on-policy "
+                               "answers are sampled at it too.")
+    divergence: Literal[DIVERGENCES] = Field(  # type: ignore[valid-type]
+        "jsd", description="forward_kl (the teacher's mass everywhere the student has little: mode-covering), "
+        "reverse_kl (the student's mass only where the teacher has it: mode-seeking), or jsd, the generalized "
+        "Jensen-Shannon divergence between them (GKD's default: bounded, weighted by jsd_beta).")
+    jsd_beta: float = Field(0.5, gt=0, lt=1, description="jsd: weight of the teacher in the mixture (toward 0 it "
+                            "behaves like forward_kl, toward 1 like reverse_kl).")
+    sft_weight: float = Field(0.0, ge=0, description="Weight of the plain SFT loss on the data's answers, added to "
+                              "the divergence (off-policy examples only; needs answers in the data).")
+    top_k: int | None = Field(None, ge=1, description="Keep the teacher's k most likely tokens at each position and "
+                              "compare both distributions renormalised over them (less memory for a large "
+                              "vocabulary); null: the whole vocabulary.")
+    max_completion_length: int = Field(128, ge=1, description="on_policy / mixed: most tokens of a sampled answer.")
+    top_p: float = Field(1.0, gt=0, le=1, description="on_policy / mixed: nucleus sampling of the student's answers.")
+    teacher_4bit: bool = Field(False, description="Load the teacher quantized to 4 bits (NF4, as QLoRA loads a base; "
+                               "bitsandbytes on a GPU); else in the run's compute dtype.")
+    teacher_placement: Literal["sharded", "replicated"] = Field(
+        "sharded", description="Under ZeRO-3 or FSDP: shard the teacher across the processes as the student is "
+                               "(its memory divided, a gather per forward) or keep a whole copy in each (no "
+                               "gathers). Elsewhere every process holds a whole copy.")
+
+    @property
+    def samples(self) -> bool:
+        """Some examples are answered by the student's own samples."""
+        return self.mode != "off_policy"
+
+    def step_shape(self, recipe) -> dict:
+        """With sampling: sequences are prompt + sampled answer, sampled before the step's forward; the teacher's
+        forward is counted by the plan from the teacher's own size (plan.estimate)."""
+        if not self.samples:
+            return {}
+        t = recipe.training
+        share = 1.0 if self.mode == "on_policy" else self.on_policy_fraction
+        return {"seq_len": recipe.data.max_length + self.max_completion_length,
+                "sampled": max(1, round(t.micro_batch_size * t.gradient_accumulation_steps * share))}

@@ -170,6 +170,28 @@ def best_metric_is_logged(recipe) -> None:
         raise ValueError(f"training.metric_for_best: {name} is not logged at evaluations; {hint}")
 
 
+def distillation(recipe) -> None:
+    """A teacher is named; the answers an off-policy example or the SFT loss trains on are in the data; a 4-bit
+    teacher stays whole."""
+    d = recipe.distill
+    if d is None:  # another method's recipe (a distill section there is refused by method_sections)
+        return
+    if not d.teacher:
+        raise ValueError("distill.teacher: name the teacher: a hub name, a local model directory or the output_dir "
+                         "of a tunekit run")
+    answerless = [f for f in recipe.data.formats() if f == "prompt"]
+    if answerless and d.mode != "on_policy":
+        raise ValueError(f"distill.mode: {d.mode} trains on the data's answers, and data.format: prompt has none; "
+                         "set distill.mode: on_policy (the student answers itself) or give data with answers")
+    if answerless and d.sft_weight:
+        raise ValueError("distill.sft_weight: the SFT loss trains on the data's answers, and data.format: prompt "
+                         "has none; set distill.sft_weight: 0")
+    t = recipe.training
+    if d.teacher_4bit and d.teacher_placement == "sharded" and (t.deepspeed or t.fsdp is not None):
+        raise ValueError("distill.teacher_4bit: a 4-bit teacher is not sharded (its packed weights and their scales "
+                         "must stay together); set distill.teacher_placement: replicated")
+
+
 def sharding_fits_the_quantization(recipe) -> None:
     if recipe.training.fsdp is not None and recipe.quantization is not None and recipe.quantization.bits == 8:
         raise ValueError("quantization.bits 8 with training.fsdp: FSDP2 shards bitsandbytes' int8 weights "
@@ -186,7 +208,7 @@ def precision_agrees(recipe) -> None:
 
 # the order a recipe breaking several rules is told of the first
 RULES = (method_sections, starting_adapter, data_formats, learning_rate, settings_apply, reference, grpo_rewards,
-         installed, batch, best_metric_is_logged, sharding_fits_the_quantization, precision_agrees)
+         installed, batch, distillation, best_metric_is_logged, sharding_fits_the_quantization, precision_agrees)
 
 
 def run(recipe) -> None:

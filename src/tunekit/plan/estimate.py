@@ -19,11 +19,9 @@ import torch
 from tunekit.config import dsconfig, methods
 from tunekit.config.schema import Recipe
 from tunekit.models import vision
-from tunekit.plan import sharding, steptime
-from tunekit.plan.sizes import GiB, parse_size  # noqa: F401  (plan.parse_size: tests)
+from tunekit.plan import sharding, steptime, teacher
+from tunekit.plan.sizes import GiB, parse_size, quantized_bytes  # noqa: F401  (plan.parse_size: tests)
 
-QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
-DOUBLE_QUANT_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bit in blocks of 256
 OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2,
                    "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
 
@@ -61,6 +59,7 @@ class Settings:
     fsdp_reshard_after_forward: bool = True
     fsdp_offload: bool = False
     fsdp_auto_wrap: bool = True
+    teacher: object = None  # distill's teacher (plan.teacher.TeacherSize), else None
     fsdp_reduce_dtype: str = "float32"
     # ZeRO-3's sizes in elements (None: "auto", filled from the hidden size); the defaults are ds_configs/zero3.json's
     zero3_prefetch: int | None = None
@@ -158,13 +157,6 @@ def count(recipe: Recipe, model) -> Counts:
     if recipe.full_finetuning and output is not None and inputs is not None and output.weight is inputs.weight:
         tied = output.weight.numel()
     return Counts(total, trainable, quantized, total - trainable - quantized, tied, embeddings)
-
-
-def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
-    if bits == 8:
-        return n * 1.0 + n / 4096 * 4  # int8 weights + one fp32 scale per row (approx.)
-    constants = (n / QLORA_BLOCK) * (1 + 4 / DOUBLE_QUANT_BLOCK) if double_quant else (n / QLORA_BLOCK) * 4
-    return n / 2 + constants
 
 
 def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
@@ -359,7 +351,7 @@ def phase_groups(s: Settings, parts: dict, act_key: str, autocast_key: str | Non
         return tuple(t.key for t in terms if when in t.when)
 
     groups = [("the end of the forward pass", (act_key, "logits and loss") + ((autocast_key,) if autocast_key else ())
-               + at("forward"))]
+               + ((teacher.LOGITS,) if teacher.LOGITS in parts else ()) + at("forward"))]
     backward = (("activations (one layer recomputed)",) if s.gradient_checkpointing else ()) + at("backward")
     if backward:
         groups.append(("a recomputed layer's backward" if s.gradient_checkpointing else "a layer's backward",
@@ -405,7 +397,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     terms = transient_terms(recipe, s, cfg, model)
     parts.update({t.key: t.bytes for t in terms})
 
-    sampled = sampling(parts, cfg, s, c)
+    sampled = sampling(parts, cfg, s, c) + teacher.add(parts, s)
     time = steptime.estimate(cfg, model, s, recipe, c, layer_bytes_per_token(cfg, s, recipe),
                              OPTIMIZER_BYTES.get(s.optimizer, 8), sampled)
     moments, phases = phase_groups(s, parts, act_key, autocast_key, terms)
@@ -463,7 +455,8 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     zero_stage=stage,
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
-                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps, **shape, **fsdp,
+                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps, teacher=teacher.of(recipe),
+                    **shape, **fsdp,
                     **(sharding.zero3_settings(zero) if stage == 3 else {}))
     return dataclasses.replace(base, **overrides)
 

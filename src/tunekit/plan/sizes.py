@@ -1,5 +1,5 @@
-"""Memory sizes as written on the command line (`tunekit plan --gpu-memory 24GiB`); imports no torch, so
-that the argument is checked as it is parsed."""
+"""Memory sizes as written on the command line (`tunekit plan --gpu-memory 24GiB`), and the bytes of quantized
+weights; imports no torch, so that the argument is checked as it is parsed."""
 
 from __future__ import annotations
 
@@ -22,3 +22,15 @@ def parse_size(text: str) -> int:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{text!r} is not a positive size; write e.g. 24GiB")
     return int(value * scale)
+
+
+QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
+DOUBLE_QUANT_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bit in blocks of 256
+
+
+def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
+    """Bytes of n weights stored in 4 or 8 bits by bitsandbytes, their quantization constants included."""
+    if bits == 8:
+        return n * 1.0 + n / 4096 * 4  # int8 weights + one fp32 scale per row (approx.)
+    constants = (n / QLORA_BLOCK) * (1 + 4 / DOUBLE_QUANT_BLOCK) if double_quant else (n / QLORA_BLOCK) * 4
+    return n / 2 + constants

@@ -1,5 +1,6 @@
-"""Seeded sampling for GRPO: each sampled token is a pure function of (training.seed, step, the sequence's place
-in the step's batch of completions, its position), whatever the number of processes or the micro-batch.
+"""Seeded sampling for GRPO, RLOO and on-policy distillation: each sampled token is a pure function of
+(training.seed, step, the sequence's place in the step's batch of completions or in the data, its position),
+whatever the number of processes or the micro-batch.
 
 TRL samples with transformers' generate(do_sample=True), which draws from the process's global random stream:
 the completions then depend on how the batch is split over processes and on everything that drew from the
@@ -51,26 +52,37 @@ def generate(trainer, prompt_ids: list[list[int]], rows: list[int] | None = None
     SeededSampling by the trainer's model (TRL's GRPOTrainer attributes). Episodes with tools (evaluation.episodes)
     pass each sequence's place in the step's batch of completions (`rows`), the turn (a later turn draws other
     noise) and the tokens their budget has left."""
-    from trl.models import unwrap_model_for_generation
-
-    acc, tok = trainer.accelerator, trainer.processing_class
-    width = max(map(len, prompt_ids))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=acc.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=acc.device)
+    acc = trainer.accelerator
     mode = "train" if trainer.model.training else "eval"
     if rows is None:  # TRL hands each process a contiguous, equal slice of the step's batch of completions
         rows = [acc.process_index * len(prompt_ids) + i for i in range(len(prompt_ids))]
     key = (trainer.args.seed, mode, trainer.state.global_step) + (("turn", turn) if turn else ())
-    sampler = SeededSampling(key, rows, width, trainer.temperature, trainer.top_p, trainer.top_k)
-    config = GenerationConfig(max_new_tokens=max_new_tokens or trainer.max_completion_length, do_sample=False,
-                              pad_token_id=tok.pad_token_id, eos_token_id=trainer.eos_token_ids, disable_compile=True)
-    with unwrap_model_for_generation(trainer.model_wrapped, acc,
-                                     gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model, \
+    return sample(trainer.model_wrapped, acc, trainer.processing_class.pad_token_id, prompt_ids,
+                  SeededSampling(key, rows, max(map(len, prompt_ids)), trainer.temperature, trainer.top_p,
+                                 trainer.top_k),
+                  max_new_tokens or trainer.max_completion_length, trainer.eos_token_ids,
+                  trainer.args.ds3_gather_for_generation)
+
+
+def sample(model_wrapped, accelerator, pad_id: int, prompt_ids: list[list[int]], sampler: SeededSampling,
+           max_new_tokens: int, eos_ids: list[int], gather: bool = True) -> list[list[int]]:
+    """Completion ids (through the first end-of-sequence token) for the prompts (padded on the left here; the
+    sampler's `start` is their padded width), drawn by `sampler`; under ZeRO-3, `gather`: the weights gathered once
+    for the whole generation."""
+    from trl.models import unwrap_model_for_generation
+
+    width = max(map(len, prompt_ids))
+    device = accelerator.device
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id,
+                              eos_token_id=eos_ids, disable_compile=True)
+    with unwrap_model_for_generation(model_wrapped, accelerator, gather_deepspeed3_params=gather) as model, \
             torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                              logits_processor=LogitsProcessorList([sampler]))
     completions = []
     for row in out[:, width:].tolist():
-        ends = [i for i, t in enumerate(row) if t in trainer.eos_token_ids]
+        ends = [i for i, t in enumerate(row) if t in eos_ids]
         completions.append(row[:ends[0] + 1] if ends else row)
     return completions

@@ -19,7 +19,7 @@ from tunekit.training.methods.base import METHODS, Method, TrainerInputs, get, n
 # The built-in methods register themselves on import, in the order they are declared (config.methods); a new
 # method's module is imported here too.
 # isort: off
-from tunekit.training.methods import sft, dpo, kto, orpo, reward, grpo, rloo  # noqa: F401
+from tunekit.training.methods import sft, dpo, kto, orpo, reward, grpo, rloo, distill  # noqa: F401
 # isort: on
 
 __all__ = ["DEFAULT", "METHODS", "Method", "TrainerInputs", "get", "names", "of", "register"]

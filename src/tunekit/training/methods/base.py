@@ -47,6 +47,10 @@ class Method:
             raise AttributeError(attr)
         return getattr(self.spec, attr)
 
+    def check(self, recipe, model: str) -> None:
+        """What the method checks before any weight loads, beyond the recipe rules (`model`: what the verb asks of
+        the models, as data.precheck.check takes it)."""
+
     # ------------------------------------------------------------ training stages
 
     def build_data(self, recipe, tokenizer):

@@ -1,0 +1,142 @@
+"""training.method: distill -- the student (the recipe's model, its adapter or all its weights) trained to match a
+teacher's next-token distributions (distill.teacher: runs.teacher); its `distill:` section is declared in
+tunekit.config.methodsettings.
+
+Off-policy, the divergence is taken at the data's answer tokens (teacher-forced, as SFT trains them); on-policy,
+the student first samples its own answer to each prompt and the divergence is taken at the sampled tokens, where
+the teacher says what it would have written instead (GKD, Agarwal et al. 2024); mixed draws each example one way or
+the other (seeded by the example). Samples are drawn with tunekit's seeded sampling (training.sampling), keyed by
+the step and the example's place in the data, so a resumed run and two processes sample what one uninterrupted
+process samples. An optional SFT loss on the data's answers is added with distill.sft_weight. The loss is the
+mean over a micro-batch's trained tokens.
+
+TRL's DistillationTrainer is not used: it is on-policy only, draws its samples from the global random stream (no
+resume or multi-process equality), and has no SFT term nor a kept top-k of the teacher's distribution."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from tunekit.training.methods.base import Method, TrainerInputs, built_on_use, register
+
+log = logging.getLogger("tunekit")
+
+
+class Distill(Method):
+    name = "distill"
+
+    def check(self, recipe, model: str) -> None:
+        """The teacher can be had and shares the student's vocabulary (plan: the teacher's files only; validate:
+        a model that cannot be had here is a warning)."""
+        from tunekit.models import hub
+        from tunekit.runs import teacher as teachers
+
+        if model in ("shipped", "skip"):
+            teachers.resolve(recipe)
+            return
+        try:
+            teachers.check(recipe)
+        except hub.Unavailable as e:
+            if model != "optional":
+                raise
+            log.warning("distill.teacher: vocabulary not compared: %s", e)
+
+    def build_data(self, recipe, tokenizer):
+        """Prompts only (data.format: prompt): their ids as `tunekit eval` renders them; else the data tokenized
+        as SFT tokenizes it (answers labelled), each example's prompt its ids before its last answer."""
+        if "prompt" in recipe.data.formats():
+            return prompts_only(recipe, tokenizer)
+        from tunekit.data import arrow
+
+        bundle = arrow.build(recipe.data, tokenizer, recipe.training.seed)
+        bundle.train = indexed(bundle.train)
+        if bundle.eval is not None:
+            bundle.eval = indexed(bundle.eval)
+        return bundle
+
+    def trainer_config(self, args, recipe):
+        args.remove_unused_columns = False  # the example's place and prompt reach the trainer
+        return args
+
+    def make_trainer(self, inputs: TrainerInputs):
+        from tunekit.runs import teacher as teachers
+
+        recipe, d = inputs.recipe, inputs.recipe.distill
+        teacher = teachers.check(recipe, inputs.tokenizer)
+        with whole_unless(d.teacher_placement == "sharded", inputs.args):
+            model = teachers.load(teacher, inputs.precision.dtype, d.teacher_4bit)
+        trainer = trainer_class()(
+            model=inputs.model, args=inputs.args, train_dataset=inputs.data.train, eval_dataset=inputs.data.eval,
+            data_collator=collator(inputs.tokenizer), processing_class=inputs.tokenizer, callbacks=inputs.callbacks,
+            generation_eval=inputs.generation_eval, teacher=model, settings=d)
+        log.info("distill: teacher %s, frozen, %s%s; %s; %s%s, temperature %g%s; sft_weight %g",
+                 teacher.describe(), "4-bit" if d.teacher_4bit or teacher.quantized_run else inputs.precision.name,
+                 ", " + trainer.teacher_placement, d.mode.replace("_", "-") +
+                 (f" ({d.on_policy_fraction:g} of the examples)" if d.mode == "mixed" else ""),
+                 d.divergence, f" (beta {d.jsd_beta:g})" if d.divergence == "jsd" else "", d.temperature,
+                 f", the teacher's top {d.top_k} tokens" if d.top_k else "", d.sft_weight)
+        return trainer, trainer.tokens
+
+
+def indexed(ds):
+    """The data set with each example's place in it, which keys its samples (training.sampling)."""
+    return ds.add_column("index", list(range(len(ds))))
+
+
+def prompts_only(recipe, tokenizer):
+    from tunekit.training.methods.rollouts import build
+
+    bundle = build(recipe, tokenizer)
+
+    def ids(ds):
+        tokenized = [tokenizer(p, add_special_tokens=bundle.add_special_tokens)["input_ids"] for p in ds["prompt"]]
+        return indexed(ds.select_columns([]).add_column("prompt_ids", tokenized))
+
+    bundle.train = ids(bundle.train)
+    if bundle.eval is not None:
+        bundle.eval = ids(bundle.eval)
+    return bundle
+
+
+def collator(tokenizer):
+    from tunekit.training.distiller import Collator
+
+    return Collator(tokenizer)
+
+
+def whole_unless(sharded: bool, args):
+    """Where the run shards weights at load (ZeRO-3) and the teacher is to stay whole: loaded as a plain model."""
+    import contextlib
+
+    from transformers.integrations.deepspeed import (
+        is_deepspeed_zero3_enabled,
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    if sharded or not is_deepspeed_zero3_enabled():
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def unsharded():
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            set_hf_deepspeed_config(args.hf_deepspeed_config)
+    return unsharded()
+
+
+@functools.cache
+def trainer_class():
+    """DistillTrainer (training.distiller), imported on first use (torch and transformers)."""
+    from tunekit.training.distiller import DistillTrainer
+
+    return DistillTrainer
+
+
+__getattr__ = built_on_use(__name__, DistillTrainer=trainer_class)
+
+
+register(Distill())
