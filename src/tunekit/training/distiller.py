@@ -89,8 +89,7 @@ class DistillTrainer(SafeStateTrainer):
         """The batch with its on-policy rows answered by the student's own samples (labelled: the samples)."""
         index = inputs["index"].tolist()
         chosen = self.on_policy_rows(index)
-        self.parts["on_policy"][0] += sum(chosen)
-        self.parts["on_policy"][1] += len(chosen)
+        self.tally("on_policy", sum(chosen), len(chosen), training=True)
         if not self.anywhere(any(chosen)):
             return inputs
         s, prompts = self.settings, inputs["prompt_ids"]
@@ -144,6 +143,12 @@ class DistillTrainer(SafeStateTrainer):
 
     # ------------------------------------------------------------ the loss
 
+    def tally(self, part: str, total: float, n: int, training: bool | None = None) -> None:
+        """A training step's share of a logged part of the loss (evaluations add none)."""
+        if self.model.training if training is None else training:
+            self.parts[part][0] += total
+            self.parts[part][1] += n
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         s = self.settings
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
@@ -156,16 +161,14 @@ class DistillTrainer(SafeStateTrainer):
         student, teacher = logits[trained][:, :width], teacher[trained][:, :width]
         divergence = divergences.per_token(student, teacher, s.divergence, s.jsd_beta, s.temperature, s.top_k)
         loss = divergence.mean() if divergence.numel() else logits.sum() * 0
-        self.parts["divergence"][0] += float(divergence.detach().sum())
-        self.parts["divergence"][1] += divergence.numel()
+        self.tally("divergence", float(divergence.detach().sum()), divergence.numel())
         if s.sft_weight:
             on = inputs.get("on_policy", torch.zeros(len(ids), dtype=torch.bool)).to(trained.device)
             off = (~on)[:, None].expand_as(trained)[trained]  # answers from the data, not the student's samples
             if off.any():
                 ce = F.cross_entropy(student[off].float(), targets[trained][off])
                 loss = loss + s.sft_weight * ce
-                self.parts["sft_loss"][0] += float(ce.detach()) * int(off.sum())
-                self.parts["sft_loss"][1] += int(off.sum())
+                self.tally("sft_loss", float(ce.detach()) * int(off.sum()), int(off.sum()))
         return (loss, {"logits": logits}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -186,6 +189,6 @@ class DistillTrainer(SafeStateTrainer):
             for i, name in enumerate(self.parts):
                 total, n = sums[2 * i], sums[2 * i + 1]
                 if n and (name != "on_policy" or self.settings.samples):
-                    logs[f"distill/{name}"] = round(total / n, 6)
+                    logs[f"distill/{name}"] = float(f"{total / n:.6g}")
             self.parts = {k: [0.0, 0] for k in self.parts}
         super().log(logs, start_time)
