@@ -209,11 +209,14 @@ def test_on_policy_training_never_reads_the_answers(tmp_path, tiny_model, teache
 
 
 @pytest.mark.slow
-def test_mixed_mode_draws_each_example_adds_the_sft_loss_and_merges(tmp_path, tiny_model, teacher):
+def test_mixed_mode_draws_each_example_adds_the_sft_loss_keeps_the_best_and_merges(tmp_path, tiny_model, teacher):
     out = tmp_path / "run"
     runner.run(load(tmp_path, distill_raw(tiny_model, tmp_path, out, teacher,
                                           {"mode": "mixed", "sft_weight": 0.5, "divergence": "reverse_kl",
-                                           "top_k": 8}, max_steps=6)))
+                                           "top_k": 8}, max_steps=6, metric_for_best="eval_loss", eval_steps=3,
+                                          save_steps=3)))
+    best = json.loads((out / "run.json").read_text())["best"]  # the best checkpoint by held-out divergence
+    assert best["metric"] == "eval_loss" and best["step"] in (3, 6)
     trained = [r for r in history(out) if "loss" in r and "eval_loss" not in r]
     shares = [r["distill/on_policy"] for r in trained]
     assert 0 < sum(shares) / len(shares) < 1 and all("distill/sft_loss" in r for r in trained)
