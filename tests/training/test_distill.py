@@ -112,6 +112,15 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_weights_load(tmp_path
         assert f"id {size} is only in the teacher's" in line
 
 
+def test_a_teacher_run_not_trained_yet_is_named_by_plan_and_train(tmp_path, tiny_model, capsys, monkeypatch):
+    """runs/teacher reads as a hub id when no such directory is here: the refusal names distill.teacher."""
+    raw = distill_raw(tiny_model, tmp_path, tmp_path / "run", "runs/teacher")
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    for verb in ("plan", "train"):
+        line = refused_in_process([verb, str(recipe)], tmp_path, capsys, monkeypatch)
+        assert "distill.teacher: runs/teacher is no run or model directory here" in line, line
+
+
 def test_an_unfinished_run_or_a_reward_model_is_no_teacher(tmp_path, tiny_model, teacher):
     from tunekit.runs import teacher as teachers
     from tunekit.runs.layout import RunRecord

@@ -32,11 +32,15 @@ def of(recipe) -> TeacherSize | None:
         return None
     from transformers import AutoModelForCausalLM
 
+    from tunekit.models import hub
     from tunekit.models.info import model_config
     from tunekit.runs import teacher
 
     t = teacher.resolve(recipe)
-    cfg = model_config(t.model, shipped=True)
+    try:
+        cfg = model_config(t.model, shipped=True)
+    except hub.Unavailable as e:
+        raise teacher.unavailable(t, e) from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=t.model.trust_remote_code)
     params = {id(p): p.numel() for p in model.parameters()}

@@ -62,10 +62,20 @@ def resolve(recipe: Recipe) -> Teacher:
     return Teacher(spec, ModelConfig(name_or_path=spec, trust_remote_code=recipe.model.trust_remote_code))
 
 
-def tokenizer(teacher: Teacher):
-    from tunekit.models import loader
+def unavailable(teacher: Teacher, e) -> TunekitError:
+    """A teacher named as a hub id that cannot be had here (hub.Unavailable `e`), said of distill.teacher: often a
+    run directory not trained yet."""
+    return type(e)(f"{KEY}: {teacher.spec} is no run or model directory here, and as a hub id it cannot be had "
+                   f"({e.why}); train the teacher run first, or name a local model", e.why)
 
-    return loader.load_tokenizer(teacher.model, teacher.tokenizer_dir)
+
+def tokenizer(teacher: Teacher):
+    from tunekit.models import hub, loader
+
+    try:
+        return loader.load_tokenizer(teacher.model, teacher.tokenizer_dir)
+    except hub.Unavailable as e:
+        raise unavailable(teacher, e) from None
 
 
 def check_vocabulary(student, teacher_tokenizer, student_name: str, teacher_name: str) -> None:
