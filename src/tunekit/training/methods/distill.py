@@ -15,6 +15,7 @@ resume or multi-process equality), and has no SFT term nor a kept top-k of the t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -105,10 +106,9 @@ def collator(tokenizer):
     return Collator(tokenizer)
 
 
+@contextlib.contextmanager
 def whole_unless(sharded: bool, args):
     """Where the run shards weights at load (ZeRO-3) and the teacher is to stay whole: loaded as a plain model."""
-    import contextlib
-
     from transformers.integrations.deepspeed import (
         is_deepspeed_zero3_enabled,
         set_hf_deepspeed_config,
@@ -116,16 +116,13 @@ def whole_unless(sharded: bool, args):
     )
 
     if sharded or not is_deepspeed_zero3_enabled():
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def unsharded():
-        unset_hf_deepspeed_config()
-        try:
-            yield
-        finally:
-            set_hf_deepspeed_config(args.hf_deepspeed_config)
-    return unsharded()
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(args.hf_deepspeed_config)
 
 
 @functools.cache
