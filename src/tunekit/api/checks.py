@@ -49,6 +49,8 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
     from tunekit.training import methods as trainers
 
     trainers.of(recipe).check(recipe, needs.model)  # the method's own: distillation's teacher
+    if recipe.training.parallelism is not None and needs.model != "skip":
+        parallelism(recipe, needs.model)
     section, settings = methods.sampled(recipe)
     if settings is not None:  # a reward's own code imports (trust_local_code: the recipe asked for it)
         from tunekit.evaluation import rewards
@@ -60,6 +62,22 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
     if needs.deepspeed and recipe.training.deepspeed:
         deepspeed(recipe, world_size)
     return recipe
+
+
+def parallelism(recipe: Recipe, model: str) -> None:
+    """training.parallelism against the model's shape (heads, tensor-parallel plan), read from its config.json; a
+    model that cannot be had here is checked when it can (`tunekit validate` of a hub model offline)."""
+    from tunekit.config import parallelconfig
+    from tunekit.models import hub, info
+
+    try:
+        config = info.model_config(recipe.model, shipped=model == "shipped")
+    except hub.Unavailable:
+        if model == "needed":
+            raise
+        return
+    parallelconfig.check_model(recipe.training.parallelism, config, recipe.model.attn_implementation,
+                               f"model.name_or_path {recipe.model.name_or_path}")
 
 
 def deepspeed(recipe: Recipe, world_size: int | None) -> None:

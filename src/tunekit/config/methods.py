@@ -60,6 +60,8 @@ class MethodSpec:
     eval_measures: tuple[str, ...] = ()
     # trains a vision-language model on records with images (data.images; models.vision)
     images: bool = False
+    # training.parallelism applies: tunekit's own loss sums over sequence shards and split layers
+    splits_work: bool = False
 
     @property
     def section(self) -> str | None:
@@ -112,7 +114,7 @@ def renamed_sections(raw: dict) -> list[tuple[str, str]]:
 declare(MethodSpec(
     "sft", "supervised fine-tuning on answers",
     chunked_loss=True, packs=True, groups_by_length=True, prompt_loss_optional=True, implicit_reward=True,
-    images=True))
+    images=True, splits_work=True))
 declare(MethodSpec(
     "dpo", "direct preference optimization on (prompt, chosen, rejected) pairs (data.format: preference) "
     "with TRL's DPOTrainer",

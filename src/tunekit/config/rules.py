@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from tunekit.config import methods, metrickinds, rewardkinds
+from tunekit.config import methods, metrickinds, parallelconfig, rewardkinds
 from tunekit.config.methodsettings import KL_LOSSES
 
 
@@ -207,8 +207,15 @@ def precision_agrees(recipe) -> None:
 
 
 # the order a recipe breaking several rules is told of the first
+def parallelism(recipe) -> None:
+    """training.parallelism's layout against the method, the sharding engine and the adapter (its rules live with
+    the rest of it, in config.parallelconfig)."""
+    parallelconfig.check_recipe(recipe)
+
+
 RULES = (method_sections, starting_adapter, data_formats, learning_rate, settings_apply, reference, grpo_rewards,
-         installed, batch, distillation, best_metric_is_logged, sharding_fits_the_quantization, precision_agrees)
+         installed, batch, distillation, best_metric_is_logged, sharding_fits_the_quantization, precision_agrees,
+         parallelism)
 
 
 def run(recipe) -> None:

@@ -249,6 +249,42 @@ class FsdpConfig(Section):
         "parameters compute in (training.precision; less traffic, less exact).")
 
 
+class ParallelismConfig(Section):
+    """Splitting one batch's work across processes, past data parallelism, through accelerate's
+    ParallelismConfig: the product tp x sp x cp of the sizes is the processes that share each batch; the world
+    size over that product is data parallel (config.parallelconfig holds the rules)."""
+
+    tp: int = Field(1, ge=1, description="Tensor parallel: each layer's matrices split over this many processes "
+                    "(transformers' tensor-parallel plan for the architecture); must divide the attention and "
+                    "key/value heads.")
+    sp: int = Field(1, ge=1, description="Sequence parallel: each sequence split over this many processes, the "
+                    "attention heads exchanged around attention (DeepSpeed's Ulysses, ALST); needs "
+                    "training.deepspeed and must divide the attention heads.")
+    sp_backend: Literal["deepspeed"] = Field("deepspeed", description="The sequence-parallel engine: deepspeed, "
+                                             "the one accelerate has.")
+    cp: int = Field(1, ge=1, description="Context parallel: each sequence split over this many processes, keys and "
+                    "values passed round a ring (torch's context parallel, SDPA attention); needs training.fsdp "
+                    "and a GPU.")
+    cp_backend: Literal["torch"] = Field("torch", description="The context-parallel engine: torch, the one "
+                                         "accelerate has.")
+    dp_shard: int | None = Field(None, ge=1, description="Processes the model is sharded over (FSDP2) beside tp "
+                                 "or cp; null: the world size over tp x cp x dp_replicate.")
+    dp_replicate: int = Field(1, ge=1, description="Replicas of that sharding (HSDP: sharded within a node, "
+                              "replicated across nodes), with tp or cp.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ParallelismConfig":
+        if self.sp > 1 and self.cp > 1:
+            raise ValueError("training.parallelism.sp and training.parallelism.cp both split the sequence; keep one "
+                             "(sp under DeepSpeed, cp under FSDP2)")
+        return self
+
+    @property
+    def split(self) -> int:
+        """Processes that share each batch: tp x sp x cp."""
+        return self.tp * self.sp * self.cp
+
+
 class TrainingConfig(Section):
     precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, "
                                      "else fp16 on GPU, else fp32.")
@@ -296,6 +332,9 @@ class TrainingConfig(Section):
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config, e.g. ds_configs/zero2.json.")
     fsdp: FsdpConfig | None = Field(None, description="Shard the model with PyTorch FSDP2 instead of DeepSpeed "
                                     "(`fsdp: {}` takes every default).")
+    parallelism: ParallelismConfig | None = Field(
+        None, description="Tensor, sequence or context parallelism beside data parallelism (accelerate's "
+        "ParallelismConfig): sizes tp, sp, cp, dp_shard, dp_replicate.")
     metric_for_best: str | None = Field(
         None, description="Keep the checkpoint with the best value of this evaluation metric (eval_loss, or with an "
         "eval section bleu, chrf, rouge1, rougeL, exact_match, ...): the run's final adapter/model is that one. "

@@ -60,16 +60,61 @@ class WithImages:
         return batch
 
 
-def collator(tokenizer, packing: bool = False, boundaries: bool = False, image_tokens=None):
+class InPieces:
+    """Batches a sequence-parallel group of `pieces` processes splits along the sequence (DeepSpeed's Ulysses
+    loader): position ids in every batch, so each piece keeps its place in the row (packed batches have them,
+    restarting per example), and rows padded to a multiple of `pieces` (pad token, no label, positions going on).
+    The attention mask is left out: Ulysses attends causally over the gathered row and never reads it, and right
+    padding after a causal row changes no real token. `rows`: a smaller batch (an epoch's last) gets rows of
+    padding up to it, since Ulysses takes the micro-batch size it was set up with. `length`: every batch padded
+    to this many positions, for CPU processes, whose gloo all-gather (the loader's exchange of the batches) needs
+    one shape on every process."""
+
+    def __init__(self, inner, pieces: int, pad_id: int, rows: int = 1, length: int | None = None):
+        self.inner = inner
+        self.pieces = pieces
+        self.pad_id = pad_id
+        self.rows = rows
+        self.length = length
+
+    def __call__(self, features):
+        import torch
+
+        batch = dict(self.inner(features))
+        batch.pop("attention_mask", None)
+        rows, length = batch["input_ids"].shape
+        if "position_ids" not in batch:
+            batch["position_ids"] = torch.arange(length).expand(rows, -1).clone()
+        extra = max(self.length - length, 0) if self.length else 0
+        extra += -(length + extra) % self.pieces
+        more = max(self.rows - rows, 0)
+        fill = {"input_ids": self.pad_id, "labels": IGNORE}
+        for key, value in list(batch.items()):
+            if not (torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == length):
+                continue
+            if key == "position_ids":
+                value = torch.cat([value, value[:, -1:] + torch.arange(1, extra + 1)], dim=1)
+                batch[key] = torch.cat([value, torch.arange(length + extra).expand(more, -1)])
+            else:
+                batch[key] = torch.nn.functional.pad(value, (0, extra, 0, more),
+                                                     value=fill.get(key, 0))
+        return batch
+
+
+def collator(tokenizer, packing: bool = False, boundaries: bool = False, image_tokens=None, pieces: int = 1,
+             rows: int = 1, fixed: int | None = None):
     """Padded batches: input_ids padded with the pad token, labels with -100 (DataCollatorForSeq2Seq).
     Packed: DataCollatorWithFlattening concatenates the micro-batch into one row, restarts position
     ids per example and sets each example's first label to -100; attention builds a block-diagonal
     causal mask from the position ids or, with `boundaries`, reads the sequence boundaries
     (flash-attention), so no example sees another. With a vision-language model's `image_tokens`: padded, with
-    each batch's pixel inputs (image examples are never packed)."""
+    each batch's pixel inputs (image examples are never packed). `pieces`, `rows`, `fixed`: the sequence-parallel
+    size, the micro-batch size and the batch length on CPU processes (InPieces)."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     if packing:
-        return DataCollatorWithFlattening(separator_id=IGNORE, return_flash_attn_kwargs=boundaries)
-    padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)
-    return padded if image_tokens is None else WithImages(padded, image_tokens)
+        made = DataCollatorWithFlattening(separator_id=IGNORE, return_flash_attn_kwargs=boundaries)
+    else:
+        padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)
+        made = padded if image_tokens is None else WithImages(padded, image_tokens)
+    return made if pieces == 1 else InPieces(made, pieces, tokenizer.pad_token_id, rows, fixed)

@@ -25,9 +25,10 @@ from transformers import (
     BitsAndBytesConfig,
 )
 
-from tunekit.config import dsconfig, methods
+from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.modelsource import ModelSource, resolve_model
 from tunekit.config.schema import ModelConfig, Recipe
+from tunekit.core import distributed
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
 from tunekit.models import hub, kernels, vision
@@ -179,10 +180,11 @@ def new_score_head():
 
 
 def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | None = None, device_map=None,
-              score_head: bool = False):
+              score_head: bool = False, split: dict | None = None):
     """The model `cfg` names; `score_head`: with a one-number score head in place of the language-model head (a
     reward model: AutoModelForSequenceClassification, num_labels 1), as it is also for a directory saved so. A
-    vision-language model (models.vision) loads with AutoModelForImageTextToText."""
+    vision-language model (models.vision) loads with AutoModelForImageTextToText. `split`: from_pretrained's
+    keywords that split the model over processes as it loads (config.parallelconfig.load_arguments)."""
     location = materialize(cfg.name_or_path, cfg.revision)
     saved_so = Path(location).is_dir() and saved_with_score_head(Path(location))
     if cfg.trust_remote_code:
@@ -199,6 +201,7 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
         kwargs["device_map"] = device_map
     if score_head or saved_so:
         kwargs["num_labels"] = 1
+    kwargs.update(split or {})
     try:
         with new_score_head() if score_head and not saved_so else contextlib.nullcontext():
             auto = (AutoModelForSequenceClassification if score_head or saved_so else
@@ -288,7 +291,9 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     device_map = None
     if quant is not None and torch.cuda.is_available():
         device_map = {"": int(os.environ.get("LOCAL_RANK", 0))}
-    model = load_base(recipe.model, weights, quant, device_map, score_head=methods.of(recipe).score_head)
+    p = recipe.training.parallelism
+    split = parallelconfig.load_arguments(parallelconfig.layout(p, distributed.current().world_size) if p else None)
+    model = load_base(recipe.model, weights, quant, device_map, score_head=methods.of(recipe).score_head, split=split)
     model.config.use_cache = False
     if quant is not None:
         model = prepare_quantized(model, precision.dtype, recipe.training.gradient_checkpointing)

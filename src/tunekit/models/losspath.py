@@ -100,6 +100,12 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, rows, torch.is_grad_enabled())
 
 
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor-parallel head's weight (a DTensor split by vocabulary) gathered whole, differentiably; the
+    logits are still made a chunk at a time. Anything else as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def shift_targets(labels: torch.Tensor) -> torch.Tensor:
     """Position t is trained on labels[t + 1]; the last position of each row predicts nothing."""
     return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
@@ -156,8 +162,8 @@ class TrainedPositionsHead:
             self.trained = keep.numel()
             # Under ZeRO-3 the weight is gathered only inside this call, so the loss is computed here.
             loss_sum = self.loss_sum or linear_cross_entropy_sum
-            return loss_sum(hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep), self.head.weight,
-                            self.head.bias, targets.index_select(0, keep), self.rows)
+            return loss_sum(hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep), _whole(self.head.weight),
+                            _whole(self.head.bias), targets.index_select(0, keep), self.rows)
 
         self.head.forward = forward  # an instance attribute: parameter names and state dicts are unchanged
 

@@ -19,7 +19,7 @@ import torch
 from tunekit.config import dsconfig, methods
 from tunekit.config.schema import Recipe
 from tunekit.models import vision
-from tunekit.plan import sharding, steptime, teacher
+from tunekit.plan import sharding, splitting, steptime, teacher
 from tunekit.plan.sizes import GiB, parse_size, quantized_bytes  # noqa: F401  (plan.parse_size: tests)
 
 OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2,
@@ -68,6 +68,9 @@ class Settings:
     zero3_reuse: int = 1_000_000_000
     zero3_reduce_bucket: int | None = None
     zero3_contiguous_gradients: bool = True
+    tp: int = 1  # training.parallelism (plan.splitting)
+    sp: int = 1
+    cp: int = 1
 
 
 @dataclass
@@ -91,6 +94,10 @@ class Plan:
     # beside a sharded plan on several devices: {"fsdp": (label, Plan), "zero3": (label, Plan)}, this one among them
     versus: dict | None = field(default=None, compare=False, repr=False)
     vision: str | None = None  # a vision-language model's tower and projector (models.vision.sizes)
+    communication: dict = field(default_factory=dict)  # bytes a device sends per step, by what sends them
+    # a recipe that splits its rows or layers (training.parallelism), on several devices: [(label, Plan)] of each
+    # way to split them over the whole world, and of ZeRO-3 alone (`layouts`)
+    layouts: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def peak(self) -> int:
@@ -171,7 +178,7 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
     kept, and the backward pass recomputes one layer at a time, with that layer's gradient temporaries.
     Checked against allocation traces (bench/RESULTS.md)."""
     h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
-    tokens = s.micro_batch * s.sequences * s.seq_len
+    tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)  # a device's positions
     elem = 4 if s.precision == "fp32" else 2
     per_token = layer_bytes_per_token(cfg, s, recipe)
     if s.gradient_checkpointing:
@@ -191,11 +198,12 @@ def layer_bytes_per_token(cfg, s: Settings, recipe: Recipe) -> float:
     57.1 KB under QLoRA, 47.9 KB under LoRA; planned 53.4 and 43.4, bench/RESULTS.md)."""
     h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     elem = 4 if s.precision == "fp32" else 2
-    per_token = 6 * h * 4 + (5 * h + 4 * kv_width(cfg) + 4 * inter) * elem
+    # tensor parallelism splits what is per head or per column (plan.splitting); the norms' terms stay whole
+    per_token = 6 * h * 4 + (5 * h + 4 * kv_width(cfg) + 4 * inter) * elem / s.tp
     if recipe.lora is not None and recipe.lora.dropout > 0:
         per_token += (6 * h + inter) * (4 if recipe.quantization is not None else elem)
     if recipe.model.attn_implementation == "eager":
-        per_token += 2 * heads * s.seq_len * elem
+        per_token += 2 * heads * s.seq_len * elem / s.tp
     return per_token
 
 
@@ -236,7 +244,7 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     model: one number per position, the last real one's read; its loss is on those scores alone)."""
     h = cfg.hidden_size
     vocab = 1 if methods.of(recipe).score_head else cfg.vocab_size  # the head's outputs per position
-    tokens = s.micro_batch * s.sequences * s.seq_len
+    tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)
     elem = 4 if s.precision == "fp32" else 2
     # below fp32, a head stored in fp32 (full fine-tuning's master weights) is cast for the matmul; FSDP2 and
     # ZeRO-3 gather it in the compute dtype instead (their gathered head unit, sharding.py). QLoRA keeps its
@@ -303,8 +311,8 @@ def shard(parts: dict, recipe: Recipe, s: Settings, c: Counts) -> float:
     CPU RAM; returns those bytes. FSDP2 shards what ZeRO-3 does (weights, gradients, optimizer state). A
     quantized weight is sharded as its packed codes, not its constants (quant_state, no parameter): under
     both, tunekit stores the codes in the compute dtype, the same bytes (sharding.py)."""
-    n = s.world_size
-    stage = 3 if s.fsdp else s.zero_stage
+    n = s.world_size // s.tp  # the processes holding the same weights (tp splits them first: plan.splitting)
+    stage = 3 if s.fsdp or (s.tp > 1 and n > 1) else s.zero_stage
     optimizer_side = [k for k in parts if k.startswith(("optimizer (", "master weights"))]
     weights = [k for k in parts if k.startswith("weights")]
     codes = c.quantized * recipe.quantization.bits / 8 if recipe.quantization is not None else 0
@@ -393,19 +401,55 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
         # The shared embedding/head matrix gets two fp32 gradient contributions (head, embedding
         # lookup) that exist side by side with its .grad before they are summed (measured).
         parts["gradient of the tied head, accumulating"] = 2 * c.tied_trainable_head * 4
+    if s.tp > 1:
+        splitting.divide_state(parts, s, splitting.split_share(model))
+    sent = {}
+    if s.world_size > 1:
+        share = splitting.split_share(model) if s.tp > 1 else 0.0
+        held = sum(v for k, v in parts.items() if k.startswith("weights"))
+        if recipe.full_finetuning:  # fp32 masters, gathered in the compute dtype
+            held *= (4 if s.precision == "fp32" else 2) / 4
+        sent = splitting.communication(cfg, s, c.trainable * (share / s.tp + 1 - share), held, kv_width(cfg))
     cpu = shard(parts, recipe, s, c)
     terms = transient_terms(recipe, s, cfg, model)
     parts.update({t.key: t.bytes for t in terms})
 
     sampled = sampling(parts, cfg, s, c) + teacher.add(parts, s)
-    time = steptime.estimate(cfg, model, s, recipe, c, layer_bytes_per_token(cfg, s, recipe),
-                             OPTIMIZER_BYTES.get(s.optimizer, 8), sampled)
+    time = splitting.divide_time(steptime.estimate(cfg, model, s, recipe, c, layer_bytes_per_token(cfg, s, recipe),
+                                                   OPTIMIZER_BYTES.get(s.optimizer, 8), sampled), s)
     moments, phases = phase_groups(s, parts, act_key, autocast_key, terms)
     plan = Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), time.flops, time.seconds, phases, moments,
-                {t.key: t.category for t in terms}, remarks(recipe, s, parts), time, vision=vision.sizes(model))
-    if versus and s.world_size > 1:
+                {t.key: t.category for t in terms}, remarks(recipe, s, parts), time, vision=vision.sizes(model),
+                communication=sent)
+    if versus and s.world_size > 1 and s.tp * splitting.pieces(s) == 1:
         plan.versus = fsdp_versus_zero3(recipe, plan, cfg, model)
+    if versus and s.world_size > 1 and recipe.training.parallelism is not None:
+        plan.layouts = layouts(recipe, s, cfg, model)
     return plan
+
+
+def layouts(recipe: Recipe, s: Settings, cfg, model) -> list[tuple[str, Plan]]:
+    """Each way to split a row's positions or the layers over all `s.world_size` devices that the model's heads
+    allow (config.parallelconfig's rules), and ZeRO-3 alone, at the same sequence length: sp under ZeRO-3, cp
+    under FSDP2, tp (full fine-tuning only) with transformers' own sharding."""
+    n = s.world_size
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    alone = dataclasses.replace(s, tp=1, sp=1, cp=1, fsdp=False, zero_stage=3, offload_optimizer=False,
+                                offload_params=False)
+    options = [("ZeRO-3 alone", alone)]
+    if heads % n == 0 and (kv % n == 0 or n % kv == 0):
+        options.append((f"sp {n}", dataclasses.replace(alone, sp=n)))
+    options.append((f"cp {n}", dataclasses.replace(alone, zero_stage=0, fsdp=True, cp=n)))
+    if recipe.full_finetuning and heads % n == 0 and kv % n == 0:
+        options.append((f"tp {n}", dataclasses.replace(alone, zero_stage=0, tp=n)))
+    return [(label, make(recipe, st, cfg, model, versus=False)) for label, st in options]
+
+
+def layouts_line(plan: Plan) -> str:
+    s = plan.settings
+    return (f"{s.seq_len} tokens a row on {s.world_size} devices: "
+            + ", ".join(f"{label} needs {p.peak / GiB:.2f} GiB per device" for label, p in plan.layouts))
 
 
 def fsdp_versus_zero3(recipe: Recipe, plan: Plan, cfg, model) -> dict:
@@ -456,7 +500,7 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
                     optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps, teacher=teacher.of(recipe),
-                    **shape, **fsdp,
+                    **shape, **fsdp, **splitting.sizes(recipe),
                     **(sharding.zero3_settings(zero) if stage == 3 else {}))
     return dataclasses.replace(base, **overrides)
 
@@ -610,6 +654,9 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         + (f" in up to {s.sample_turns} turns" if s.sampled and s.sample_turns > 1 else "")
         + f" x {s.seq_len} tokens, "
         f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, {sharding_words(s)}",
+        *([f"split: {splitting.words(s)}: a device holds {s.seq_len // splitting.pieces(s)} positions of each row"
+           + (", 1/{} of each layer's matrices".format(s.tp) if s.tp > 1 else "")]
+          if s.tp * splitting.pieces(s) > 1 else []),
         *([plan.vision] if plan.vision else []),
         "",
     ]
@@ -626,6 +673,11 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
         lines.append(f"  {'offloaded to CPU RAM':<{width}}  {plan.cpu_bytes / GiB:9.3f} GiB")
     if plan.versus:
         lines += ["", versus_line(plan)]
+    if plan.layouts:
+        lines += ["", layouts_line(plan)]
+    if plan.communication:
+        lines += ["", f"sent per step per device: {sum(plan.communication.values()) / 1e9:.3g} GB ("
+                  + "; ".join(f"{k} {v / 1e9:.3g} GB" for k, v in plan.communication.items()) + ")"]
     lines += ["", *time_lines(recipe, plan)]
     lines.append("peak = live tensors (what torch.cuda.max_memory_allocated reports); the CUDA context and "
                  "the allocator's cached blocks come on top")
@@ -660,5 +712,6 @@ def to_json(plan: Plan) -> str:
                        "peak": plan.peak,
                        "cpu_bytes": plan.cpu_bytes, "flops_per_step": plan.flops_per_step,
                        "step_seconds": plan.step_seconds,
-                       "time": dataclasses.asdict(plan.time) if plan.time else None, "versus": versus or None},
+                       "time": dataclasses.asdict(plan.time) if plan.time else None, "versus": versus or None,
+                       "communication": plan.communication},
                       indent=2)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
-from tunekit.config import defaults, dsconfig, fsdpconfig
+from tunekit.config import defaults, dsconfig, fsdpconfig, parallelconfig
 from tunekit.config.recipes import to_yaml
 from tunekit.config.schema import Recipe
 from tunekit.core import distributed, outputs
@@ -84,9 +84,11 @@ PROVISIONAL_RATE = 1e-4
 
 def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_eval: bool,
                        ds: dict | None = None, process_group: dict | None = None,
-                       learning_rate: float | None = None) -> TrainingArguments:
+                       learning_rate: float | None = None,
+                       parallel: parallelconfig.Layout | None = None) -> TrainingArguments:
     """The Trainer's arguments for the recipe; `process_group` holds what `distributed.prepare` set up;
-    `learning_rate`: the rate found for training.learning_rate: auto."""
+    `learning_rate`: the rate found for training.learning_rate: auto; `parallel`: training.parallelism's sizes at
+    this launch's world size."""
     t = recipe.training
     rate = learning_rate or (PROVISIONAL_RATE if t.learning_rate == "auto" else t.learning_rate)
     save = _every("save", t.save_steps or t.max_steps)
@@ -125,6 +127,8 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         data_seed=t.seed,
         deepspeed=ds,
         **fsdpconfig.trainer_arguments(t.fsdp, distributed.current().cuda),
+        parallelism_config=parallelconfig.accelerate_config(parallel, recipe.model.attn_implementation)
+        if parallel else None,
         report_to="none",  # tracker callbacks come from trackers.callbacks, TensorBoard's aimed at the run dir
         run_name=run_dir.name,
         project="tunekit",
@@ -183,7 +187,8 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
         outputs.require_dir(run_dir, "--resume: output_dir")  # before the lock, which would create its parent
     recipe = info.fit_max_length(recipe)
     with outputs.exclusive(run_dir) if launch.is_main else contextlib.nullcontext():
-        resume_from = layout.check_resume(recipe, run_dir, launch.world_size) if resume else None
+        data_world = parallelconfig.data_world(recipe.training.parallelism, launch.world_size)
+        resume_from = layout.check_resume(recipe, run_dir, data_world) if resume else None
         if resume and resume_from is None:
             log.info("training in %s completed before; only its end-of-training eval is left", run_dir)
             return TrainResult(run_dir, recipe, None)
@@ -240,6 +245,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     start = layout.starting_adapter(recipe)
     precision = resolve_precision(recipe.training.precision)
     log.info("precision: %s (%s)", precision.name, precision.reason)
+    parallel = parallel_layout(recipe, launch)
     ds = deepspeed_config(recipe, precision, launch.world_size)
     if ds is not None:
         log.info("deepspeed: %s; %s", recipe.training.deepspeed, dsconfig.describe(ds))
@@ -259,7 +265,8 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     process_group = distributed.prepare(deepspeed=ds is not None, fsdp=recipe.training.fsdp is not None)
 
     def arguments(rate: float | None = None):
-        args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group, rate)
+        args = training_arguments(recipe, precision, run_dir, bundle.eval is not None, ds, process_group, rate,
+                                  parallel)
         return method.trainer_config(args, recipe)
 
     args = arguments()
@@ -286,6 +293,16 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         if isinstance(callback, LossHistory):
             callback.tokens = lambda: collate.real
     return Prepared(recipe, run_dir, launch, resume_from, trainer, collate, record)
+
+
+def parallel_layout(recipe: Recipe, launch: distributed.Launch) -> parallelconfig.Layout | None:
+    """training.parallelism's sizes at this launch's world size (refused where they do not fit it), logged."""
+    if recipe.training.parallelism is None:
+        return None
+    parallel = parallelconfig.layout(recipe.training.parallelism, launch.world_size)
+    parallelconfig.require_device(parallel, launch.cuda)
+    log.info("parallelism: %s", parallelconfig.describe(parallel))
+    return parallel
 
 
 def build_trainer(method: methods.Method, inputs: methods.TrainerInputs):
@@ -365,7 +382,10 @@ def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: P
     model = loader.load_for_training(recipe, inputs.precision, inputs.start_adapter)
     if inputs.start_adapter is not None:
         log.info("adapter: starting from %s", inputs.start_adapter)
-    packed = method.packs and packing.use(model, recipe.data.packing,  # TRL's collators pad the pairs
+    p = recipe.training.parallelism
+    # ring attention is causal over the whole row; Ulysses takes rows of the micro-batch size: padded batches
+    setting = False if p is not None and p.sp * p.cp > 1 else recipe.data.packing
+    packed = method.packs and packing.use(model, setting,  # TRL's collators pad the pairs
                                           images=vision.reads_images(recipe.model))
     attention = model.config._attn_implementation
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
@@ -381,9 +401,11 @@ def run_record(inputs: methods.TrainerInputs, resume_from: Path | None, start) -
     total, trainable = loader.count_parameters(inputs.model)
     log.info("parameters: %s total, %s trainable (%.2f%%), adapter: %s", f"{total:,}", f"{trainable:,}",
              100 * trainable / max(total, 1), recipe.adapter_kind)
-    effective = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
-    log.info("batch: world size %d x micro-batch %d x accumulation %d = %d examples per optimizer step",
-             args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps, effective)
+    data_world = parallelconfig.data_world(recipe.training.parallelism, args.world_size)
+    effective = data_world * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    shared = f" ({data_world} seeing different batches)" if data_world != args.world_size else ""
+    log.info("batch: world size %d%s x micro-batch %d x accumulation %d = %d examples per optimizer step",
+             args.world_size, shared, args.per_device_train_batch_size, args.gradient_accumulation_steps, effective)
     return RunRecord(
         status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=outputs.command_line(),
         versions=outputs.versions(), precision={"name": precision.name, "reason": precision.reason},

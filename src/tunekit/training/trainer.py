@@ -8,6 +8,7 @@ TrainingArguments pickle is not written (the run's recipe.yaml holds the same se
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -25,6 +26,17 @@ log = logging.getLogger("tunekit")
 
 SCHEDULER = "scheduler.safetensors"
 SCALER = "scaler.safetensors"
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    """`owner.name` is `value` inside the block, and what it was after."""
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
 
 
 def _rng_file(args) -> str:
@@ -77,12 +89,42 @@ class SafeState:
     # runs on CPU with gloo, so the plugin is installed here, once the accelerator exists and again just before
     # the model is wrapped (TRL's GRPO trainer leaves the state re-initialised in between).
     def create_accelerator_and_postprocess(self):
-        super().create_accelerator_and_postprocess()
+        with self._parallel_on_cpu() if self.args.parallelism_config is not None else contextlib.nullcontext():
+            super().create_accelerator_and_postprocess()
         self._fsdp_on_cpu()
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         self._fsdp_on_cpu()
         return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def _parallel_on_cpu(self):
+        """accelerate 1.15 takes a ParallelismConfig only on GPU-like devices, FSDP2 or DeepSpeed
+        (ParallelismConfig._validate_accelerator refuses MULTI_CPU). A model split by transformers as it loads
+        (training.parallelism.tp) owns its placement and runs on CPU processes with gloo (a two-process run
+        equals one: tests/e2e/test_parallel_runs.py), so there the check is shown the processes as the devices they
+        stand in for; everything else it checks still holds."""
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DistributedType
+
+        check = ParallelismConfig._validate_accelerator
+
+        def validate(config, accelerator):
+            state = accelerator.state
+            if state.distributed_type != DistributedType.MULTI_CPU:
+                return check(config, accelerator)
+            state.distributed_type = DistributedType.MULTI_GPU
+            try:
+                return check(config, accelerator)
+            finally:
+                state.distributed_type = DistributedType.MULTI_CPU
+
+        return _patched(ParallelismConfig, "_validate_accelerator", validate)
+
+    @property
+    def _sharded_state(self) -> bool:
+        """The weights are DTensors (FSDP2, or a model split by transformers as it loaded): checkpoints gather them
+        whole (fsdpstate), every rank taking part."""
+        return self.is_fsdp_enabled or getattr(self, "is_distributed_loading_by_transformers", False)
 
     def _fsdp_on_cpu(self) -> None:
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -100,7 +142,7 @@ class SafeState:
     # --- weights: Trainer._save minus torch.save(self.args)
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.is_fsdp_enabled:  # every rank takes part in gathering the unsharded weights; rank 0 writes them
+        if self._sharded_state:  # every rank takes part in gathering the unsharded weights; rank 0 writes them
             from tunekit.training import fsdpstate
 
             state_dict = fsdpstate.model_state(self.model)
@@ -120,7 +162,7 @@ class SafeState:
         if self.is_deepspeed_enabled:
             # DeepSpeed saves optimizer shards (and its own scheduler) through the engine installed above.
             self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=self._is_peft())
-        elif self.is_fsdp_enabled:
+        elif self._sharded_state:
             from tunekit.training import fsdpstate
 
             state = fsdpstate.optimizer_state(self.model, self.optimizer)  # every rank takes part
@@ -134,7 +176,7 @@ class SafeState:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        if self.is_fsdp_enabled:
+        if self._sharded_state:
             from tunekit.training import fsdpstate
 
             fsdpstate.load_optimizer_state(self.model, self.optimizer,
@@ -148,7 +190,7 @@ class SafeState:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Under FSDP the checkpoint's weights are the Trainer's ordinary, gathered safetensors files; each
         rank keeps its shard of them (the stock path reads only accelerate's FSDP files)."""
-        if not self.is_fsdp_enabled:
+        if not self._sharded_state:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         from tunekit.training import fsdpstate
 
@@ -219,6 +261,39 @@ class GenerationEval:
         return output
 
 
+def skip_first_batches(dataloader, num_batches: int = 0):
+    """accelerate's skip_first_batches, which the Trainer calls on resuming mid-epoch, and which cannot skip
+    DeepSpeed's Ulysses loader (training.parallelism.sp; it is no DataLoader): that one is read past its first
+    `num_batches` pieces, every process of the group gathering the same batches as it goes."""
+    from accelerate import skip_first_batches as accelerate_skip
+
+    if not hasattr(dataloader, "sp_world_size"):  # a DataLoader, not DeepSpeed's UlyssesSPDataLoaderAdapter
+        return accelerate_skip(dataloader, num_batches)
+    for _ in range(num_batches):
+        next(dataloader)
+    return dataloader
+
+
+def over_sequence_pieces(total: torch.Tensor, trained: int, zero_stage: int) -> torch.Tensor:
+    """The mean loss over every trained token of the rows a sequence-parallel group shares, from this process's
+    summed loss over its piece (`total`, `trained` tokens). Its gradient is this piece's share, scaled to what
+    DeepSpeed 0.19.8 does with the group's gradients, measured at sp 2 against one process: ZeRO-2 sums them
+    (stage_1_and_2.py, ZeRO-1's too), ZeRO-3 averages them (the gradient norm was half one process's).
+    transformers' deepspeed_sp_compute_loss, a mean gathered differentiably, gave twice the norm under ZeRO-2.
+    Its value is the whole mean, for the log."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    group = groups._get_sequence_parallel_group()
+    count = torch.tensor(float(trained), dtype=total.dtype, device=total.device)
+    dist.all_reduce(count, group=group)
+    share = total / count.clamp(min=1) * (dist.get_world_size(group) if zero_stage == 3 else 1)
+    whole = share.detach().clone()
+    dist.all_reduce(whole, group=group)
+    whole /= dist.get_world_size(group) if zero_stage == 3 else 1
+    return share + (whole - share.detach())
+
+
 def loss_head(model, chunked: bool, stock_only: bool) -> losspath.TrainedPositionsHead | None:
     """The SFT loss path, said once in the log: the kernels the model was patched with (training.kernels), else
     tunekit's chunked head (training.chunked_loss) or, None, the model's own loss (stock or Liger's)."""
@@ -242,21 +317,38 @@ class SafeStateTrainer(SafeState, GenerationEval, Trainer):
     generation metrics."""
 
     def __init__(self, *args, chunked_loss: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
+        # transformers refuses to checkpoint the optimizer of a model split as it loads (training.parallelism.tp):
+        # its own writer cannot gather DTensor optimizer state. This one can (fsdpstate, the FSDP2 path), so the
+        # refusal is passed with save_only_model shown set, and the checkpoints still hold the optimizer state.
+        split = getattr(kwargs.get("model"), "is_distributed_loading_by_transformers", False) and "args" in kwargs
+        with _patched(kwargs["args"], "save_only_model", True) if split else contextlib.nullcontext():
+            super().__init__(*args, **kwargs)
         stock_only = self.label_smoother is not None or self.compute_loss_func is not None
         self.loss_head = loss_head(self.model, chunked_loss, stock_only)
 
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        import transformers.trainer
+
+        with _patched(transformers.trainer, "skip_first_batches", skip_first_batches):
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The stock loss, computed by `losspath` on trained positions only; normalized as the stock path
-        does (by the Trainer's token count across accumulation steps and processes, else the batch mean)."""
-        if self.loss_head is None or "labels" not in inputs:
+        does (by the Trainer's token count across accumulation steps and processes, else the batch mean). Under
+        sequence parallelism each process holds a piece of every row, its labels already shifted (DeepSpeed's
+        Ulysses loader): the mean is over the trained tokens of all the pieces."""
+        pieces = "shift_labels" in inputs
+        if self.loss_head is None or not (pieces or "labels" in inputs):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
-        targets = losspath.shift_targets(inputs.pop("labels"))
+        targets = inputs.pop("shift_labels") if pieces else losspath.shift_targets(inputs.pop("labels"))
+        inputs.pop("labels", None)
         with self.loss_head.active(targets):
             outputs = model(**inputs)
         total = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+        if pieces:
+            loss = over_sequence_pieces(total, self.loss_head.trained, self.model_wrapped.zero_optimization_stage())
+        elif self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             loss = total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
                             else num_items_in_batch)
             if self.args.average_tokens_across_devices:

@@ -25,8 +25,16 @@ class Sft(Method):
 
         recipe = inputs.recipe
         image_tokens = imagetokens.of(recipe.model)
-        collate = CountingCollator(collator(inputs.tokenizer, inputs.packed, inputs.attention == "flash_attention_2",
-                                            image_tokens))
+        pieces = recipe.training.parallelism.sp if recipe.training.parallelism is not None else 1
+        # flash-attention reads packed boundaries from 1-D tensors, which Ulysses' loader cannot split by position
+        boundaries = inputs.attention == "flash_attention_2" and pieces == 1
+        import torch
+
+        # on CPU processes every batch is as long as it can be: gloo's all-gather takes one shape on every process
+        fixed = None if torch.cuda.is_available() else recipe.data.max_length * (
+            recipe.training.micro_batch_size if inputs.packed else 1)
+        collate = CountingCollator(collator(inputs.tokenizer, inputs.packed, boundaries, image_tokens, pieces,
+                                            recipe.training.micro_batch_size, fixed))
         trainer = SafeStateTrainer(
             model=inputs.model,
             args=inputs.args,

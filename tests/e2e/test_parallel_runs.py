@@ -1,0 +1,104 @@
+"""training.parallelism on CPU processes (gloo): sequence parallel (DeepSpeed's Ulysses) and tensor parallel
+(transformers' plan) runs equal one process, write no pickles and resume to the uninterrupted run's weights.
+Context parallel needs GPUs (torch's ring attention has no CPU kernel to shard): tests/config/test_parallelism.py
+has its refusal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_multiprocess import assert_same_run, history
+
+from conftest import (
+    assert_no_pickles,
+    cut_after_checkpoint,
+    launch,
+    reverse_rows,
+    run_cli,
+    tiny_recipe,
+    write_jsonl,
+    write_recipe,
+)
+
+pytestmark = pytest.mark.slow
+
+SP = ["training.deepspeed=ds_configs/zero2.json", "training.parallelism={sp: 2}"]
+TP = ["adapter=none", "lora=null", "training.parallelism={tp: 2}"]
+
+
+@pytest.fixture(scope="module")
+def recipe_file(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("par")
+    data = write_jsonl(root / "train.jsonl", reverse_rows(32))
+    raw = tiny_recipe(tiny_model, data, root / "unused", training={"max_steps": 6, "save_steps": 2,
+                                                                   "save_total_limit": 10})
+    return write_recipe(root / "r.yaml", raw)
+
+
+def one_process(recipe_file, out, *overrides):
+    sets = [a for o in overrides for a in ("--set", o)]
+    res = run_cli("train", str(recipe_file), "--set", f"output_dir={out}", *sets)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel(recipe_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp") / "run"
+    return out, launch(recipe_file, out, 2, *SP).stderr
+
+
+def test_sequence_parallel_equals_one_process_and_writes_no_pickles(sequence_parallel, recipe_file, tmp_path):
+    """Each row split in two along the sequence, attention heads exchanged: the losses and the adapter of one
+    process with the same 8 examples a step (padded batches: Ulysses takes whole rows)."""
+    out, stderr = sequence_parallel
+    assert "parallelism: sequence parallel 2 (DeepSpeed Ulysses); 2 processes share each batch" in stderr
+    assert "world size 2 (1 seeing different batches) x micro-batch 8 x accumulation 1 = 8 examples" in stderr
+    assert "batches: padded" in stderr
+    single = one_process(recipe_file, tmp_path / "one", "data.packing=false")
+    assert history(out)[-1] < history(out)[0] - 0.2
+    assert_same_run(single, out)
+    assert_no_pickles(out)
+    assert json.loads((out / "run.json").read_text())["effective_batch"] == 8
+
+
+def test_sequence_parallel_resumes_to_the_uninterrupted_run(sequence_parallel, recipe_file, tmp_path):
+    full, _ = sequence_parallel
+    cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
+    res = launch(recipe_file, cut, 2, *SP, flags=["--resume"])
+    assert "resuming from checkpoint-2" in res.stderr
+    assert history(cut) == pytest.approx(history(full), rel=1e-4)
+    assert_same_run(full, cut)
+
+
+def test_sequence_parallel_under_zero3_equals_one_process(recipe_file, tmp_path):
+    out = tmp_path / "z3"
+    launch(recipe_file, out, 2, "training.deepspeed=ds_configs/zero3.json", "training.parallelism={sp: 2}")
+    assert_same_run(one_process(recipe_file, tmp_path / "one", "data.packing=false"), out)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(recipe_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "run"
+    return out, launch(recipe_file, out, 2, *TP).stderr
+
+
+def test_tensor_parallel_equals_one_process_and_writes_no_pickles(tensor_parallel, recipe_file, tmp_path):
+    """Full fine-tuning with each layer's matrices split in two (transformers' plan for Llama): the losses and
+    weights of one process; checkpoints hold the whole model and optimizer state, gathered."""
+    out, stderr = tensor_parallel
+    assert "parallelism: tensor parallel 2 (layers split); 2 processes share each batch" in stderr
+    single = one_process(recipe_file, tmp_path / "one", *TP[:2])
+    assert history(out)[-1] < history(out)[0] - 0.2
+    assert_same_run(single, out)
+    saved = {p.name for p in assert_no_pickles(out)}
+    assert {"optimizer.safetensors", "model.safetensors", "rng_state_1.safetensors"} <= saved
+
+
+def test_tensor_parallel_resumes_to_the_uninterrupted_run(tensor_parallel, recipe_file, tmp_path):
+    full, _ = tensor_parallel
+    cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
+    res = launch(recipe_file, cut, 2, *TP, flags=["--resume"])
+    assert "resuming from checkpoint-2" in res.stderr
+    assert_same_run(full, cut)

@@ -1,0 +1,86 @@
+"""tunekit plan under training.parallelism: sequence and context parallel divide a device's positions, tensor
+parallel its share of the layers' matrices; the bytes each device sends per step, by hand; the layouts line for
+the shipped long-context recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from conftest import ROOT, tiny_recipe, write_jsonl, write_recipe
+from tunekit.config import recipes
+from tunekit.plan import estimate, splitting
+
+
+@pytest.fixture()
+def make_recipe(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}])
+
+    def _make(*overrides):
+        raw = tiny_recipe(tiny_model, data, tmp_path / "run", data={"max_length": 256})
+        return recipes.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
+    return _make
+
+
+def planned(recipe, world, **changes):
+    s = dataclasses.replace(estimate.settings_from(recipe, world, "bf16"), **changes)
+    return estimate.make(recipe, s, versus=False)
+
+
+def test_sequence_and_context_parallel_divide_a_devices_positions(make_recipe):
+    recipe = make_recipe("training.deepspeed=" + str(ROOT / "ds_configs/zero2.json"))
+    whole, sp = planned(recipe, 4), planned(recipe, 4, sp=4)
+    assert sp.parts["activations"] == pytest.approx(whole.parts["activations"] / 4)
+    assert sp.parts["logits and loss"] < whole.parts["logits and loss"]
+    assert sp.parts["gradients (fp32)"] == whole.parts["gradients (fp32)"]  # the state is sharded as before
+    assert sp.flops_per_step == pytest.approx(whole.flops_per_step / 4)
+    cp = planned(recipe, 4, cp=2)
+    assert cp.parts["activations"] == pytest.approx(whole.parts["activations"] / 2)
+
+
+def test_tensor_parallel_splits_the_layers_matrices_and_their_activations(make_recipe):
+    recipe = make_recipe("adapter=none", "lora=null")
+    cfg, model = estimate.meta_model(recipe)
+    share = splitting.split_share(model)
+    h, inter, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = estimate.kv_width(cfg)
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h
+    assert share == pytest.approx(linear / estimate.count(recipe, model).total)
+    one, tp = planned(recipe, 2), planned(recipe, 2, tp=2)
+    key = "optimizer (adamw_torch)"
+    assert tp.parts[key] == pytest.approx(one.parts[key] * (share / 2 + 1 - share), rel=1e-6)
+    per_token = 6 * h * 4 + (5 * h + 4 * kv + 4 * inter) * 2
+    split = (5 * h + 4 * kv + 4 * inter) * 2
+    assert tp.parts["activations"] / one.parts["activations"] == pytest.approx((per_token - split / 2) / per_token)
+
+
+def test_the_bytes_each_device_sends_per_step(make_recipe):
+    recipe = make_recipe("adapter=none", "lora=null")
+    cfg, _ = estimate.meta_model(recipe)
+    h, layers, kv = cfg.hidden_size, cfg.num_hidden_layers, estimate.kv_width(cfg)
+    tokens = 8 * 256  # micro-batch 8 x max_length, one accumulation step
+    sent = planned(recipe, 2, tp=2).communication
+    assert sent["tensor parallel 2: all-reduces of the row-split layers' outputs"] == pytest.approx(
+        4 * layers * tokens * h * 2 * 2 * (2 - 1) / 2)  # 4 all-reduces a layer, bf16, a ring of 2
+    sent = planned(make_recipe(), 4, sp=2, zero_stage=2).communication
+    pieces = tokens / 2
+    assert sent["sequence parallel 2: all-to-alls around attention"] == pytest.approx(
+        2 * layers * (2 * h + 2 * kv) * pieces * 2 * (2 - 1) / 2)
+    assert "gradients all-reduced over 4 processes" in sent
+
+
+def test_the_long_context_recipe_is_planned_with_each_layout(capsys):
+    from tunekit.cli.main import main
+
+    assert main(["plan", str(ROOT / "recipes/llama_long_sp.yaml"), "--world-size", "8", "--gpu-memory",
+                 "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "split: sequence parallel 8: a device holds 4096 positions of each row" in out
+    line = next(x for x in out.splitlines() if x.startswith("32768 tokens a row on 8 devices:"))
+    found = re.findall(r"([\w\- ]+?) needs ([\d.]+) GiB", line.split(": ", 1)[1])
+    need = {label.strip(): float(gib) for label, gib in found}
+    assert set(need) == {"ZeRO-3 alone", "sp 8", "cp 8"}  # tp: full fine-tuning only
+    assert need["sp 8"] < need["ZeRO-3 alone"] / 4
+    assert "sent per step per device:" in out and "verdict: fits in 80.0 GiB" in out
