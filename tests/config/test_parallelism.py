@@ -39,6 +39,8 @@ def validate_refuses(raw, tmp_path, capsys, monkeypatch, **training) -> str:
     ({"parallelism": {"cp": 2, "dp_shard": 1, "dp_replicate": 2}, "fsdp": {}},
      "dp_replicate > 1 with dp_shard 1 is plain data parallelism"),
     ({"parallelism": {"sp": 0}}, "training.parallelism.sp"),
+    ({"parallelism": {"tp": 2, "dp_shard": 2, "dp_replicate": 2}}, "dp_replicate with tp"),
+    ({"parallelism": {"tp": 2}, "metric_for_best": "eval_loss"}, "tp with training.metric_for_best"),
 ])
 def test_layouts_the_engines_cannot_run_are_refused_in_one_line(raw, tmp_path, capsys, monkeypatch, training,
                                                                  expected):
@@ -78,6 +80,8 @@ def test_the_models_heads_decide_the_sizes_before_weights_load(raw, tmp_path, ca
     eager = {**raw, "model": {**raw["model"], "attn_implementation": "eager"}}
     line = validate_refuses(eager, tmp_path, capsys, monkeypatch, parallelism={"cp": 2}, fsdp={})
     assert "set model.attn_implementation: sdpa (got eager)" in line
+    line = validate_refuses(eager, tmp_path, capsys, monkeypatch, parallelism={"sp": 2}, deepspeed=ZERO2)
+    assert "Ulysses leaves out the attention mask, which eager attention needs" in line
 
 
 def test_sizes_at_a_world_size():
@@ -110,9 +114,12 @@ def test_what_accelerate_and_transformers_are_handed():
     tp_lay = parallelconfig.layout(ParallelismConfig(tp=2), 4)
     tp = parallelconfig.accelerate_config(tp_lay, None)
     assert (tp.tp_size, tp.dp_shard_size, tp.dp_replicate_size) == (2, 2, 1)
-    split = parallelconfig.load_arguments(tp_lay)["distributed_config"]
+    split = parallelconfig.load_arguments(tp_lay, None)["distributed_config"]
     assert (split.tp_size, split.fsdp_size) == (2, 2)
-    assert parallelconfig.load_arguments(parallelconfig.layout(ParallelismConfig(sp=2), 2)) == {}
+    sp_lay = parallelconfig.layout(ParallelismConfig(sp=2), 2)
+    assert parallelconfig.load_arguments(sp_lay, None) == {"attn_implementation": "sdpa"}  # what Ulysses is told
+    assert parallelconfig.load_arguments(sp_lay, "flash_attention_2") == {}
+    assert parallelconfig.load_arguments(None, None) == {}
 
 
 def test_sequence_parallel_batches_carry_positions_and_split_evenly():

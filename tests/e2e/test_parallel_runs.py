@@ -31,7 +31,8 @@ TP = ["adapter=none", "lora=null", "training.parallelism={tp: 2}"]
 def recipe_file(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("par")
     data = write_jsonl(root / "train.jsonl", reverse_rows(32))
-    raw = tiny_recipe(tiny_model, data, root / "unused", training={"max_steps": 6, "save_steps": 2,
+    # 4 steps an epoch: step 6 is inside the second
+    raw = tiny_recipe(tiny_model, data, root / "unused", training={"max_steps": 8, "save_steps": 2,
                                                                    "save_total_limit": 10})
     return write_recipe(root / "r.yaml", raw)
 
@@ -59,23 +60,36 @@ def test_sequence_parallel_equals_one_process_and_writes_no_pickles(sequence_par
     single = one_process(recipe_file, tmp_path / "one", "data.packing=false")
     assert history(out)[-1] < history(out)[0] - 0.2
     assert_same_run(single, out)
+    assert grad_norms(out) == pytest.approx(grad_norms(single), rel=1e-4)
     assert_no_pickles(out)
     assert json.loads((out / "run.json").read_text())["effective_batch"] == 8
 
 
-def test_sequence_parallel_resumes_to_the_uninterrupted_run(sequence_parallel, recipe_file, tmp_path):
+@pytest.mark.parametrize("step", [2, 6])
+def test_sequence_parallel_resumes_to_the_uninterrupted_run(sequence_parallel, recipe_file, tmp_path, step):
+    """Cut inside the first epoch and inside the second: the resumed run reads each epoch in the uninterrupted
+    run's order, past the batches it trained (DeepSpeed's Ulysses loader is given the epoch: trainer.follow_epochs)."""
     full, _ = sequence_parallel
-    cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
+    cut = cut_after_checkpoint(full, tmp_path / "cut", step)
     res = launch(recipe_file, cut, 2, *SP, flags=["--resume"])
-    assert "resuming from checkpoint-2" in res.stderr
+    assert f"resuming from checkpoint-{step}" in res.stderr
     assert history(cut) == pytest.approx(history(full), rel=1e-4)
     assert_same_run(full, cut)
 
 
+def grad_norms(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
+    return [r["grad_norm"] for r in rows if "grad_norm" in r]
+
+
 def test_sequence_parallel_under_zero3_equals_one_process(recipe_file, tmp_path):
+    """ZeRO-3 averages the sequence group's gradients where ZeRO-2 sums them: the loss is scaled to match, so the
+    gradient norms are one process's too (Adam's steps alone would hide a constant factor)."""
     out = tmp_path / "z3"
     launch(recipe_file, out, 2, "training.deepspeed=ds_configs/zero3.json", "training.parallelism={sp: 2}")
-    assert_same_run(one_process(recipe_file, tmp_path / "one", "data.packing=false"), out)
+    single = one_process(recipe_file, tmp_path / "one", "data.packing=false")
+    assert_same_run(single, out)
+    assert grad_norms(out) == pytest.approx(grad_norms(single), rel=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,12 @@ def _tensor_parallel(recipe) -> None:
         key = "training.deepspeed" if t.deepspeed is not None else "training.fsdp"
         raise ValueError(f"{KEY}.tp: transformers splits the layers as they load and shards the rest itself "
                          f"(FSDP2 over {KEY}.dp_shard); remove {key}")
+    if t.metric_for_best:
+        raise ValueError(f"{KEY}.tp with training.metric_for_best: keeping the best checkpoint loads whole weights "
+                         "into the split model, which the Trainer cannot do; remove one of them")
+    if recipe.training.parallelism.dp_replicate > 1:
+        raise ValueError(f"{KEY}.dp_replicate with tp: transformers rewrites accelerate's sizes from its own "
+                         "(dp_shard as replicas x shards), a layout no run here has checked; use dp_shard alone")
     if not recipe.full_finetuning:
         raise ValueError(f"{KEY}.tp trains the whole model (adapter: none): peft 0.21's LoRA fails on the row-split "
                          "layers under tensor parallelism (a shape error in the first forward) and draws the "
@@ -86,6 +92,9 @@ def check_model(p, config, attention: str | None, where: str) -> None:
         raise TunekitError(f"{KEY}.sp {p.sp} must divide {where}'s {heads} attention heads, and its {kv} key/value "
                            "heads divide it or it them (Ulysses hands each process whole heads); use one of "
                            f"{_sizes(heads, lambda n: kv % n == 0 or n % kv == 0)}")
+    if p.sp > 1 and attention in ("eager", "paged|eager"):
+        raise TunekitError(f"{KEY}.sp: Ulysses leaves out the attention mask, which eager attention needs (DeepSpeed "
+                           "refuses it); set model.attn_implementation: sdpa")
     if p.cp > 1 and attention not in (None, "sdpa"):
         raise TunekitError(f"{KEY}.cp: torch's ring attention replaces SDPA's kernels only; set "
                            f"model.attn_implementation: sdpa (got {attention})")
@@ -151,10 +160,16 @@ def accelerate_config(lay: Layout, attention: str | None):
                       sp_handler=sp)
 
 
-def load_arguments(lay: Layout | None) -> dict:
+def load_arguments(lay: Layout | None, attention: str | None) -> dict:
     """from_pretrained's keywords: for tp, transformers' DistributedConfig, which splits the layers by the
-    architecture's plan and shards the rest with FSDP2 over dp_shard as the weights load."""
-    if lay is None or lay.tp == 1:
+    architecture's plan and shards the rest with FSDP2 over dp_shard as the weights load; for sp, SDPA attention
+    unless model.attn_implementation names one (DeepSpeed's Ulysses wraps the attention the model resolved, and
+    refuses one other than what it was told: accelerate_config's)."""
+    if lay is None:
+        return {}
+    if lay.sp > 1:
+        return {} if attention else {"attn_implementation": "sdpa"}
+    if lay.tp == 1:
         return {}
     from transformers.distributed import DistributedConfig
 

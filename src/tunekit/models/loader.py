@@ -292,7 +292,8 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     if quant is not None and torch.cuda.is_available():
         device_map = {"": int(os.environ.get("LOCAL_RANK", 0))}
     p = recipe.training.parallelism
-    split = parallelconfig.load_arguments(parallelconfig.layout(p, distributed.current().world_size) if p else None)
+    split = parallelconfig.load_arguments(parallelconfig.layout(p, distributed.current().world_size) if p else None,
+                                          recipe.model.attn_implementation)
     model = load_base(recipe.model, weights, quant, device_map, score_head=methods.of(recipe).score_head, split=split)
     model.config.use_cache = False
     if quant is not None:

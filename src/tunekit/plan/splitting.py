@@ -17,7 +17,8 @@ transformers 5.23, DeepSpeed 0.19.8 and torch 2.13).
   gradients in backward.
 - the data-parallel side: the trained weights' gradients all-reduced (DDP, ZeRO-1/2: a ring, 2 (n - 1)/n
   of them), or under ZeRO-3/FSDP2 reduce-scattered after the parameters were gathered in forward and
-  backward, over the n processes that hold the same weights (the world over tp).
+  backward (every micro-batch), over the n processes that hold the same weights (the world over tp); ZeRO-2
+  and 3 reduce every micro-batch's gradients, the others once a step.
 FLOPs per device divide by tp x sp x cp: each device computes its columns, or its positions (Ulysses computes
 attention for sp-th of the heads over whole rows: the same share)."""
 
@@ -100,11 +101,15 @@ def communication(cfg, s, trained: float, held: float, kv: int) -> dict[str, flo
     if n > 1:
         gathered = s.fsdp or s.zero_stage >= 3 or s.tp > 1
         grad_elem = 4 if s.fsdp and s.fsdp_reduce_dtype == "float32" else elem
+        # DeepSpeed's ZeRO-2 and 3 reduce every micro-batch's gradients; DDP, ZeRO-1 and FSDP2 (under the Trainer's
+        # no_sync) once a step. A recomputed layer is gathered once for its recomputation and backward.
+        reductions = s.accumulation if s.zero_stage >= 2 else 1
         if gathered:
-            sent[f"parameters gathered over {n} processes (forward and backward)"] = 2 * held * (n - 1) / n
-            sent[f"gradients reduce-scattered over {n} processes"] = trained * grad_elem * (n - 1) / n
+            sent[f"parameters gathered over {n} processes (forward and backward)"] = (
+                2 * held * (n - 1) / n * s.accumulation)
+            sent[f"gradients reduce-scattered over {n} processes"] = trained * grad_elem * (n - 1) / n * reductions
         else:
-            sent[f"gradients all-reduced over {n} processes"] = trained * grad_elem * 2 * (n - 1) / n
+            sent[f"gradients all-reduced over {n} processes"] = trained * grad_elem * 2 * (n - 1) / n * reductions
     return sent
 
 

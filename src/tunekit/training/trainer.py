@@ -95,7 +95,10 @@ class SafeState:
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         self._fsdp_on_cpu()
-        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if hasattr(train_dataloader, "sp_world_size"):  # DeepSpeed's Ulysses loader (training.parallelism.sp)
+            follow_epochs(train_dataloader)
+        return model, train_dataloader
 
     def _parallel_on_cpu(self):
         """accelerate 1.15 takes a ParallelismConfig only on GPU-like devices, FSDP2 or DeepSpeed
@@ -263,34 +266,50 @@ class GenerationEval:
 
 def skip_first_batches(dataloader, num_batches: int = 0):
     """accelerate's skip_first_batches, which the Trainer calls on resuming mid-epoch, and which cannot skip
-    DeepSpeed's Ulysses loader (training.parallelism.sp; it is no DataLoader): that one is read past its first
-    `num_batches` pieces, every process of the group gathering the same batches as it goes."""
+    DeepSpeed's Ulysses loader (training.parallelism.sp; it is no DataLoader): that one is told to skip its first
+    `num_batches` pieces once the Trainer has set the epoch (follow_epochs)."""
     from accelerate import skip_first_batches as accelerate_skip
 
     if not hasattr(dataloader, "sp_world_size"):  # a DataLoader, not DeepSpeed's UlyssesSPDataLoaderAdapter
         return accelerate_skip(dataloader, num_batches)
-    for _ in range(num_batches):
-        next(dataloader)
+    dataloader.skip = num_batches
     return dataloader
 
 
-def over_sequence_pieces(total: torch.Tensor, trained: int, zero_stage: int) -> torch.Tensor:
+def follow_epochs(adapter) -> None:
+    """DeepSpeed's Ulysses loader has no set_epoch, so a resumed run would read every epoch in the first epoch's
+    order (the loader it wraps counts epochs only as it goes through them). Given one: the wrapped loader is set
+    to the epoch and read anew, past the pieces a resumed epoch skips, every process of the group gathering the
+    same batches as it goes."""
+    def set_epoch(epoch: int) -> None:
+        adapter.dl.set_epoch(epoch)
+        adapter.iter = iter(adapter.dl)
+        adapter.micro_batches.clear()
+        for _ in range(adapter.__dict__.pop("skip", 0)):
+            next(adapter)
+
+    adapter.set_epoch = set_epoch
+
+
+def over_sequence_pieces(total: torch.Tensor, trained: int, averaged: bool) -> torch.Tensor:
     """The mean loss over every trained token of the rows a sequence-parallel group shares, from this process's
     summed loss over its piece (`total`, `trained` tokens). Its gradient is this piece's share, scaled to what
-    DeepSpeed 0.19.8 does with the group's gradients, measured at sp 2 against one process: ZeRO-2 sums them
-    (stage_1_and_2.py, ZeRO-1's too), ZeRO-3 averages them (the gradient norm was half one process's).
-    transformers' deepspeed_sp_compute_loss, a mean gathered differentiably, gave twice the norm under ZeRO-2.
-    Its value is the whole mean, for the log."""
+    DeepSpeed 0.19.8 does with the group's gradients (`averaged`), measured at sp 2 against one process: ZeRO-2
+    sums them (stage_1_and_2.py divides by the world over sp; ZeRO-1's too), ZeRO-3 with reduce_scatter (its
+    default) averages them (reduce_scatter_coalesced divides by the whole world: the gradient norm was half one
+    process's); without reduce_scatter it sums them as ZeRO-2 does. transformers' deepspeed_sp_compute_loss, a
+    mean gathered differentiably, gave twice the norm under ZeRO-2. Its value is the whole mean, for the log."""
     import torch.distributed as dist
     from deepspeed.utils import groups
 
     group = groups._get_sequence_parallel_group()
     count = torch.tensor(float(trained), dtype=total.dtype, device=total.device)
     dist.all_reduce(count, group=group)
-    share = total / count.clamp(min=1) * (dist.get_world_size(group) if zero_stage == 3 else 1)
+    scale = dist.get_world_size(group) if averaged else 1
+    share = total / count.clamp(min=1) * scale
     whole = share.detach().clone()
     dist.all_reduce(whole, group=group)
-    whole /= dist.get_world_size(group) if zero_stage == 3 else 1
+    whole /= scale
     return share + (whole - share.detach())
 
 
@@ -347,7 +366,9 @@ class SafeStateTrainer(SafeState, GenerationEval, Trainer):
             outputs = model(**inputs)
         total = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         if pieces:
-            loss = over_sequence_pieces(total, self.loss_head.trained, self.model_wrapped.zero_optimization_stage())
+            engine = self.model_wrapped
+            averaged = engine.zero_optimization_stage() == 3 and engine.zero_reduce_scatter()
+            loss = over_sequence_pieces(total, self.loss_head.trained, averaged)
         elif self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             loss = total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
                             else num_items_in_batch)

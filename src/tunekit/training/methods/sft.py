@@ -30,9 +30,9 @@ class Sft(Method):
         boundaries = inputs.attention == "flash_attention_2" and pieces == 1
         import torch
 
-        # on CPU processes every batch is as long as it can be: gloo's all-gather takes one shape on every process
-        fixed = None if torch.cuda.is_available() else recipe.data.max_length * (
-            recipe.training.micro_batch_size if inputs.packed else 1)
+        # on CPU processes every batch is as long as it can be (padded rows come in multiples of 8): gloo's
+        # all-gather takes one shape on every process
+        fixed = None if torch.cuda.is_available() else -(-recipe.data.max_length // 8) * 8
         collate = CountingCollator(collator(inputs.tokenizer, inputs.packed, boundaries, image_tokens, pieces,
                                             recipe.training.micro_batch_size, fixed))
         trainer = SafeStateTrainer(
