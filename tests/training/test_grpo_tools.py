@@ -298,7 +298,7 @@ def test_real_model_answers_more_held_out_requests_after_grpo_with_tools(tmp_pat
                   cwd=ROOT, timeout=3600)
     assert res.returncode == 0, res.stderr[-3000:]
     res = run_cli("train", "recipes/smollm2_grpo_tools.yaml", "--set", f"output_dir={grpo}", "--set",
-                  f"model.adapter_from={sft}", cwd=ROOT, timeout=5400)  # 30 steps: ~40 min on 2 free cores
+                  f"model.adapter_from={sft}", cwd=ROOT, timeout=5400)  # 20 steps: ~25 min on 2 free cores
     assert res.returncode == 0, res.stderr[-3000:]
     start = next(json.loads(line) for line in (grpo / "loss_history.jsonl").read_text().splitlines()
                  if '"eval_reward/task_success"' in line)
