@@ -69,6 +69,16 @@ def _tensor_parallel(recipe) -> None:
                          "column-split layers' adapters unlike one process; for LoRA at scale use sp or training.fsdp")
 
 
+def tp_fits(n: int, heads: int, kv: int) -> bool:
+    """tp n hands each process whole attention and key/value heads."""
+    return heads % n == 0 and kv % n == 0
+
+
+def sp_fits(n: int, heads: int, kv: int) -> bool:
+    """Ulysses at sp n hands each process whole attention heads; key/value heads divide n or n divides them."""
+    return heads % n == 0 and (kv % n == 0 or n % kv == 0)
+
+
 def check_model(p, config, attention: str | None, where: str) -> None:
     """What the model's shape allows (`p`: training.parallelism or None; `config`: its transformers config;
     `attention`: model.attn_implementation; `where`: the model, for messages)."""
@@ -81,17 +91,17 @@ def check_model(p, config, attention: str | None, where: str) -> None:
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     if p.tp > 1:
-        if heads % p.tp or kv % p.tp:
+        if not tp_fits(p.tp, heads, kv):
             raise TunekitError(f"{KEY}.tp {p.tp} must divide {where}'s {heads} attention heads and {kv} key/value "
                                "heads (each process takes whole heads); use one of "
-                               f"{_sizes(heads, lambda n: kv % n == 0)}")
+                               f"{_sizes(heads, lambda n: tp_fits(n, heads, kv))}")
         if not getattr(text, "base_model_tp_plan", None):
             raise TunekitError(f"{KEY}.tp: transformers has no tensor-parallel plan for {where}'s architecture "
                                f"({text.model_type}); use sp or training.fsdp")
-    if p.sp > 1 and (heads % p.sp or not (kv % p.sp == 0 or p.sp % kv == 0)):
+    if p.sp > 1 and not sp_fits(p.sp, heads, kv):
         raise TunekitError(f"{KEY}.sp {p.sp} must divide {where}'s {heads} attention heads, and its {kv} key/value "
                            "heads divide it or it them (Ulysses hands each process whole heads); use one of "
-                           f"{_sizes(heads, lambda n: kv % n == 0 or n % kv == 0)}")
+                           f"{_sizes(heads, lambda n: sp_fits(n, heads, kv))}")
     if p.sp > 1 and attention in ("eager", "paged|eager"):
         raise TunekitError(f"{KEY}.sp: Ulysses leaves out the attention mask, which eager attention needs (DeepSpeed "
                            "refuses it); set model.attn_implementation: sdpa")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tunekit.config import dsconfig, methods
+from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.schema import Recipe
 from tunekit.models import vision
 from tunekit.plan import sharding, splitting, steptime, teacher
@@ -401,11 +401,10 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
         # The shared embedding/head matrix gets two fp32 gradient contributions (head, embedding
         # lookup) that exist side by side with its .grad before they are summed (measured).
         parts["gradient of the tied head, accumulating"] = 2 * c.tied_trainable_head * 4
-    if s.tp > 1:
-        splitting.divide_state(parts, s, splitting.split_share(model))
+    share = splitting.split_share(model) if s.tp > 1 else 0.0
+    splitting.divide_state(parts, s, share)
     sent = {}
     if s.world_size > 1:
-        share = splitting.split_share(model) if s.tp > 1 else 0.0
         held = sum(v for k, v in parts.items() if k.startswith("weights"))
         if recipe.full_finetuning:  # fp32 masters, gathered in the compute dtype
             held *= (4 if s.precision == "fp32" else 2) / 4
@@ -430,7 +429,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
 
 def layouts(recipe: Recipe, s: Settings, cfg, model) -> list[tuple[str, Plan]]:
     """Each way to split a row's positions or the layers over all `s.world_size` devices that the model's heads
-    allow (config.parallelconfig's rules), and ZeRO-3 alone, at the same sequence length: sp under ZeRO-3, cp
+    allow (config.parallelconfig's checks), and ZeRO-3 alone, at the same sequence length: sp under ZeRO-3, cp
     under FSDP2, tp (full fine-tuning only) with transformers' own sharding."""
     n = s.world_size
     heads = cfg.num_attention_heads
@@ -438,10 +437,10 @@ def layouts(recipe: Recipe, s: Settings, cfg, model) -> list[tuple[str, Plan]]:
     alone = dataclasses.replace(s, tp=1, sp=1, cp=1, fsdp=False, zero_stage=3, offload_optimizer=False,
                                 offload_params=False)
     options = [("ZeRO-3 alone", alone)]
-    if heads % n == 0 and (kv % n == 0 or n % kv == 0):
+    if parallelconfig.sp_fits(n, heads, kv):
         options.append((f"sp {n}", dataclasses.replace(alone, sp=n)))
     options.append((f"cp {n}", dataclasses.replace(alone, zero_stage=0, fsdp=True, cp=n)))
-    if recipe.full_finetuning and heads % n == 0 and kv % n == 0:
+    if recipe.full_finetuning and parallelconfig.tp_fits(n, heads, kv):
         options.append((f"tp {n}", dataclasses.replace(alone, zero_stage=0, tp=n)))
     return [(label, make(recipe, st, cfg, model, versus=False)) for label, st in options]
 
