@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
-from tunekit.plan import estimate, splitting
+from tunekit.plan import estimate, shapes, splitting
 
 
 @pytest.fixture()
@@ -45,21 +45,23 @@ def test_tensor_parallel_splits_the_layers_matrices_and_their_activations(make_r
     cfg, model = estimate.meta_model(recipe)
     share = splitting.split_share(model)
     h, inter, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    kv = estimate.kv_width(cfg)
-    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h
+    q, kv = shapes.q_width(cfg), shapes.kv_width(cfg)
+    linear = layers * (2 * h * q + 2 * h * kv + 3 * h * inter) + vocab * h
     assert share == pytest.approx(linear / estimate.count(recipe, model).total)
     one, tp = planned(recipe, 2), planned(recipe, 2, tp=2)
     key = "optimizer (adamw_torch)"
     assert tp.parts[key] == pytest.approx(one.parts[key] * (share / 2 + 1 - share), rel=1e-6)
-    per_token = 6 * h * 4 + (5 * h + 4 * kv + 4 * inter) * 2
-    split = (5 * h + 4 * kv + 4 * inter) * 2
-    assert tp.parts["activations"] / one.parts["activations"] == pytest.approx((per_token - split / 2) / per_token)
+    # full fine-tuning in bf16: the norms (fp32 input, inverse RMS, normalised input) and the projections' 16-bit
+    # casts of their whole inputs stay; attention's and the MLP's per-head and per-column tensors split
+    whole = 2 * (4 * h + 4) + 2 * 4 * h + 5 * h * 2
+    split = (2 * q + 2 * kv) * 2 + 4 * cfg.num_attention_heads + 4 * inter * 2
+    assert tp.parts["activations"] / one.parts["activations"] == pytest.approx((whole + split / 2) / (whole + split))
 
 
 def test_the_bytes_each_device_sends_per_step(make_recipe):
     recipe = make_recipe("adapter=none", "lora=null")
     cfg, _ = estimate.meta_model(recipe)
-    h, layers, kv = cfg.hidden_size, cfg.num_hidden_layers, estimate.kv_width(cfg)
+    h, layers, q, kv = cfg.hidden_size, cfg.num_hidden_layers, shapes.q_width(cfg), shapes.kv_width(cfg)
     tokens = 8 * 256  # micro-batch 8 x max_length, one accumulation step
     sent = planned(recipe, 2, tp=2).communication
     assert sent["tensor parallel 2: all-reduces of the row-split layers' outputs"] == pytest.approx(
@@ -67,7 +69,7 @@ def test_the_bytes_each_device_sends_per_step(make_recipe):
     sent = planned(make_recipe(), 4, sp=2, zero_stage=2).communication
     pieces = tokens / 2
     assert sent["sequence parallel 2: all-to-alls around attention"] == pytest.approx(
-        2 * layers * (2 * h + 2 * kv) * pieces * 2 * (2 - 1) / 2)
+        2 * layers * (2 * q + 2 * kv) * pieces * 2 * (2 - 1) / 2)
     assert "gradients all-reduced over 4 processes" in sent
 
 

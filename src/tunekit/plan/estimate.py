@@ -20,6 +20,7 @@ from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.schema import Recipe
 from tunekit.models import vision
 from tunekit.plan import sharding, splitting, steptime, teacher
+from tunekit.plan.shapes import kv_width, q_width
 from tunekit.plan.sizes import GiB, parse_size, quantized_bytes  # noqa: F401  (plan.parse_size: tests)
 
 OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2,
@@ -167,16 +168,9 @@ def count(recipe: Recipe, model) -> Counts:
 
 
 def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
-    """(decoder-layer activations, one layer recomputed) in bytes per device.
-
-    Per token and Llama-style layer autograd keeps: each RMSNorm its input, the inverse RMS and the
-    normalised output (2 x 3h, in fp32 whatever the precision: the norm upcasts); attention q, k, v,
-    the rotary-embedded q and k with their rotate_half copies, its output and the o_proj input
-    (5h + 4kv); the SwiGLU MLP gate, up, SiLU(gate) and the product (4I). LoRA with dropout keeps one
-    dropped copy of each adapted input (6h + I). Attention probabilities (2 x heads x seq) only where
-    no fused kernel is used (eager attention). With gradient checkpointing only each layer's input is
-    kept, and the backward pass recomputes one layer at a time, with that layer's gradient temporaries.
-    Checked against allocation traces (bench/RESULTS.md)."""
+    """(decoder-layer activations, one layer recomputed) in bytes per device: layer_bytes_per_token for
+    each position a device holds. With gradient checkpointing only each layer's input is kept, and the
+    backward pass recomputes one layer at a time, with that layer's gradient temporaries."""
     h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)  # a device's positions
     elem = 4 if s.precision == "fp32" else 2
@@ -191,20 +185,39 @@ def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
 
 
 def layer_bytes_per_token(cfg, s: Settings, recipe: Recipe) -> float:
-    """What autograd keeps per token in one decoder layer (activation_bytes' docstring says what). Under QLoRA
-    more of the layer is fp32 below fp32 precision: its norms keep fp32 weights (models.loader.prepare_quantized)
-    and bitsandbytes' 4-bit layers return their input's dtype, so the MLP's activations are fp32 as well; the
-    dropout term at 4 bytes stands for that (SmolLM2-135M in bf16, autograd's saved tensors per token and layer:
-    57.1 KB under QLoRA, 47.9 KB under LoRA; planned 53.4 and 43.4, bench/RESULTS.md)."""
+    """What autograd keeps per token in one Llama-style decoder layer, term by term as counted with saved-tensor
+    hooks on a layer loaded as tunekit loads it (tests/plan/test_activations.py; h hidden, q = query heads x head
+    dimension, kv key/value width, I the MLP's width, plan.shapes):
+    - each RMSNorm its fp32 input and inverse RMS, with trained norm weights (full fine-tuning) also the normalised
+      input; at fp32 its output too, which the projections after it keep;
+    - below fp32, each of q, k, v, gate and up keeps its own 16-bit cast of its input (5h), and under LoRA o_proj
+      too (q: peft casts the input to the adapter's fp32, autocast back);
+    - attention: the rotated q and k, v, the output (2q + 2kv) and the kernel's log-sum-exp (fp32 per head);
+      eager attention also its probabilities (2 x heads x seq);
+    - the SwiGLU MLP's gate, up, SiLU(gate) and product (4I); under QLoRA below fp32 the first three in fp32
+      (bitsandbytes' 4-bit layers return their fp32 input's dtype: the norms keep fp32 weights);
+    - LoRA: each of the seven projections' r-wide adapter output; with dropout an fp32 copy of each adapted input
+      (5h + q + I), at fp32 a second one of q, k, v, gate and up's (5h);
+    - under sequence parallelism o_proj keeps the all-to-all's output (q) where it would share attention's.
+    Tensor parallelism splits what is per head or per column (plan.splitting); the norms and casts stay whole."""
     h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
-    elem = 4 if s.precision == "fp32" else 2
-    # tensor parallelism splits what is per head or per column (plan.splitting); the norms' terms stay whole
-    per_token = 6 * h * 4 + (5 * h + 4 * kv_width(cfg) + 4 * inter) * elem / s.tp
-    if recipe.lora is not None and recipe.lora.dropout > 0:
-        per_token += (6 * h + inter) * (4 if recipe.quantization is not None else elem)
+    q, kv = q_width(cfg), kv_width(cfg)
+    full, lora = recipe.full_finetuning, recipe.lora is not None
+    fp32 = s.precision == "fp32"
+    elem = 4 if fp32 else 2
+    whole = 2 * (4 * h + 4) + (2 * 4 * h if full else 0)  # the two norms
+    whole += 2 * 4 * h if fp32 else (5 * h + (q if lora else 0)) * elem
+    mlp = 4 * inter * elem if fp32 or recipe.quantization is None else 3 * inter * 4 + inter * 2
+    split = (2 * q + 2 * kv) * elem + 4 * heads + mlp
     if recipe.model.attn_implementation == "eager":
-        per_token += 2 * heads * s.seq_len * elem / s.tp
-    return per_token
+        split += 2 * heads * s.seq_len * elem
+    if s.sp > 1 and (fp32 or not lora):  # o_proj keeps the all-to-all's output, apart from attention's
+        split += q * elem
+    if lora:
+        whole += 7 * recipe.lora.r * elem
+        if recipe.lora.dropout > 0:
+            whole += (5 * h + q + inter) * 4 + (5 * h * 4 if fp32 else 0)
+    return whole + split / s.tp
 
 
 def kv_cache_bytes(cfg, s: Settings) -> float:
@@ -212,12 +225,6 @@ def kv_cache_bytes(cfg, s: Settings) -> float:
     (prompt + completion), in the compute dtype (transformers' dynamic cache)."""
     elem = 4 if s.precision == "fp32" else 2
     return 2 * cfg.num_hidden_layers * kv_width(cfg) * elem * s.sampled * s.seq_len
-
-
-def kv_width(cfg) -> int:
-    """Key (or value) width per token and layer: key-value heads x head dimension."""
-    heads = cfg.num_attention_heads
-    return getattr(cfg, "num_key_value_heads", heads) * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
 
 
 def sampling(parts: dict, cfg, s: Settings, c: Counts) -> float:
@@ -408,7 +415,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
         held = sum(v for k, v in parts.items() if k.startswith("weights"))
         if recipe.full_finetuning:  # fp32 masters, gathered in the compute dtype
             held *= (4 if s.precision == "fp32" else 2) / 4
-        sent = splitting.communication(cfg, s, c.trainable * (share / s.tp + 1 - share), held, kv_width(cfg))
+        sent = splitting.communication(cfg, s, c.trainable * (share / s.tp + 1 - share), held)
     cpu = shard(parts, recipe, s, c)
     terms = transient_terms(recipe, s, cfg, model)
     parts.update({t.key: t.bytes for t in terms})

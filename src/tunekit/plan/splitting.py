@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tunekit.plan import shapes
+
 STATE_PREFIXES = ("weights", "gradients", "optimizer (", "master weights")
 
 
@@ -79,12 +81,12 @@ def divide_time(time, s):
                                elementwise_seconds=time.elementwise_seconds / rows)
 
 
-def communication(cfg, s, trained: float, held: float, kv: int) -> dict[str, float]:
+def communication(cfg, s, trained: float, held: float) -> dict[str, float]:
     """Bytes each device sends per optimizer step, by what sends them; `trained`: the trained parameters a
     device holds after tp's split, `held`: the bytes of the weights it holds before sharding (ZeRO-3 and FSDP2
-    gather them: quantized codes as stored); `kv`: a token's key (or value) width in a layer."""
+    gather them: quantized codes as stored)."""
     elem = 4 if s.precision == "fp32" else 2
-    layers, h = cfg.num_hidden_layers, cfg.hidden_size
+    layers, h, q, kv = cfg.num_hidden_layers, cfg.hidden_size, shapes.q_width(cfg), shapes.kv_width(cfg)
     tokens = s.micro_batch * s.sequences * s.seq_len / pieces(s) * s.accumulation
     passes = 3 if s.gradient_checkpointing else 2  # forward, backward, and a recomputed forward
     sent: dict[str, float] = {}
@@ -92,7 +94,7 @@ def communication(cfg, s, trained: float, held: float, kv: int) -> dict[str, flo
         sent[f"tensor parallel {s.tp}: all-reduces of the row-split layers' outputs"] = (
             2 * passes * layers * tokens * h * elem * 2 * (s.tp - 1) / s.tp)
     if s.sp > 1:
-        per_layer = (2 * h / s.tp + 2 * kv / s.tp) * tokens * elem * (s.sp - 1) / s.sp
+        per_layer = (2 * q / s.tp + 2 * kv / s.tp) * tokens * elem * (s.sp - 1) / s.sp
         sent[f"sequence parallel {s.sp}: all-to-alls around attention"] = passes * layers * per_layer
     if s.cp > 1:
         ring = layers * (s.cp - 1) * tokens * 2 * kv / s.tp * elem

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from tunekit.config import methods
 from tunekit.models import vision
+from tunekit.plan import shapes
 
 
 @dataclass
@@ -45,8 +46,7 @@ class StepTime:
 
 def attention_flops(cfg, s, recipe) -> float:
     """Score and value products of every layer, forward, for the micro-batch's sequences."""
-    heads = cfg.num_attention_heads
-    d = heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    d = shapes.q_width(cfg)
     causal_half = 1.0 if recipe.model.attn_implementation == "eager" else 0.5
     sequences = s.micro_batch * s.sequences
     return cfg.num_hidden_layers * sequences * 4 * s.seq_len * s.seq_len * d * causal_half
