@@ -81,7 +81,7 @@ def prompts(n: int, seed: int, cities: list[str], seen: set[str]) -> list[dict]:
     return rows
 
 
-def write(out_dir: Path, n_train: int = 200, n_eval: int = 40) -> tuple[Path, Path]:
+def write(out_dir: Path, n_train: int = 200, n_eval: int = 120) -> tuple[Path, Path]:
     """Training prompts on training's cities; held-out prompts, none seen in training, on every city (four of
     them training never asks about)."""
     seen: set[str] = set()
