@@ -72,6 +72,7 @@ class Check:
     recipe: str = "smollm2_lora.yaml"
     trl: dict | None = None  # run bench/trl_sft.py with these settings beside it
     torchrun: bool = False  # a group of one under torchrun (FSDP2)
+    gpus: int = 1  # more: one process a GPU under torchrun, skipped on a machine with fewer
     merge: bool = False
     needs: str = "cuda"  # "cuda" | "" (runs on a CPU too, in --tiny) | a module that must import
     steps: int = 20
@@ -120,6 +121,12 @@ CHECKS = [
           "checkpointing) on image batches, a LLaVA-1.5 composition on the Llama-3.2-1B shape", "llava-1b", "vision",
           ["training.micro_batch_size=4", "training.gradient_accumulation_steps=1", "data.max_length=640"],
           recipe="qwen_vl_qlora.yaml", needs="", est_s=60),
+    # torch's ring attention has no sharding rule for SDPA's CPU kernel: context parallel runs on GPUs only, and
+    # needs two of them (docs/multi-gpu.md); the lent machine has one, so this row is skipped there
+    Check("cp2", "training.parallelism cp 2 under FSDP2 (torch's ring attention over SDPA), LoRA bf16, a row's "
+          "positions split over two GPUs", "llama-1b", "text",
+          ["training.fsdp={}", "training.parallelism={cp: 2}", "model.attn_implementation=sdpa",
+           "data.packing=false", "training.precision=bf16", "training.micro_batch_size=4"], gpus=2, est_s=60),
 ]
 
 
@@ -331,7 +338,7 @@ def recipe_sets(c: Check, model: Path, data: Path, out: Path, tiny: bool) -> lis
 def start_plan(c: Check, sets: list[str], log: Path) -> subprocess.Popen:
     """`tunekit plan` for the same recipe and overrides, started beside the training run: it only reads
     configs on the CPU (about 10 s of imports), so it costs the GPU nothing and the set fits its budget."""
-    cmd = [sys.executable, "-m", "tunekit", "plan", f"recipes/{c.recipe}", "--json",
+    cmd = [sys.executable, "-m", "tunekit", "plan", f"recipes/{c.recipe}", "--json", "--world-size", str(c.gpus),
            *[a for s in sets for a in ("--set", s)]]
     with log.open("w") as f:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
@@ -445,7 +452,8 @@ def run_check(c: Check, work: Path, files: dict, tok, tiny: bool, timeout: float
                 "notes": str(e)}
     out = work / "runs" / c.name
     sets = recipe_sets(c, model, files[c.data], out, tiny)
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if c.torchrun else []
+    procs = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.gpus}"]
+    launcher = procs if c.torchrun or c.gpus > 1 else []
     log = work / f"{c.name}.log"
     plan_log = work / f"{c.name}-plan.log"
     plan_proc = start_plan(c, sets, plan_log) if c.data in ("text", "vision") else None
@@ -474,6 +482,10 @@ def run_check(c: Check, work: Path, files: dict, tok, tiny: bool, timeout: float
 # --- the set -----------------------------------------------------------------------------------------------
 
 def skip_reason(c: Check, cuda: bool) -> str | None:
+    import torch
+
+    if c.gpus > 1 and torch.cuda.device_count() < c.gpus:
+        return f"needs {c.gpus} CUDA GPUs, one process each"
     if c.needs == "cuda" and not cuda:
         return "needs a CUDA GPU"
     if c.needs not in ("", "cuda") and importlib.util.find_spec(c.needs) is None:
