@@ -62,20 +62,24 @@ test-all: test test-full
 demo: $(STAMP)
 	$(PY) -m tunekit.cli.demo
 
-# The real-text data sets come from two Debian packages (bench/realdata.py); installed here when missing.
-BENCH_DATA := /usr/share/trans/de-en /usr/share/wordnet/data.noun
+# The real-text data sets come from Debian packages (bench/realdata.py, bench/confirmdata.py); installed here when
+# missing.
+BENCH_DATA := /usr/share/trans/de-en /usr/share/wordnet/data.noun /usr/share/dictd/freedict-eng-fra.index \
+	/usr/share/man/man3/printf.3.gz
+BENCH_PACKAGES := trans-de-en wordnet-base manpages-dev dict-freedict-eng-fra
 bench: $(STAMP)
-	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q trans-de-en wordnet-base; }
+	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q $(BENCH_PACKAGES); }
 	$(PY) bench/run.py
 	$(PY) bench/dataprep.py
 
-# Which settings give better models at equal compute (bench/quality.py): four real-text tasks, the hand-written
-# script against tunekit's defaults and each candidate setting; results appended to bench/quality.jsonl, the table
-# in bench/RESULTS.md. A run takes 2-9 minutes on a 2-core CPU (two at once); the default, two arms on four tasks
-# with three seeds (24 runs), about an hour and a half. QUALITY_ARGS picks arms and seeds.
+# Which settings give better models at equal compute (bench/quality.py): four real-text tasks that decide and three
+# that only confirm, the hand-written script against tunekit's defaults and each candidate setting; results appended
+# to bench/quality.jsonl, the tables in bench/RESULTS.md (`--table --verdict DEFAULT,OTHER`: the rule). A run takes
+# 2-9 minutes on a 2-core CPU (two at once); the default, two arms on seven tasks with three seeds (42 runs), about
+# two and a half hours. QUALITY_ARGS picks tasks, arms and seeds.
 QUALITY_ARGS ?= --arms script,defaults --seeds 0,1,2
 bench-quality: $(STAMP)
-	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q trans-de-en wordnet-base; }
+	@ls $(BENCH_DATA) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q $(BENCH_PACKAGES); }
 	$(PY) bench/quality.py $(QUALITY_ARGS)
 
 # The GPU check (bench/gpu_check.py): bf16/fp16 LoRA, QLoRA with paged 8-bit AdamW on the Llama-3.1-8B shape, the

@@ -98,7 +98,7 @@ def main() -> int:
     p.add_argument("--spans", type=int, default=100, help="eval prompts quoting 13-20 words of a training answer")
     p.add_argument("--out", default=str(ROOT / "bench" / "contamination.json"))
     a = p.parse_args()
-    realdata.require()
+    realdata.require(("translate", "define"))
     train, held_out, originals, copied, quoted = build(a.train, a.eval, a.exact, a.spans)
     load_before = os.getloadavg()
     before = rss()["VmRSS"]

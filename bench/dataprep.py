@@ -50,7 +50,7 @@ def generate(path: Path, n: int) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import realdata
 
-    realdata.require()
+    realdata.require(("translate", "define"))
     pool = realdata.translate_rows() + realdata.define_rows()
     rng = random.Random(0)
     with path.open("w", encoding="utf-8") as f:

@@ -1,19 +1,22 @@
 """Quality benchmark (`make bench-quality`): which settings give better models at equal compute.
 
-Four real-text tasks (bench/realdata.py: translate, define, classify, docstring), each split into training
-records and held-out records that no arm trains on. Every arm trains SmolLM2-135M-Instruct with LoRA for the
-same number of optimizer steps x examples per step, then the same scorer generates greedily on the held-out
-prompts (the model's chat template) and scores them with tunekit's metrics registry. Arms:
+Seven real-text tasks, each split into training records and held-out records that no arm trains on: four that
+decide (bench/realdata.py: translate, define, classify, docstring) and three that only confirm
+(bench/confirmdata.py: manpage, translate-fr, closes), never used to pick a setting. Every arm trains
+SmolLM2-135M-Instruct with LoRA for the same number of optimizer steps x examples per step, then the same scorer
+generates greedily on the held-out prompts (the model's chat template) and scores them with tunekit's metrics
+registry. Arms:
   script     bench/handwritten.py with the usual settings (lr 2e-4, linear decay after 3% warmup, r16/alpha 32,
              dropout 0.05): the baseline;
   defaults   the shortest tunekit recipe (model, data, format, the budget): whatever tunekit's defaults are now;
   v0         tunekit with the settings it had before defaults were measured (lr 2e-4, cosine, no warmup);
   the rest   v0 with one setting changed (see ARMS), or the combination that became the defaults.
 Results are appended to a JSON-lines file as each run finishes (a rerun skips what it holds);
-`--table` prints the markdown table of a results file.
+`--table` prints the markdown tables of a results file, deciding and confirming tasks apart, and
+`--verdict DEFAULT,OTHER` the rule by which a default stays or changes (`verdict`).
 
     python bench/quality.py [--tasks ...] [--arms ...] [--seeds 0,1,2] [--steps 24] [--workers 2]
-    python bench/quality.py --table [--out bench/quality.jsonl]
+    python bench/quality.py --table [--verdict defaults,no-rslora] [--out bench/quality.jsonl]
 """
 
 from __future__ import annotations
@@ -41,7 +44,12 @@ TASKS = {
     "define": ("alpaca", ["rouge", "bleu"], "rougeL", 40, 128),
     "classify": ("alpaca", ["exact_match"], "exact_match", 6, 160),
     "docstring": ("chat", ["rouge", "bleu"], "rougeL", 32, 256),
+    "manpage": ("chat", ["rouge", "bleu"], "rougeL", 24, 256),
+    "translate-fr": ("alpaca", ["chrf", "bleu"], "chrf", 24, 96),
+    "closes": ("alpaca", ["exact_match"], "exact_match", 32, 512),
 }
+DECIDING = ("translate", "define", "classify", "docstring")  # what a default is chosen on
+CONFIRMING = ("manpage", "translate-fr", "closes")  # what it must also hold on; never used to choose
 # tunekit's settings before they were measured; each arm below changes them
 V0 = ["training.learning_rate=2e-4", "training.lr_scheduler=cosine", "training.warmup_ratio=0",
       "lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.use_rslora=false", "lora.lr_ratio=null",
@@ -71,6 +79,11 @@ ARMS: dict[str, list[str] | None] = {
     "linear": V0 + ["training.lr_scheduler=linear"],
     "neftune-5": V0 + ["training.neftune_noise_alpha=5"],
     "best-of-4": V0 + ["data.eval_fraction=0.1", "training.metric_for_best=eval_loss"],
+    # rsLoRA re-decided: off at the default rate, and off at 4x it (alpha/sqrt(r) is 4x alpha/r at r16), and on at
+    # a quarter of it (the update alpha/r gives at the default rate)
+    "no-rslora": ["lora.use_rslora=false"],
+    "no-rslora-lr-8e-4": ["lora.use_rslora=false", "training.learning_rate=8e-4"],
+    "defaults-lr-5e-5": ["training.learning_rate=5e-5"],
 }
 
 
@@ -201,35 +214,73 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f}" + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else "")
 
 
-def table(path: Path, steps: int) -> str:
-    """Per task, at a budget of `steps` optimizer steps, each arm's headline score (mean ± sd over seeds), its
-    change against the script, the held-out answer loss and the learning rate used."""
-    rows = [r for r in map(json.loads, filter(str.strip, path.read_text().splitlines())) if r["steps"] == steps]
+def results(path: Path, steps: int) -> dict[tuple[str, str], list[dict]]:
+    """The rows of a results file at a budget of `steps` optimizer steps, by (task, arm)."""
     by: dict = {}
-    for r in rows:
-        by.setdefault((r["task"], r["arm"]), []).append(r)
+    for r in map(json.loads, filter(str.strip, path.read_text().splitlines())):
+        if r["steps"] == steps:
+            by.setdefault((r["task"], r["arm"]), []).append(r)
+    return by
+
+
+def headline(by: dict, task: str, arm: str) -> list[float]:
+    return [r["scores"][TASKS[task][2]] for r in by.get((task, arm), [])]
+
+
+def table(path: Path, steps: int) -> str:
+    """Per task, deciding tasks first, at a budget of `steps` optimizer steps, each arm's headline score (mean ± sd
+    over seeds), its change against the script, the held-out answer loss and the learning rate used."""
+    by = results(path, steps)
     lines = []
-    for task in TASKS:
-        got = {arm: rs for (t, arm), rs in by.items() if t == task}
-        if not got:
-            continue
-        metric = TASKS[task][2]
-        base = statistics.mean(r["scores"][metric] for r in got["script"]) if "script" in got else None
-        held = next(iter(got.values()))[0].get("held_out", "?")
-        lines += [f"\n**{task}**, {steps} steps ({metric} of {held} held-out answers; answer loss: mean "
-                  "cross-entropy per reference token)\n",
-                  f"| arm | seeds | {metric} | vs script | answer loss | learning rate |",
-                  "|---|---:|---:|---:|---:|---|"]
-        for arm in ARMS:
-            if arm not in got:
+    for role, tasks in (("deciding", DECIDING), ("confirming", CONFIRMING)):
+        for task in tasks:
+            got = {arm: rs for (t, arm), rs in by.items() if t == task}
+            if not got:
                 continue
-            values = [r["scores"][metric] for r in got[arm]]
-            rel = f"{100 * (statistics.mean(values) / base - 1):+.1f}%" if base else ""
-            losses = [r["scores"]["heldout_loss"] for r in got[arm] if "heldout_loss" in r["scores"]]
-            lrs = ", ".join(sorted({f"{r['learning_rate']:.2g}" for r in got[arm]}))
-            lines.append(f"| {arm} | {len(values)} | {_mean_sd(values)} | {rel} | "
-                         f"{_mean_sd(losses) if losses else '-'} | {lrs} |")
+            metric = TASKS[task][2]
+            base = statistics.mean(headline(by, task, "script")) if "script" in got else None
+            held = next(iter(got.values()))[0].get("held_out", "?")
+            lines += [f"\n**{task}** ({role}), {steps} steps ({metric} of {held} held-out answers; answer loss: mean "
+                      "cross-entropy per reference token)\n",
+                      f"| arm | seeds | {metric} | vs script | answer loss | learning rate |",
+                      "|---|---:|---:|---:|---:|---|"]
+            for arm in (a for a in ARMS if a in got):
+                values = headline(by, task, arm)
+                rel = f"{100 * (statistics.mean(values) / base - 1):+.1f}%" if base else ""
+                losses = [r["scores"]["heldout_loss"] for r in got[arm] if "heldout_loss" in r["scores"]]
+                lrs = ", ".join(sorted({f"{r['learning_rate']:.2g}" for r in got[arm]}))
+                lines.append(f"| {arm} | {len(values)} | {_mean_sd(values)} | {rel} | "
+                             f"{_mean_sd(losses) if losses else '-'} | {lrs} |")
     return "\n".join(lines)
+
+
+MIN_SEEDS = 3
+
+
+def verdict(by: dict, default: str, other: str) -> tuple[bool | None, list[str]]:
+    """The rule a default stays by (or gives way to `other`), at equal compute: over MIN_SEEDS seeds or more of each
+    arm, on every task, deciding and confirming alike, its mean headline score is not below the other's by more
+    than the task's seed noise, and it is higher on most tasks (more than half). Seed noise: the standard deviation
+    of the hand-written script's headline score over its own seeds on that task (the spread a user sees by
+    changing nothing but the seed). Returns (holds, or None while a task lacks seeds; one line per task)."""
+    lines, better, holds = [], 0, True
+    for task in DECIDING + CONFIRMING:
+        mine, theirs, script = (headline(by, task, arm) for arm in (default, other, "script"))
+        if min(len(mine), len(theirs), len(script)) < MIN_SEEDS:
+            return None, [f"{task}: seeds {len(mine)} / {len(theirs)} / {len(script)} ({default} / {other} / script); "
+                          f"the rule needs {MIN_SEEDS} of each"]
+        gap, noise = statistics.mean(mine) - statistics.mean(theirs), statistics.stdev(script)
+        worse = gap < -noise
+        better += gap > 0
+        holds &= not worse
+        role = "deciding" if task in DECIDING else "confirming"
+        lines.append(f"{task} ({role}): {_mean_sd(mine)} vs {_mean_sd(theirs)}, {gap:+.2f} against noise {noise:.2f}: "
+                     + ("worse beyond noise" if worse else "higher" if gap > 0 else "not higher"))
+    tasks = len(DECIDING + CONFIRMING)
+    most = better > tasks / 2
+    lines.append(f"{default} against {other}: higher on {better} of {tasks} tasks, worse beyond noise on "
+                 f"{'none' if holds else 'at least one'}: {'stays' if holds and most else 'does not hold'}")
+    return holds and most, lines
 
 
 def main() -> int:
@@ -244,12 +295,15 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="jobs at once, each with cores / workers threads")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "quality.jsonl")
     p.add_argument("--table", action="store_true")
+    p.add_argument("--verdict", metavar="DEFAULT,OTHER", help="with --table: the rule's outcome for two arms")
     p.add_argument("--job", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.job:
         return worker_main(a.job)
     if a.table:
         print(table(a.out, a.steps))
+        if a.verdict:
+            print("\n".join(verdict(results(a.out, a.steps), *a.verdict.split(","))[1]))
         return 0
     from tunekit.models.loader import materialize
 

@@ -9,7 +9,8 @@
 - docstring: a chat task on code, a Python standard-library function of the running interpreter (its
   source without the docstring) in the user turn, the docstring's first line as the assistant's answer.
 
-Each has natural length variation (a few tokens to a few hundred) and is rendered with the model's
+The confirming tasks (manpage, translate-fr, closes) are built in bench/confirmdata.py. Each has natural length
+variation (a few tokens to a few hundred) and is rendered with the model's
 chat template, prompt masked, like any tunekit data set.
 
     python bench/realdata.py OUT_DIR [--train 128] [--eval 32]   # writes {set}_{train,eval}.jsonl
@@ -27,9 +28,12 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import confirmdata  # noqa: E402
+
 DING = Path("/usr/share/trans/de-en")
 WORDNET = Path("/usr/share/wordnet")
-PACKAGES = "apt-get install trans-de-en wordnet-base"
+PACKAGES = f"apt-get install trans-de-en wordnet-base {confirmdata.PACKAGES}"
 ANNOTATION = re.compile(r"\{[^}]*\}|\[[^\]]*\]|/[^/]*/|\([^)]*\)")
 
 
@@ -117,7 +121,8 @@ def docstring_rows() -> list[dict]:
     return rows
 
 
-SETS = {"translate": translate_rows, "define": define_rows, "classify": classify_rows, "docstring": docstring_rows}
+SETS = {"translate": translate_rows, "define": define_rows, "classify": classify_rows, "docstring": docstring_rows,
+        **confirmdata.SETS}
 
 
 def split(rows: list[dict], n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -125,15 +130,17 @@ def split(rows: list[dict], n_train: int, n_eval: int, seed: int) -> tuple[list[
     return picked[:n_train], picked[n_train:]
 
 
-def require() -> None:
-    missing = [str(p) for p in (DING, WORDNET / "data.noun") if not p.exists()]
+def require(sets: tuple[str, ...]) -> None:
+    needs = {"translate": [DING], "define": [WORDNET / "data.noun"], "classify": [WORDNET / "data.noun"]}
+    missing = sorted({str(p) for name in sets for p in needs.get(name, []) if not p.exists()})
+    missing += confirmdata.missing() if set(sets) & set(confirmdata.SETS) else []
     if missing:
         sys.exit(f"bench: {', '.join(missing)} not found; install the data with: {PACKAGES}")
 
 
 def write(out: Path, n_train: int, n_eval: int, seed: int = 0,
           sets: tuple[str, ...] = ("translate", "define")) -> dict[str, tuple[Path, Path]]:
-    require()
+    require(sets)
     out.mkdir(parents=True, exist_ok=True)
     files = {}
     for name in sets:
