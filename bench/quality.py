@@ -106,7 +106,8 @@ def train_tunekit(a, task: str, arm: str, seed: int, out: Path, files) -> dict:
     fmt, max_length = TASKS[task][0], TASKS[task][4]
     sets = [f"data.train={files[0]}", f"data.format={fmt}", f"data.max_length={max_length}",
             f"training.max_steps={a.steps}", f"training.micro_batch_size={a.batch}", f"training.seed={seed}",
-            f"training.save_steps={a.steps}", "training.logging_steps=4", f"output_dir={out}", *ARMS[arm]]
+            f"training.save_steps={a.steps}", "training.logging_steps=4", f"output_dir={out}",
+            "training.precision=fp32", *ARMS[arm]]  # as the script: auto is bf16 where the CPU has it
     if "training.metric_for_best=eval_loss" in sets:
         sets = [s for s in sets if not s.startswith("training.save_steps")] + [f"training.eval_steps={a.steps // 4}"]
     recipe = out.parent / f"{out.name}.yaml"
