@@ -56,6 +56,8 @@ def probe_callback(out: Path):
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
 
+    from plan_check import profiled_peak
+
     class Probe(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == STEP - 1:
@@ -68,12 +70,7 @@ def probe_callback(out: Path):
             if state.global_step != STEP:
                 return
             self.prof.__exit__(None, None, None)
-            events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]")
-            live = peak = 0
-            for _, nbytes in events:
-                live += nbytes
-                peak = max(peak, live)
+            peak = profiled_peak(self.prof)
             rank = os.environ.get("RANK", "0")
             (out / f"rank{rank}.json").write_text(json.dumps({"held": self.held, "step_peak": peak,
                                                               "measured": self.held + peak}))

@@ -108,6 +108,11 @@ def traced_step_peak(step) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+    return profiled_peak(prof)
+
+
+def profiled_peak(prof) -> int:
+    """Peak of live bytes above the profile's start: the running sum over every allocation and free it traced."""
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:

@@ -150,11 +150,9 @@ def step_callback(profile_step: int, out: dict, probe: Probe):
 def trace(prof) -> dict:
     """Peak of live bytes above the step's start (the running sum over every allocation and free), and the
     step's self CPU time by operator: matmuls (incl. fused attention) and the top ten overall."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+    from plan_check import profiled_peak
+
+    peak = profiled_peak(prof)
     ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
     total = sum(ops.values())
     top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])
