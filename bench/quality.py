@@ -255,6 +255,20 @@ def table(path: Path, steps: int) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(by: dict, arms: list[str]) -> str:
+    """One table: an arm a row, its headline score per task (mean ± sd over its seeds, and how many), the deciding
+    tasks' columns first, then the confirming tasks'."""
+    tasks = DECIDING + CONFIRMING
+    head = [f"{t} ({TASKS[t][2]})" for t in tasks]
+    lines = ["| arm | " + " | ".join(f"deciding: {h}" for h in head[:len(DECIDING)]) + " | "
+             + " | ".join(f"confirming: {h}" for h in head[len(DECIDING):]) + " |",
+             "|---|" + "---:|" * len(tasks)]
+    for arm in arms:
+        cells = [(f"{_mean_sd(v)} ({len(v)})" if v else "-") for v in (headline(by, t, arm) for t in tasks)]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 MIN_SEEDS = 3
 
 
@@ -304,7 +318,9 @@ def main() -> int:
     if a.table:
         print(table(a.out, a.steps))
         if a.verdict:
-            print("\n".join(verdict(results(a.out, a.steps), *a.verdict.split(","))[1]))
+            by, pair = results(a.out, a.steps), a.verdict.split(",")
+            print("\n" + side_by_side(by, ["script", *pair]) + "\n")
+            print("\n".join(verdict(by, *pair)[1]))
         return 0
     from tunekit.models.loader import materialize
 

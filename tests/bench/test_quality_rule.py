@@ -54,6 +54,16 @@ def test_the_rule_waits_for_three_seeds_of_each_arm():
                                        "3 of each"]
 
 
+def test_the_side_by_side_table_puts_deciding_columns_before_confirming_ones():
+    scores = every_task((12.0, 13.0, 14.0), (11.0, 11.5, 12.0))
+    del scores["closes"]["no-rslora"]
+    lines = quality.side_by_side(rows(scores), ["defaults", "no-rslora"]).splitlines()
+    assert lines[0].startswith("| arm | deciding: translate (chrf) |") and lines[0].endswith("confirming: closes "
+                                                                                        "(exact_match) |")
+    assert lines[2] == "| defaults |" + " 13.00 ± 1.00 (3) |" * 7
+    assert lines[3].endswith("| 11.50 ± 0.50 (3) | - |")
+
+
 PRINTF = r""".\" Copyright notice
 .TH printf 3 2023-02-05 "Linux man-pages 6.03"
 .SH NAME
