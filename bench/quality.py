@@ -16,7 +16,7 @@ Results are appended to a JSON-lines file as each run finishes (a rerun skips wh
 `--verdict DEFAULT,OTHER` the rule by which a default stays or changes (`verdict`).
 
     python bench/quality.py [--tasks ...] [--arms ...] [--seeds 0,1,2] [--steps 24] [--workers 2]
-    python bench/quality.py --table [--verdict defaults,no-rslora] [--out bench/quality.jsonl]
+    python bench/quality.py --table [--verdict rslora-on,no-rslora] [--out bench/quality.jsonl]
 """
 
 from __future__ import annotations
@@ -79,11 +79,13 @@ ARMS: dict[str, list[str] | None] = {
     "linear": V0 + ["training.lr_scheduler=linear"],
     "neftune-5": V0 + ["training.neftune_noise_alpha=5"],
     "best-of-4": V0 + ["data.eval_fraction=0.1", "training.metric_for_best=eval_loss"],
-    # rsLoRA re-decided: off at the default rate, and off at 4x it (alpha/sqrt(r) is 4x alpha/r at r16), and on at
-    # a quarter of it (the update alpha/r gives at the default rate)
+    # rsLoRA re-decided by the rule (`verdict`): on (the defaults until then, rows run as "defaults"), off at the
+    # default rate, off at 4x it (alpha/sqrt(r) is 4x alpha/r at r16), and on at a quarter of it (the update alpha/r
+    # gives at the default rate)
+    "rslora-on": ["lora.use_rslora=true"],
     "no-rslora": ["lora.use_rslora=false"],
     "no-rslora-lr-8e-4": ["lora.use_rslora=false", "training.learning_rate=8e-4"],
-    "defaults-lr-5e-5": ["training.learning_rate=5e-5"],
+    "rslora-on-lr-5e-5": ["lora.use_rslora=true", "training.learning_rate=5e-5"],
 }
 
 
