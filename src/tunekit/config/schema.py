@@ -55,26 +55,16 @@ class LoraConfig(Section):
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases to train.")
     use_dora: bool = Field(False, description="DoRA: train each weight's magnitude and direction separately "
                            "(better at low rank, slower steps; merges like LoRA).")
-    use_rslora: bool = Field(True, description="rsLoRA: scale by alpha/sqrt(r) instead of alpha/r, so that higher "
-                             "ranks keep learning (the default by measurement: docs/recipes.md, Which defaults, "
-                             "measured; false by default with lr_ratio, as the two together overshoot); false: the "
-                             "original LoRA scaling.")
+    use_rslora: bool = Field(False, description="rsLoRA: scale by alpha/sqrt(r) instead of alpha/r, so that higher "
+                             "ranks keep learning (4x the update at r16: a rate set for alpha/r is then too strong); "
+                             "false: peft's alpha/r. Off by default by bench/quality.py's rule (docs/recipes.md, Which "
+                             "defaults, measured): higher on six tasks of seven, below alpha/r beyond noise on one.")
     init: Literal["default", "pissa", "olora"] = Field(
         "default", description="Adapter initialisation: default (B = 0), pissa (the weights' principal singular "
         "vectors, fast SVD) or olora (QR). pissa and olora move part of each base weight into the adapter; the "
         "saved adapter is converted back to apply to the original base.")
     lr_ratio: float | None = Field(None, ge=1.0, description="LoRA+: the B matrices learn at learning_rate x lr_ratio "
-                                   "(16 in the LoRA+ paper); null trains A and B at one rate. Turns use_rslora's "
-                                   "default off.")
-
-    @model_validator(mode="after")
-    def _rslora_default_follows_loraplus(self) -> "LoraConfig":
-        # measured (bench/quality.py, loraplus-16+rslora): LoRA+ and rsLoRA both enlarge the adapter's step, and
-        # together they overshot (higher held-out answer loss than the script on three tasks of four). The section
-        # is frozen, so the default is written in place; use_rslora stays out of model_fields_set (a default).
-        if self.lr_ratio is not None and "use_rslora" not in self.model_fields_set:
-            self.__dict__["use_rslora"] = False
-        return self
+                                   "(16 in the LoRA+ paper); null trains A and B at one rate.")
 
 
 class QuantizationConfig(Section):
