@@ -74,7 +74,7 @@ bench: $(STAMP)
 
 # Which settings give better models at equal compute (bench/quality.py): four real-text tasks that decide and three
 # that only confirm, the hand-written script against tunekit's defaults and each candidate setting; results appended
-# to bench/quality.jsonl, the tables in bench/RESULTS.md (`--table --verdict DEFAULT,OTHER`: the rule). A run takes
+# to bench/quality.jsonl, the tables in bench/RESULTS.md (`--table --verdict CANDIDATE,LIBRARY`: the rule). A run takes
 # 2-9 minutes on a 2-core CPU (two at once); the default, two arms on seven tasks with three seeds (42 runs), about
 # two and a half hours. QUALITY_ARGS picks tasks, arms and seeds.
 QUALITY_ARGS ?= --arms script,defaults --seeds 0,1,2

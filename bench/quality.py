@@ -13,7 +13,8 @@ registry. Arms:
   the rest   v0 with one setting changed (see ARMS), or the combination that became the defaults.
 Results are appended to a JSON-lines file as each run finishes (a rerun skips what it holds);
 `--table` prints the markdown tables of a results file, deciding and confirming tasks apart, and
-`--verdict DEFAULT,OTHER` the rule by which a default stays or changes (`verdict`).
+`--verdict CANDIDATE,LIBRARY` the rule by which a default takes a candidate value or keeps the library's
+(`verdict`, `decision`).
 
     python bench/quality.py [--tasks ...] [--arms ...] [--seeds 0,1,2] [--steps 24] [--workers 2]
     python bench/quality.py --table [--verdict rslora-on,no-rslora] [--out bench/quality.jsonl]
@@ -300,6 +301,19 @@ def verdict(by: dict, default: str, other: str) -> tuple[bool | None, list[str]]
     return holds and most, lines
 
 
+def decision(by: dict, candidate: str, library: str) -> tuple[str | None, list[str]]:
+    """Which value a default takes: `candidate` only where it holds against the library's own value (`verdict`);
+    the library's value where it does not, whether or not the library's holds in turn (so a setting the
+    evidence does not settle stays as the library ships it). None while seeds are missing."""
+    holds, lines = verdict(by, candidate, library)
+    if holds is None:
+        return None, lines
+    back = verdict(by, library, candidate)[1][-1]
+    chosen = candidate if holds else library
+    why = "it holds" if holds else ("the library's holds" if back.endswith("stays") else "neither holds")
+    return chosen, [*lines, back, f"default: {chosen} ({why})"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", default=",".join(TASKS))
@@ -312,7 +326,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="jobs at once, each with cores / workers threads")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "quality.jsonl")
     p.add_argument("--table", action="store_true")
-    p.add_argument("--verdict", metavar="DEFAULT,OTHER", help="with --table: the rule's outcome for two arms")
+    p.add_argument("--verdict", metavar="CANDIDATE,LIBRARY", help="with --table: the rule's outcome for two arms")
     p.add_argument("--job", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.job:
@@ -322,7 +336,7 @@ def main() -> int:
         if a.verdict:
             by, pair = results(a.out, a.steps), a.verdict.split(",")
             print("\n" + side_by_side(by, ["script", *pair]) + "\n")
-            print("\n".join(verdict(by, *pair)[1]))
+            print("\n".join(decision(by, *pair)[1]))
         return 0
     from tunekit.models.loader import materialize
 

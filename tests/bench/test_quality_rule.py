@@ -54,6 +54,21 @@ def test_the_rule_waits_for_three_seeds_of_each_arm():
                                        "3 of each"]
 
 
+@pytest.mark.parametrize("library_holds", [False, True])
+def test_a_candidate_that_does_not_hold_leaves_the_librarys_value(library_holds):
+    scores = every_task((12.0, 12.5, 13.0), (11.0, 11.5, 12.0))
+    scores["manpage"]["defaults"] = [9.0, 9.5, 10.0]  # the candidate: higher on 6 of 7, worse beyond noise on one
+    if library_holds:
+        for task in quality.DECIDING + quality.CONFIRMING:
+            scores[task]["no-rslora"] = [13.0, 13.5, 14.0]
+    chosen, lines = quality.decision(rows(scores), "defaults", "no-rslora")
+    assert chosen == "no-rslora"
+    assert lines[-1] == "default: no-rslora (" + ("the library's holds" if library_holds else "neither holds") + ")"
+    scores["manpage"]["defaults"] = [12.0, 12.5, 13.0]
+    if not library_holds:
+        assert quality.decision(rows(scores), "defaults", "no-rslora")[0] == "defaults"
+
+
 def test_the_side_by_side_table_puts_deciding_columns_before_confirming_ones():
     scores = every_task((12.0, 13.0, 14.0), (11.0, 11.5, 12.0))
     del scores["closes"]["no-rslora"]
