@@ -211,6 +211,23 @@ def test_turns_and_budget_bound_an_episode(tools_module, tiny_tokenizer):
     assert small.turns == 1 and 0 not in small.mask  # no room for the result: the episode ends at its call
 
 
+@pytest.mark.parametrize("expected, answer, holds", [
+    ("3,345.46", "2633 GBP is 3345.46 USD.", True),     # thousands separators aside
+    ("3345.46", "That is 3,345.46 USD", True),
+    ("128.35", "151 EUR is about 1,28.35 GBP.", False),  # a garbled group is not joined
+    ("6°C", "Krakow: -6°C and foggy.", False),          # a number is found only whole
+    ("86°F", "Lisbon: 186°F", False),
+    ("1,292.18", "1469 USD is 1292.18000000001 CHF.", False),
+    ("128.35", "It comes to 128.35.", True),             # a full stop after it
+    ("Paris", "It is PARIS, of course", True),
+])
+def test_task_success_compares_numbers_whole_and_by_value(tools_module, expected, answer, holds):
+    (scorer,) = rewards.build(GrpoSettings(rewards=[{"reward": "task_success"}]).rewards, 64)
+    ep = episodes.Toolkit.of(settings(tools=["mytools:lookup"])).start({})
+    ep.answer = answer
+    assert scorer.score(Sample("p", answer, expected, 5, {}, "f line 1", ep)) == float(holds)
+
+
 def test_episode_rewards_score_the_transcript(tools_module):
     kit = episodes.Toolkit.of(settings(tools=["mytools:lookup"], environment="mytools:Counter", max_turns=4))
     ep = kit.start({"start": 1})

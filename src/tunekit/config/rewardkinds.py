@@ -43,7 +43,8 @@ DECLARED: dict[str, RewardKind] = {k.name: k for k in (
     RewardKind("function", "your Python function `module:function` (grpo.trust_local_code: true), called with "
                "keywords prompt, completion, reference, record, tokens; returns a number", needs=("function",)),
     RewardKind("task_success", "episodes with tools: 1 when the final answer holds the expected answer (the record's "
-               "`field`, default the reference answer; case and spacing ignored), else 0", optional=("field",),
+               "`field`, default the reference answer; case, spacing and thousands separators ignored, a number found "
+               "only whole: 6 is not in -6 or 16), else 0", optional=("field",),
                episode=True),
     RewardKind("tool_success", "episodes with tools: the share of the episode's tool calls that returned a result "
                "rather than an error; 0 when it called none", episode=True),

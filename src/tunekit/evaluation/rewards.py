@@ -157,8 +157,22 @@ def _episode(s: Sample):
     return s.episode
 
 
+# A number written with thousands separators ("3,345.46") is the same value as without: only well-formed groups
+# are joined, so a garbled "1,28.35" stays what it is.
+_GROUPED = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?![\d,])")
+
+
 def _normalized(text: str) -> str:
-    return " ".join(text.lower().split())
+    return _GROUPED.sub(lambda m: m.group(0).replace(",", ""), " ".join(text.lower().split()))
+
+
+def _holds(expected: str, answer: str) -> bool:
+    """`expected` in `answer`, case, spacing and thousands separators aside; an expected number is found only
+    whole: "6°C" not in "-6°C", "86" not in "186" or "86.5"."""
+    want = _normalized(expected)
+    left = r"(?<![\d\-])(?<!\d[.,])" if want[:1].isdigit() else ""
+    right = r"(?!\d)(?![.,]\d)" if want[-1:].isdigit() else ""
+    return re.search(left + re.escape(want) + right, _normalized(answer)) is not None
 
 
 @register("task_success")
@@ -169,7 +183,7 @@ def _task_success(spec, max_len):
         if expected is None or str(expected).strip() == "":
             what = f"field {spec.field!r}" if spec.field else "reference answer"
             raise TunekitError(f"{s.where} has no {what} to check the final answer against")
-        return float(_normalized(str(expected)) in _normalized(s.completion))
+        return float(_holds(str(expected), s.completion))
     return score
 
 
