@@ -20,6 +20,11 @@ WEATHER = {city: (_RNG.randint(-5, 32), _RNG.choice(tooldemo.CONDITIONS))
            for city in tooldemo.CITIES[0] + tooldemo.CITIES[1]}
 
 
+# Spellings a weather service would take for its two units ("°F", "F", "Fahrenheit"): a call that names the
+# right unit in another spelling answers, so rewards judge which unit the model asked for, not how it wrote it.
+UNITS = {"c": "celsius", "celsius": "celsius", "centigrade": "celsius", "f": "fahrenheit", "fahrenheit": "fahrenheit"}
+
+
 def get_weather(city: str, unit: str = "celsius") -> dict:
     """Today's weather in a city.
 
@@ -29,6 +34,7 @@ def get_weather(city: str, unit: str = "celsius") -> dict:
     """
     if city not in WEATHER:
         raise ValueError(f"no weather for {city!r}")
+    unit = UNITS.get(unit.strip().lower().removeprefix("°").removeprefix("degrees").strip(), unit)
     if unit not in ("celsius", "fahrenheit"):
         raise ValueError("unit is celsius or fahrenheit")
     celsius, condition = WEATHER[city]
@@ -83,10 +89,11 @@ def prompts(n: int, seed: int, cities: list[str], seen: set[str]) -> list[dict]:
 
 def write(out_dir: Path, n_train: int = 200, n_eval: int = 120) -> tuple[Path, Path]:
     """Training prompts on training's cities; held-out prompts, none seen in training, on every city (four of
-    them training never asks about)."""
+    them training never asks about). Held-out prompts are drawn first, so how training is drawn never changes
+    them."""
     seen: set[str] = set()
-    train = prompts(n_train, 1, tooldemo.CITIES[0], seen)
     held = prompts(n_eval, 2, tooldemo.CITIES[0] + tooldemo.CITIES[1], seen)
+    train = prompts(n_train, 1, tooldemo.CITIES[0], seen)
     paths = out_dir / "tools_grpo_train.jsonl", out_dir / "tools_grpo_eval.jsonl"
     for path, rows in zip(paths, (train, held)):
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")

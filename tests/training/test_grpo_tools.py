@@ -285,6 +285,35 @@ def test_two_processes_play_and_train_as_one_does(tmp_path, calling_model, monke
 
 
 
+def test_shipped_tool_prompts_are_what_the_generator_writes_and_held_out_stays_put(tmp_path):
+    """recipes/assistant_tools.py: the shipped files are its output and held-out shares no prompt with training;
+    held-out is drawn first, so a change in how training is drawn (here its size) leaves it as it was."""
+    sys.path.insert(0, str(ROOT))
+    from recipes import assistant_tools as tools
+
+    train_path, held_path = tools.write(tmp_path)
+    for path in (train_path, held_path):
+        assert path.read_bytes() == (ROOT / "recipes" / "data" / path.name).read_bytes(), path.name
+    prompts = [{json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines()}
+               for path in (train_path, held_path)]
+    assert len(prompts[0]) == 200 and len(prompts[1]) == 120 and not prompts[0] & prompts[1]
+    (tmp_path / "other").mkdir()
+    other_train, other_held = tools.write(tmp_path / "other", n_train=150)
+    assert other_held.read_bytes() == held_path.read_bytes()
+    assert other_train.read_bytes() != train_path.read_bytes()
+
+
+@pytest.mark.parametrize("unit, degrees", [("fahrenheit", 37), ("°F", 37), (" Degrees F", 37), ("C", 3),
+                                           ("celsius", 3), ("°c", 3)])
+def test_the_weather_tool_takes_a_units_spellings(unit, degrees):
+    sys.path.insert(0, str(ROOT))
+    from recipes import assistant_tools as tools
+
+    assert tools.get_weather("Paris", unit)["temperature"] == degrees
+    with pytest.raises(ValueError, match="celsius or fahrenheit"):
+        tools.get_weather("Paris", "weather")
+
+
 @pytest.mark.slow
 @pytest.mark.full
 @NEEDS_SMOLLM2
