@@ -308,10 +308,10 @@ def decision(by: dict, candidate: str, library: str) -> tuple[str | None, list[s
     holds, lines = verdict(by, candidate, library)
     if holds is None:
         return None, lines
-    back = verdict(by, library, candidate)[1][-1]
+    back_holds, back = verdict(by, library, candidate)
     chosen = candidate if holds else library
-    why = "it holds" if holds else ("the library's holds" if back.endswith("stays") else "neither holds")
-    return chosen, [*lines, back, f"default: {chosen} ({why})"]
+    why = "it holds" if holds else "the library's holds" if back_holds else "neither holds"
+    return chosen, [*lines, back[-1], f"default: {chosen} ({why})"]
 
 
 def main() -> int:

@@ -285,10 +285,10 @@ def test_two_processes_play_and_train_as_one_does(tmp_path, calling_model, monke
 
 
 
-def test_shipped_tool_prompts_are_what_the_generator_writes_and_held_out_stays_put(tmp_path):
+def test_shipped_tool_prompts_are_what_the_generator_writes_and_held_out_stays_put(tmp_path, monkeypatch):
     """recipes/assistant_tools.py: the shipped files are its output and held-out shares no prompt with training;
     held-out is drawn first, so a change in how training is drawn (here its size) leaves it as it was."""
-    sys.path.insert(0, str(ROOT))
+    monkeypatch.syspath_prepend(str(ROOT))
     from recipes import assistant_tools as tools
 
     train_path, held_path = tools.write(tmp_path)
@@ -305,8 +305,8 @@ def test_shipped_tool_prompts_are_what_the_generator_writes_and_held_out_stays_p
 
 @pytest.mark.parametrize("unit, degrees", [("fahrenheit", 37), ("°F", 37), (" Degrees F", 37), ("C", 3),
                                            ("celsius", 3), ("°c", 3)])
-def test_the_weather_tool_takes_a_units_spellings(unit, degrees):
-    sys.path.insert(0, str(ROOT))
+def test_the_weather_tool_takes_a_units_spellings(monkeypatch, unit, degrees):
+    monkeypatch.syspath_prepend(str(ROOT))
     from recipes import assistant_tools as tools
 
     assert tools.get_weather("Paris", unit)["temperature"] == degrees
