@@ -14,6 +14,7 @@ import pytest
 from conftest import NEEDS_SMOLLM2, ROOT, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
+from tunekit.runs import history
 from tunekit.training import runner, sampling
 from tunekit.training.methods import acting, rollouts
 
@@ -330,8 +331,7 @@ def test_real_model_answers_more_held_out_requests_after_grpo_with_tools(tmp_pat
     res = run_cli("train", "recipes/smollm2_grpo_tools.yaml", "--set", f"output_dir={grpo}", "--set",
                   f"model.adapter_from={sft}", cwd=ROOT, timeout=5400)  # 20 steps, 2 evals of 120: ~30 min, 2 cores
     assert res.returncode == 0, res.stderr[-3000:]
-    evals = [json.loads(line) for line in (grpo / "loss_history.jsonl").read_text().splitlines()
-             if '"eval_reward/task_success"' in line]
+    evals = [row for row in history.rows(grpo) if "eval_reward/task_success" in row]
     assert [e["step"] for e in evals] == [0, 20]
     before, after = (e["eval_reward/task_success"] for e in evals)
     end = json.loads((grpo / "eval" / "metrics.json").read_text())["scores"]
@@ -356,7 +356,6 @@ def test_plan_counts_a_generate_pass_per_turn(tmp_path, long_model, monkeypatch)
 
 
 def test_the_report_draws_the_tool_curves_with_their_titles():
-    from tunekit.runs import history
 
     titles = dict(history.titled({"tools/calls", "tools/failures", "tools/turns", "rewards/task_success/mean"}))
     assert titles["tools/calls"] == "tools: calls per episode"
