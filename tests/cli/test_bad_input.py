@@ -118,6 +118,15 @@ RECIPES = {
     "packing under KTO": (
         lambda c: _with(c, training={"method": "kto"}, data={"format": "unpaired_preference", "packing": True}),
         "data.packing: true does not apply to training.method: kto, which pads its batches; remove it"),
+    "varlen attention with packing off": (
+        lambda c: _with(c, model={"attn_implementation": "varlen"}, data={"packing": False}),
+        "model.attn_implementation: varlen reads the boundaries of packed batches, and data.packing is false; set "
+        "model.attn_implementation: sdpa"),
+    "varlen attention under DPO": (
+        lambda c: _with(c, model={"attn_implementation": "varlen"}, training={"method": "dpo"},
+                        data={"format": "preference"}),
+        "model.attn_implementation: varlen reads the boundaries of packed batches, and training.method: dpo pads its "
+        "batches"),
     "prompt tokens trained under DPO": (
         lambda c: _with(c, training={"method": "dpo"}, data={"format": "preference", "mask_prompt": False}),
         "data.mask_prompt: false does not apply to training.method: dpo, which trains the answers only"),

@@ -206,6 +206,19 @@ def precision_agrees(recipe) -> None:
                          f"{p} and {q.compute_dtype} both on; make them agree")
 
 
+def attention(recipe) -> None:
+    """model.attn_implementation: varlen runs over packed batches only."""
+    if recipe.model.attn_implementation != "varlen":
+        return
+    p = recipe.training.parallelism
+    why = ("data.packing is false" if recipe.data.packing is False else
+           f"training.method: {recipe.training.method} pads its batches" if not methods.of(recipe).packs else
+           "training.parallelism sp/cp pads its batches" if p is not None and p.sp * p.cp > 1 else None)
+    if why:
+        raise ValueError(f"model.attn_implementation: varlen reads the boundaries of packed batches, and {why}; set "
+                         "model.attn_implementation: sdpa")
+
+
 # the order a recipe breaking several rules is told of the first
 def parallelism(recipe) -> None:
     """training.parallelism's layout against the method, the sharding engine and the adapter (its rules live with
@@ -215,7 +228,7 @@ def parallelism(recipe) -> None:
 
 RULES = (method_sections, starting_adapter, data_formats, learning_rate, settings_apply, reference, grpo_rewards,
          installed, batch, distillation, best_metric_is_logged, sharding_fits_the_quantization, precision_agrees,
-         parallelism)
+         attention, parallelism)
 
 
 def run(recipe) -> None:

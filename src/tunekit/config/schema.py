@@ -35,8 +35,10 @@ class ModelConfig(Section):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a hub model.")
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with a hub model. "
                                     "Off unless you trust it.")
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
-        None, description="Attention kernel; null lets transformers choose."
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "varlen"] | None = Field(
+        None, description="Attention kernel. null: torch's variable-length flash kernel (varlen) for packed batches "
+        "where it runs (a CUDA GPU, bf16/fp16), else what transformers chooses. varlen: that kernel, refused where it "
+        "cannot run (docs/precision-and-speed.md)."
     )
     adapter_from: str | None = Field(
         None, description="A completed tunekit LoRA/QLoRA run directory whose adapter training starts from (an SFT "

@@ -190,8 +190,8 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
     if cfg.trust_remote_code:
         log.warning("trust_remote_code is ON for %s: its own modelling code will run", cfg.name_or_path)
     kwargs = dict(dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.attn_implementation:  # varlen is switched on once packing is decided (models.attention); SDPA until then
+        kwargs["attn_implementation"] = "sdpa" if cfg.attn_implementation == "varlen" else cfg.attn_implementation
     if quant is not None and vision.reads_images(cfg):
         quant = copy.deepcopy(quant)
         quant.llm_int8_skip_modules = vision.unquantized(location, cfg)

@@ -27,6 +27,7 @@ from tunekit.core.hardware import Precision, resolve_precision
 from tunekit.data import packing, preview
 from tunekit.data.collating import CountingCollator
 from tunekit.models import info, loader, vision
+from tunekit.models.attention import choose as choose_attention
 from tunekit.runs import checkpoints, layout
 from tunekit.runs.layout import (
     ADAPTER_DIR,
@@ -387,12 +388,13 @@ def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: P
     setting = False if p is not None and p.sp * p.cp > 1 else recipe.data.packing
     packed = method.packs and packing.use(model, setting,  # TRL's collators pad the pairs
                                           images=vision.reads_images(recipe.model))
-    attention = model.config._attn_implementation
+    attention = choose_attention(model, recipe.model.attn_implementation, inputs.precision.name, packed,
+                                 recipe.data.max_length)
     log.info("batches: %s; attention: %s", "packed (padding-free)" if packed else
-             "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention)
+             "padded" + (", grouped by length" if recipe.training.group_by_length else ""), attention.reason)
     if recipe.lora is not None and recipe.lora.init != "default" and fresh_main:
         loader.save_initial_adapter(model, run_dir / INITIAL_ADAPTER_DIR)
-    inputs.model, inputs.packed, inputs.attention = model, packed, attention
+    inputs.model, inputs.packed, inputs.attention = model, packed, attention.name
 
 
 def run_record(inputs: methods.TrainerInputs, resume_from: Path | None, start) -> RunRecord:

@@ -21,13 +21,14 @@ class Sft(Method):
     def make_trainer(self, inputs: TrainerInputs):
         from tunekit.data import imagetokens
         from tunekit.data.collating import CountingCollator, collator
+        from tunekit.models import attention
         from tunekit.training.trainer import SafeStateTrainer
 
         recipe = inputs.recipe
         image_tokens = imagetokens.of(recipe.model)
         pieces = recipe.training.parallelism.sp if recipe.training.parallelism is not None else 1
-        # flash-attention reads packed boundaries from 1-D tensors, which Ulysses' loader cannot split by position
-        boundaries = inputs.attention == "flash_attention_2" and pieces == 1
+        # flash kernels read packed boundaries from 1-D tensors, which Ulysses' loader cannot split by position
+        boundaries = attention.reads_boundaries(inputs.attention) and pieces == 1
         import torch
 
         # on CPU processes every batch is as long as it can be (padded rows come in multiples of 8): gloo's
