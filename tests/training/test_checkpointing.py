@@ -23,6 +23,12 @@ def test_all_finite_sees_a_nan_or_an_infinity_in_any_tensor_of_any_dtype():
                 assert not checkpointing.all_finite(tensors), (bad, i, at)
 
 
+def flow(**set_):
+    """The Trainer's control after its flow callback: what this step does next."""
+    flags = dict(should_log=False, should_save=False, should_evaluate=False, should_training_stop=False)
+    return SimpleNamespace(**{**flags, **set_})
+
+
 def test_a_non_finite_trained_weight_stops_the_run_naming_the_first_and_frozen_ones_are_not_checked():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model[0].weight.requires_grad_(False)
@@ -30,9 +36,23 @@ def test_a_non_finite_trained_weight_stops_the_run_naming_the_first_and_frozen_o
     stop.on_train_begin(None, None, None, model=model)
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")  # frozen: not the run's to stop for
-    stop.on_step_end(None, SimpleNamespace(global_step=6), None)
+    stop.on_step_end(None, SimpleNamespace(global_step=6), flow(should_log=True))
     with torch.no_grad():
         model[2].weight[1, 1] = float("inf")
         model[1].bias[0] = float("nan")
-    with pytest.raises(TunekitError, match=r"at step 7: weight 1\.bias is not finite"):
-        stop.on_step_end(None, SimpleNamespace(global_step=7), None)
+    with pytest.raises(TunekitError, match=r"by step 7: weight 1\.bias is not finite"):
+        stop.on_step_end(None, SimpleNamespace(global_step=7), flow(should_log=True))
+
+
+@pytest.mark.parametrize("then", ["should_log", "should_save", "should_evaluate", "should_training_stop"])
+def test_weights_are_read_only_at_a_step_that_logs_saves_evaluates_or_ends(then, monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    stop = checkpointing.StopOnNonFinite()
+    stop.on_train_begin(None, None, None, model=model)
+    read = []
+    monkeypatch.setattr(checkpointing, "all_finite", lambda tensors: read.append(len(tensors)) or True)
+    for step in range(1, 4):  # plain steps: no host sync
+        stop.on_step_end(None, SimpleNamespace(global_step=step), flow())
+    assert read == []
+    stop.on_step_end(None, SimpleNamespace(global_step=4), flow(**{then: True}))
+    assert read == [2]

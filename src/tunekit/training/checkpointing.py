@@ -44,7 +44,9 @@ def all_finite(tensors: list) -> bool:
 
 
 class StopOnNonFinite(TrainerCallback):
-    """Stop at the first non-finite loss or weight, before that step can be checkpointed."""
+    """Stop at a non-finite loss or weight before a checkpoint, an evaluation or the end can take it. The weights
+    are read only at a step that logs, saves, evaluates or ends (one host sync there, none on other steps: a
+    non-finite weight stays so through AdamW's updates, so it is still there to be found)."""
 
     def __init__(self):
         self.model = None
@@ -54,7 +56,9 @@ class StopOnNonFinite(TrainerCallback):
         self.model, self.named = model, None
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.model is None:
+        # the Trainer's flow callback ran first and set what this step does next
+        if self.model is None or not (control.should_log or control.should_save or control.should_evaluate
+                                      or control.should_training_stop):
             return
         if self.named is None:
             self.named = list(self.model.named_parameters())
@@ -63,7 +67,7 @@ class StopOnNonFinite(TrainerCallback):
             return
         for name, p in trained:  # the first one, in the model's order
             if not bool(p.detach().isfinite().all()):
-                raise TunekitError(f"training diverged at step {state.global_step}: weight {name} is not finite; "
+                raise TunekitError(f"training diverged by step {state.global_step}: weight {name} is not finite; "
                                    "lower training.learning_rate (the last good checkpoint is kept)")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
