@@ -255,3 +255,15 @@ def test_a_run_that_ends_before_its_first_step_is_marked_failed_and_retried_with
     assert RunRecord.load(tmp_path / "run").status == "completed"
     again = run_cli("train", str(path))
     assert again.returncode == 2 and "already exists; pass --force" in again.stderr
+
+
+@pytest.mark.parametrize("overrides, cuda, ds, expected", [
+    ((), True, None, "adamw_torch_fused"),  # AdamW left at its default runs fused on a CUDA GPU
+    ((), False, None, "adamw_torch"),  # a CPU: as set
+    ((), True, {"zero_optimization": {"stage": 2}}, "adamw_torch"),  # DeepSpeed's engine steps the optimizer
+    (("training.optimizer=adamw_torch",), True, None, "adamw_torch"),  # set in the recipe: kept
+    (("training.optimizer=paged_adamw_8bit",), True, None, "paged_adamw_8bit"),
+])
+def test_adamw_left_at_its_default_runs_fused_on_cuda(tmp_path, tiny_model, data_file, overrides, cuda, ds, expected):
+    recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run"), *overrides)
+    assert runner.optimizer_name(recipe.training, ds, cuda) == expected

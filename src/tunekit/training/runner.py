@@ -79,6 +79,18 @@ def _every(kind: str, steps: int | None) -> dict:
     return {f"{kind}_strategy": "steps", f"{kind}_steps": steps} if steps else {f"{kind}_strategy": "epoch"}
 
 
+FUSED_ADAMW = "adamw_torch_fused"
+
+
+def optimizer_name(t, ds: dict | None, cuda: bool) -> str:
+    """training.optimizer as the Trainer runs it: AdamW left at its default runs fused on a CUDA GPU (a few kernels
+    a step for every tensor together, as axolotl and torchtune default to), except under DeepSpeed, whose engine
+    steps the optimizer; a value the recipe sets is kept as set."""
+    if t.optimizer == "adamw_torch" and "optimizer" not in t.model_fields_set and cuda and ds is None:
+        return FUSED_ADAMW
+    return t.optimizer
+
+
 # the base rate the arguments carry while training.learning_rate: auto is still being found
 PROVISIONAL_RATE = 1e-4
 
@@ -116,7 +128,7 @@ def training_arguments(recipe: Recipe, precision: Precision, run_dir: Path, has_
         weight_decay=t.weight_decay,
         neftune_noise_alpha=t.neftune_noise_alpha,
         max_grad_norm=t.max_grad_norm,
-        optim=t.optimizer,
+        optim=optimizer_name(t, ds, distributed.current().cuda),
         bf16=precision.name == "bf16",
         fp16=precision.name == "fp16",
         activation_checkpointing=t.gradient_checkpointing,
@@ -271,6 +283,9 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
         return method.trainer_config(args, recipe)
 
     args = arguments()
+    if args.optim != recipe.training.optimizer:
+        log.info("optimizer: %s (training.optimizer left at %s: the same AdamW, fused, on a CUDA GPU)", args.optim,
+                 recipe.training.optimizer)
     same_everywhere(recipe, args)  # the process group is up (args.world_size sets it up)
     if launch.is_main:
         claim_run_dir(recipe, run_dir, force, resume_from)
