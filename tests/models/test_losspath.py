@@ -13,7 +13,7 @@ from conftest import reverse_rows, tiny_recipe, write_jsonl
 from tunekit.config.recipes import from_dict
 from tunekit.core.hardware import Precision
 from tunekit.data import arrow
-from tunekit.data.collating import collator
+from tunekit.data.collating import TRAINED_POSITIONS, collator
 from tunekit.models import loader, losspath
 from tunekit.training.runner import training_arguments
 from tunekit.training.trainer import SafeStateTrainer
@@ -132,6 +132,29 @@ def test_head_only_sees_trained_positions(tiny_model, tiny_tokenizer, tmp_path):
     with torch.no_grad():  # generation and plain forwards still get logits
         logits = model(input_ids=batch["input_ids"][:1]).logits
     assert logits.shape[-1] == len(tiny_tokenizer)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_trained_positions_found_on_the_host_give_the_same_loss_with_no_sync(tiny_model, tiny_tokenizer, tmp_path,
+                                                                             packing, monkeypatch):
+    """The collator lists the trained positions as it builds the batch; the head then selects them without the
+    device-side nonzero (a host sync a step), and the loss is the same."""
+    train = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    recipe = from_dict(tiny_recipe(tiny_model, train, tmp_path / "out", data={"packing": packing}))
+    model = loader.load_for_training(recipe, Precision("fp32", "test"))
+    trainer = _trainer(recipe, model, True)
+    features = [arrow.build(recipe.data, tiny_tokenizer, 0).train[i] for i in range(5)]
+    batch = collator(tiny_tokenizer, packing, positions=True)(features)
+    shifted = losspath.shift_targets(batch["labels"]).reshape(-1)
+    assert batch[TRAINED_POSITIONS].tolist() == (shifted != losspath.IGNORE).nonzero().squeeze(1).tolist()
+    plain = {k: v for k, v in batch.items() if k != TRAINED_POSITIONS}
+    with torch.no_grad():
+        expected = trainer.compute_loss(model, dict(plain))
+        nonzero = []
+        monkeypatch.setattr(torch.Tensor, "nonzero", lambda t, *a, **k: nonzero.append(1) or torch.nonzero(t))
+        got = trainer.compute_loss(model, dict(batch))
+    assert nonzero == []
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def _gemma2():

@@ -101,15 +101,38 @@ class InPieces:
         return batch
 
 
+TRAINED_POSITIONS = "trained_positions"  # the batch key WithTrainedPositions adds
+
+
+class WithTrainedPositions:
+    """Adds the flat indices of the positions whose next token carries a label (`trained_positions`), found on
+    the host as the batch is built, so that the loss on trained positions (models.losspath) selects them on the
+    device without a host sync. The trainer takes the key out before the model sees the batch."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, features):
+        import torch
+
+        batch = self.inner(features)
+        labels = batch["labels"]
+        trained = torch.zeros(labels.shape, dtype=torch.bool)
+        trained[..., :-1] = labels[..., 1:] != IGNORE  # position t is trained on labels[t + 1]
+        batch[TRAINED_POSITIONS] = trained.reshape(-1).nonzero().squeeze(1)
+        return batch
+
+
 def collator(tokenizer, packing: bool = False, boundaries: bool = False, image_tokens=None, pieces: int = 1,
-             rows: int = 1, fixed: int | None = None):
+             rows: int = 1, fixed: int | None = None, positions: bool = False):
     """Padded batches: input_ids padded with the pad token, labels with -100 (DataCollatorForSeq2Seq).
     Packed: DataCollatorWithFlattening concatenates the micro-batch into one row, restarts position
     ids per example and sets each example's first label to -100; attention builds a block-diagonal
     causal mask from the position ids or, with `boundaries`, reads the sequence boundaries
     (flash-attention), so no example sees another. With a vision-language model's `image_tokens`: padded, with
     each batch's pixel inputs (image examples are never packed). `pieces`, `rows`, `fixed`: the sequence-parallel
-    size, the micro-batch size and the batch length on CPU processes (InPieces)."""
+    size, the micro-batch size and the batch length on CPU processes (InPieces). `positions`: with the trained
+    positions found on the host (WithTrainedPositions; one sequence piece per process only)."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     if packing:
@@ -117,4 +140,6 @@ def collator(tokenizer, packing: bool = False, boundaries: bool = False, image_t
     else:
         padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, padding=True, pad_to_multiple_of=8)
         made = padded if image_tokens is None else WithImages(padded, image_tokens)
-    return made if pieces == 1 else InPieces(made, pieces, tokenizer.pad_token_id, rows, fixed)
+    if pieces > 1:
+        return InPieces(made, pieces, tokenizer.pad_token_id, rows, fixed)
+    return WithTrainedPositions(made) if positions else made

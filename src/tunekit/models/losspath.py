@@ -149,6 +149,7 @@ class TrainedPositionsHead:
         self.head: nn.Linear = base.get_output_embeddings()
         self.rows = chunk_rows(self.head.out_features)
         self.targets: torch.Tensor | None = None
+        self.keep: torch.Tensor | None = None  # the trained positions' flat indices, when the collator found them
         self.trained = 0
         self.loss_sum = loss_sum
         stock = self.head.forward
@@ -157,8 +158,8 @@ class TrainedPositionsHead:
             if self.targets is None:
                 return stock(hidden)
             targets = self.targets.to(hidden.device).reshape(-1)
-            # the trained positions' indices: one host sync a step (boolean-mask indexing syncs once per use)
-            keep = (targets != IGNORE).nonzero().squeeze(1)
+            # the trained positions' indices: from the collator (found on the host), else one host sync here
+            keep = self.keep if self.keep is not None else (targets != IGNORE).nonzero().squeeze(1)
             self.trained = keep.numel()
             # Under ZeRO-3 the weight is gathered only inside this call, so the loss is computed here.
             loss_sum = self.loss_sum or linear_cross_entropy_sum
@@ -168,12 +169,14 @@ class TrainedPositionsHead:
         self.head.forward = forward  # an instance attribute: parameter names and state dicts are unchanged
 
     @contextlib.contextmanager
-    def active(self, targets: torch.Tensor):
-        self.targets = targets
+    def active(self, targets: torch.Tensor, keep: torch.Tensor | None = None):
+        """The next forward returns the summed loss on `targets`' trained positions (`keep`: their flat indices,
+        if known)."""
+        self.targets, self.keep = targets, keep
         try:
             yield
         finally:
-            self.targets = None
+            self.targets = self.keep = None
 
 
 def install(model: nn.Module) -> TrainedPositionsHead | None:

@@ -19,6 +19,7 @@ from transformers import Trainer
 
 from tunekit.core import statefile
 from tunekit.core.errors import TunekitError
+from tunekit.data.collating import TRAINED_POSITIONS
 from tunekit.models import kernels, losspath
 from tunekit.runs.checkpoints import OPTIMIZER
 
@@ -357,12 +358,13 @@ class SafeStateTrainer(SafeState, GenerationEval, Trainer):
         sequence parallelism each process holds a piece of every row, its labels already shifted (DeepSpeed's
         Ulysses loader): the mean is over the trained tokens of all the pieces."""
         pieces = "shift_labels" in inputs
+        inputs = dict(inputs)
+        keep = inputs.pop(TRAINED_POSITIONS, None)  # found by the collator; the model never sees them
         if self.loss_head is None or not (pieces or "labels" in inputs):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        inputs = dict(inputs)
         targets = inputs.pop("shift_labels") if pieces else losspath.shift_targets(inputs.pop("labels"))
         inputs.pop("labels", None)
-        with self.loss_head.active(targets):
+        with self.loss_head.active(targets, keep):
             outputs = model(**inputs)
         total = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         if pieces:

@@ -35,7 +35,7 @@ class Sft(Method):
         # all-gather takes one shape on every process
         fixed = None if torch.cuda.is_available() else -(-recipe.data.max_length // 8) * 8
         collate = CountingCollator(collator(inputs.tokenizer, inputs.packed, boundaries, image_tokens, pieces,
-                                            recipe.training.micro_batch_size, fixed))
+                                            recipe.training.micro_batch_size, fixed, positions=True))
         trainer = SafeStateTrainer(
             model=inputs.model,
             args=inputs.args,
