@@ -250,16 +250,17 @@ def test_a_memory_bandwidth_adds_the_elementwise_work(make_recipe):
     recipe = make_recipe("lora.dropout=0.05")
     cfg, model = estimate.meta_model(recipe)
     s = estimate.Settings(micro_batch=2, seq_len=64, precision="bf16")
-    flops_only = estimate.make(recipe, s, cfg, model)
-    assert flops_only.time.elementwise_seconds == 0
-    assert flops_only.step_seconds == pytest.approx(flops_only.flops_per_step / (989e12 * 0.4))
+    gpu = estimate.make(recipe, s, cfg, model)  # no bandwidth: a GPU plan, matmuls against the host (test_steptime_fit)
+    assert gpu.time.elementwise_seconds == 0
+    assert gpu.time.matmul_seconds == pytest.approx(gpu.flops_per_step / (989e12 * 0.4))
     p = estimate.make(recipe, dataclasses.replace(s, memory_bandwidth=2e9), cfg, model)
+    assert p.time.host is None
     tokens, per_token = 2 * 64, estimate.layer_bytes_per_token(cfg, s, recipe)
     # activations written and read forward, their gradients written and read backward; fp32 logits the same;
     # AdamW reads weight, gradient and two moments and writes weight and moments
     moved = 4 * cfg.num_hidden_layers * tokens * per_token + 4 * tokens * cfg.vocab_size * 4 + p.counts.trainable * 28
     assert p.time.elementwise_bytes == pytest.approx(moved)
-    assert p.step_seconds == pytest.approx(flops_only.step_seconds + moved / 2e9)
+    assert p.step_seconds == pytest.approx(gpu.time.matmul_seconds + moved / 2e9)
     ckpt = estimate.make(recipe, dataclasses.replace(s, memory_bandwidth=2e9, gradient_checkpointing=True), cfg, model)
     assert ckpt.time.elementwise_bytes == pytest.approx(moved + 2 * cfg.num_hidden_layers * tokens * per_token)
     text = estimate.report(recipe, p, None, [])

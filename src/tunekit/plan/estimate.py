@@ -684,7 +684,7 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
     if plan.communication:
         lines += ["", f"sent per step per device: {sum(plan.communication.values()) / 1e9:.3g} GB ("
                   + "; ".join(f"{k} {v / 1e9:.3g} GB" for k, v in plan.communication.items()) + ")"]
-    lines += ["", *time_lines(recipe, plan)]
+    lines += ["", *steptime.lines(recipe, s, plan.time, plan.flops_per_step, plan.step_seconds)]
     lines.append("peak = live tensors (what torch.cuda.max_memory_allocated reports); the CUDA context and "
                  "the allocator's cached blocks come on top")
     if budget is not None:
@@ -697,19 +697,6 @@ def report(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str
     return "\n".join(lines)
 
 
-def time_lines(recipe: Recipe, plan: Plan) -> list[str]:
-    s, t = plan.settings, plan.time
-    lines = [f"training FLOPs per step per device: {plan.flops_per_step:.3e} "
-             f"({'6' if recipe.full_finetuning else '~4'} x parameters in matmuls x tokens, + attention's score and "
-             "value products" + (", + a forward recomputed" if s.gradient_checkpointing else "") + ")"]
-    at = f"{s.peak_tflops:g} TFLOP/s peak and {100 * s.utilization:.0f}% utilization"
-    if t is None or not t.elementwise_seconds:
-        return lines + [f"estimated step time: {plan.step_seconds:.3f} s at {at}"]
-    return lines + [f"estimated step time: {plan.step_seconds:.3f} s: matmuls {t.matmul_seconds:.3f} s at {at}, "
-                    f"elementwise work {t.elementwise_seconds:.3f} s ({t.elementwise_bytes / 1e9:.1f} GB at "
-                    f"{s.memory_bandwidth / 1e9:.3g} GB/s)"]
-
-
 def to_json(plan: Plan) -> str:
     versus = {name: {"label": label, "peak": p.peak, "cpu_bytes": p.cpu_bytes}
               for name, (label, p) in (plan.versus or {}).items()}
@@ -718,6 +705,7 @@ def to_json(plan: Plan) -> str:
                        "peak": plan.peak,
                        "cpu_bytes": plan.cpu_bytes, "flops_per_step": plan.flops_per_step,
                        "step_seconds": plan.step_seconds,
-                       "time": dataclasses.asdict(plan.time) if plan.time else None, "versus": versus or None,
+                       "time": dataclasses.asdict(plan.time) if plan.time else None,
+                       "time_fit": steptime.provenance(plan.time), "versus": versus or None,
                        "communication": plan.communication},
                       indent=2)

@@ -1,5 +1,20 @@
-"""`tunekit plan`'s time per step: the matmuls' FLOPs at the device's peak x utilization, plus, where a memory
-bandwidth is given, the bytes the elementwise work moves at that bandwidth.
+"""`tunekit plan`'s time per micro-batch, two ways.
+
+On a GPU (no memory bandwidth given, the default): the larger of the matmuls' FLOPs at the device's peak x
+utilization and the host's work, fitted to measured runs (plan.gpu_fit, written by bench/plan_time_fit.py). PyTorch
+runs eagerly: the host dispatches each operator and launches its kernels while the GPU runs those before it, so a
+step takes whichever is longer. The recorded GPU runs (LoRA on 1B-8B shapes, 1-2k tokens a micro-batch) are all
+bound by the host; the utilization is the plan's assumption for steps bound by their matmuls, not measured. The
+host's work per micro-batch:
+- operators: each decoder layer's forward and backward and each LoRA-adapted linear's, counted once with a
+  dispatch counter on a small Llama (bench/plan_time_fit.py), times the passes: a forward per forward pass (a
+  recomputed one with gradient checkpointing, a no-grad reference), a backward; a vision tower's layers forward
+  only. So the overhead grows with the layers and with the adapter's tensors (two per adapted linear).
+- QLoRA: each use of a 4-bit weight (dequantized in every forward pass and again for its input's gradient);
+- ZeRO-3: each parameter gathered in every forward pass and the backward; FSDP2: each unit (the decoder layers,
+  the embeddings, the head) gathered in forward and, resharded after it, again in backward.
+Rows of natural length (packed short chat rows) took a further fixed time per micro-batch in the runs; the plan
+assumes full-length rows and only names it. Communication between devices is not counted.
 
 FLOPs per device and micro-batch:
 - each weight matrix: 2 per weight and token forward; backward 2 for the input's gradient and, for what
@@ -14,14 +29,15 @@ FLOPs per device and micro-batch:
   and patch forward (models.vision.image_work: one image per example), and 4 more for those that train; a frozen
   tower takes no backward (its input, the pixels, needs no gradient).
 
-Elementwise bytes (counted only with a bandwidth): the decoder layers' activations (estimate's bytes per
-token and layer) written and read in forward and their gradients written and read in backward, 4 passes (a
-recomputed forward 2 more, a no-grad forward 1); the logits likewise, in fp32 (a score head: 1 per position);
-and the optimizer's pass over the trained weights (weight, gradient and state read, weight and state written).
-QLoRA's dequantization of its 4-bit weights is not counted. On a CPU this work (dropout masks, casts, norms,
-rotary, SiLU) took more than half of a LoRA step of a 1B model (bench/RESULTS.md), and no one utilization of the
-matmul peak describes it across model sizes: its share falls as the hidden size grows. Without a bandwidth (the
-default) the utilization stands for the whole step, as a model-FLOPs utilization does."""
+With a memory bandwidth (a CPU, calibrated as bench/real_size.py does): the matmuls at peak x utilization plus
+the bytes the elementwise work moves at that bandwidth, no host term. Elementwise bytes: the decoder layers'
+activations (estimate's bytes per token and layer) written and read in forward and their gradients written and
+read in backward, 4 passes (a recomputed forward 2 more, a no-grad forward 1); the logits likewise, in fp32 (a
+score head: 1 per position); and the optimizer's pass over the trained weights (weight, gradient and state read,
+weight and state written). QLoRA's dequantization of its 4-bit weights is not counted. On a CPU this work
+(dropout masks, casts, norms, rotary, SiLU) took more than half of a LoRA step of a 1B model (bench/RESULTS.md),
+and no one utilization of the matmul peak describes it across model sizes: its share falls as the hidden size
+grows."""
 
 from __future__ import annotations
 
@@ -29,7 +45,24 @@ from dataclasses import dataclass
 
 from tunekit.config import methods
 from tunekit.models import vision
-from tunekit.plan import shapes
+from tunekit.plan import gpu_fit, shapes, sharding
+
+
+@dataclass
+class HostWork:
+    """The host's work per micro-batch in a GPU plan (the module's docstring), counted from the model."""
+
+    layer_forwards: int  # decoder layers run forward over all forward passes, a vision tower's layers included
+    layer_backwards: int
+    adapter_forwards: int  # LoRA-adapted linears run forward over all forward passes
+    adapter_backwards: int
+    full: bool  # full fine-tuning: each layer's backward also takes its weights' gradients
+    dropout: bool  # LoRA dropout: a mask per adapted linear and forward
+    four_bit: int  # uses of a 4-bit weight
+    zero3_gathers: int  # parameters ZeRO-3 gathers
+    fsdp_gathers: int  # units FSDP2 gathers
+    operators: float = 0.0  # PyTorch operators dispatched
+    seconds: float = 0.0
 
 
 @dataclass
@@ -38,10 +71,13 @@ class StepTime:
     elementwise_bytes: float  # 0 without a bandwidth
     matmul_seconds: float
     elementwise_seconds: float
+    host: HostWork | None = None  # a GPU plan's host work; None with a memory bandwidth
+    basis: str = ""  # a GPU plan's: the runs its figures were fitted to, in words
 
     @property
     def seconds(self) -> float:
-        return self.matmul_seconds + self.elementwise_seconds
+        device = self.matmul_seconds + self.elementwise_seconds
+        return max(device, self.host.seconds) if self.host else device
 
 
 def attention_flops(cfg, s, recipe) -> float:
@@ -88,13 +124,85 @@ def elementwise_bytes(cfg, s, c, per_token_layer: float, optimizer_state: float,
     return layers + logits + optimizer
 
 
+def host_work(cfg, model, s, recipe) -> HostWork:
+    """What the host does per micro-batch (the module's docstring), with the operators and seconds of plan.gpu_fit."""
+    forwards = 1 + int(s.gradient_checkpointing) + s.extra_forwards
+    adapted = sum(1 for name, _ in model.named_parameters() if "lora_A." in name)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tower = getattr(base.config, "vision_config", None)
+    tower_layers = (getattr(tower, "num_hidden_layers", None) or getattr(tower, "depth", 0)) if tower else 0
+    ps = sharding.params(recipe, model)
+    layers = cfg.num_hidden_layers
+    work = HostWork(layer_forwards=layers * forwards + tower_layers, layer_backwards=layers,
+                    adapter_forwards=adapted * (1 + int(s.gradient_checkpointing)), adapter_backwards=adapted,
+                    full=recipe.full_finetuning, dropout=bool(recipe.lora and recipe.lora.dropout),
+                    four_bit=sum(p.kind == "quantized" for p in ps) * (forwards + 1),
+                    zero3_gathers=len(ps) * (forwards + 1) if s.zero_stage == 3 and not s.fsdp else 0,
+                    fsdp_gathers=(layers + 2) * (1 + int(s.fsdp_reshard_after_forward)) if s.fsdp else 0)
+    work.operators = operators(work, gpu_fit.FIT["operators"])
+    k = gpu_fit.FIT["coefficients"]
+    work.seconds = (k["seconds_per_operator"] * work.operators + k["seconds_per_four_bit_use"] * work.four_bit
+                    + k["seconds_per_zero3_gather"] * work.zero3_gathers
+                    + k["seconds_per_fsdp_gather"] * work.fsdp_gathers)
+    return work
+
+
+def operators(work: HostWork, per: dict) -> float:
+    """PyTorch operators dispatched per micro-batch, from the counts `per` layer and adapted linear (gpu_fit)."""
+    adapter = "_dropout" if work.dropout else ""
+    return (work.layer_forwards * per["layer_forward"]
+            + work.layer_backwards * per["layer_backward_full" if work.full else "layer_backward"]
+            + work.adapter_forwards * per["adapter_forward" + adapter]
+            + work.adapter_backwards * per["adapter_backward" + adapter])
+
+
 def estimate(cfg, model, s, recipe, c, per_token_layer: float, optimizer_state: float,
              extra_flops: float = 0.0) -> StepTime:
-    """The step's time per micro-batch; `extra_flops`: work outside the training step (GRPO's sampling)."""
+    """The step's time per micro-batch; `extra_flops`: work outside the training step (GRPO's sampling). Without a
+    memory bandwidth, a GPU plan: the matmuls against the host's work; with one, matmuls and elementwise work."""
     flops = step_flops(cfg, model, s, recipe, c) + extra_flops
     matmul = flops / (s.peak_tflops * 1e12 * s.utilization)
     if not s.memory_bandwidth:
-        return StepTime(flops, 0.0, matmul, 0.0)
+        return StepTime(flops, 0.0, matmul, 0.0, host_work(cfg, model, s, recipe), gpu_fit.FIT["basis"])
     width = 1 if methods.of(recipe).score_head else cfg.vocab_size
     moved = elementwise_bytes(cfg, s, c, per_token_layer, optimizer_state, width)
     return StepTime(flops, moved, matmul, moved / s.memory_bandwidth)
+
+
+def lines(recipe, s, t: StepTime | None, flops: float, seconds: float) -> list[str]:
+    """The plan's report on its FLOPs and step time (`s`: its Settings)."""
+    out = [f"training FLOPs per step per device: {flops:.3e} "
+           f"({'6' if recipe.full_finetuning else '~4'} x parameters in matmuls x tokens, + attention's score and "
+           "value products" + (", + a forward recomputed" if s.gradient_checkpointing else "") + ")"]
+    at = f"{s.peak_tflops:g} TFLOP/s peak and {100 * s.utilization:.0f}% utilization"
+    if t is not None and t.host is not None:
+        return out + gpu_lines(t, seconds, at)
+    if t is None or not t.elementwise_seconds:
+        return out + [f"estimated step time: {seconds:.3f} s at {at}"]
+    return out + [f"estimated step time: {seconds:.3f} s: matmuls {t.matmul_seconds:.3f} s at {at}, "
+                  f"elementwise work {t.elementwise_seconds:.3f} s ({t.elementwise_bytes / 1e9:.1f} GB at "
+                  f"{s.memory_bandwidth / 1e9:.3g} GB/s)"]
+
+
+def gpu_lines(t: StepTime, seconds: float, at: str) -> list[str]:
+    """A GPU plan's step time: the host's work against the matmuls, and where the figures come from."""
+    h, fit = t.host, gpu_fit.FIT
+    work = [f"{h.operators:,.0f} PyTorch operators"] + [f"{n:,} {what}" for n, what in (
+        (h.four_bit, "uses of 4-bit weights"), (h.zero3_gathers, "ZeRO-3 parameter gathers"),
+        (h.fsdp_gathers, "FSDP2 unit gathers")) if n]
+    host = f"the host's work {h.seconds:.3f} s ({', '.join(work)})"
+    matmuls = f"the matmuls' {t.matmul_seconds:.3f} s at {at}"
+    varying = fit["coefficients"]["varying_rows_seconds"]
+    return [f"estimated step time: {seconds:.3f} s per micro-batch, {t.basis}: "
+            + (f"{host} outlasts {matmuls}" if h.seconds >= t.matmul_seconds else f"{matmuls} outlast {host}"),
+            f"  for full-length rows: packed rows of natural length took {varying:.2f} s more per micro-batch in those "
+            f"runs; the fit's worst recorded row: {fit['worst'][0]:.2f}x its measured tokens/s (bench/RESULTS.md)"]
+
+
+def provenance(t: StepTime | None) -> dict | None:
+    """A GPU plan's time, where it comes from (for --json): the runs fitted to, the coefficients, the worst row."""
+    if t is None or t.host is None:
+        return None
+    fit = gpu_fit.FIT
+    return {"basis": fit["basis"], "gpus": fit["gpus"], "runs": fit["runs"], "script": fit["script"],
+            "coefficients": fit["coefficients"], "worst_ratio": fit["worst"]}
