@@ -270,6 +270,7 @@ def main(argv=None) -> int:
     a.add_argument("--h200", default=RUNS["H200"][0])
     a.add_argument("--check", action="store_true", help="print the fit, write nothing")
     args = a.parse_args(argv)
+    os.chdir(ROOT)  # the recipes' and checks' paths (ds_configs/...) are the repository's
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.disable(logging.WARNING)  # the recipes' hub data sets cannot be read offline: no matter to a plan
     paths = {"H100": args.h100, "H200": args.h200}
