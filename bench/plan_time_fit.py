@@ -132,10 +132,11 @@ def rows_of(runs: dict, counted: dict, work: Path) -> list[dict]:
                 plans[c.name] = (planned(c, work), planned(c, work, memory_bandwidth=1.0))
             p, with_bytes = plans[c.name]
             s, host = p.settings, p.time.host
+            counts = {k: v for k, v in vars(host).items() if k not in ("operators", "seconds")}  # the fit's own
             tokens = s.micro_batch * s.sequences * s.seq_len
             rows.append({"gpu": gpu, "check": c.name, "data": c.data, "tokens": tokens,
                          "measured_tokens_per_s": r["tokens_per_s"], "measured_seconds": tokens / r["tokens_per_s"],
-                         "matmul_seconds": p.time.matmul_seconds, "host": vars(host).copy(),
+                         "matmul_seconds": p.time.matmul_seconds, "host": counts,
                          "terms": {"operators": steptime.operators(host, counted), "four_bit": host.four_bit,
                                    "zero3_gathers": host.zero3_gathers, "fsdp_gathers": host.fsdp_gathers,
                                    "varying": float(c.data == "chat")},
