@@ -27,10 +27,12 @@ def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return out
 
 
-@pytest.fixture
-def varlen_on_cpu(monkeypatch):
+@pytest.fixture(params=["reference", "shipped"])
+def varlen_on_cpu(request, monkeypatch):
+    """`varlen` registered, its kernel the per-sequence SDPA reference above or the one this machine runs."""
     attention.register()
-    monkeypatch.setattr(attention, "_kernel", reference_kernel)
+    if request.param == "reference":
+        monkeypatch.setattr(attention, "_kernel", reference_kernel)
 
 
 def tiny(path, name="sdpa"):
@@ -107,30 +109,58 @@ def test_padded_batches_and_generation_are_sdpa_s(tiny_model, tiny_tokenizer, va
 
 def test_where_it_is_chosen(tiny_model, monkeypatch):
     model = tiny(tiny_model)
-    # this machine: no CUDA GPU, so today's attention, said in the log line
-    choice = attention.choose(model, None, "bf16", True, 512)
-    assert choice.name == "sdpa" and "needs a CUDA GPU" in choice.reason
-    assert model.config._attn_implementation == "sdpa"
-    with pytest.raises(TunekitError, match="model.attn_implementation: varlen cannot run here: it needs a CUDA GPU"):
-        attention.choose(model, "varlen", "bf16", True, 512)
     assert attention.choose(model, "eager", "bf16", True, 512).reason == "model.attn_implementation: eager"
-    # a CUDA GPU as the kernel needs it: chosen where every condition holds, else the reason
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    choice = attention.choose(model, None, "bf16", False, 512)
+    assert choice.name == "sdpa" and choice.reason == "sdpa (varlen not used: batches are not packed)"
+    with pytest.raises(TunekitError, match="model.attn_implementation: varlen cannot run here: batches are not "
+                                           "packed; set it to sdpa or remove it"):
+        attention.choose(model, "varlen", "bf16", False, 512)
     cfg = model.config
-    assert attention.unfit_reason(cfg, "bf16", True, 512, "sdpa") is None
-    assert attention.unfit_reason(cfg, "bf16", False, 512, "sdpa") == "batches are not packed"
-    assert "training.precision is fp32" in attention.unfit_reason(cfg, "fp32", True, 512, "sdpa")
-    assert "loaded with eager" in attention.unfit_reason(cfg, "bf16", True, 512, "eager")
-    monkeypatch.setattr(cfg, "sliding_window", 256, raising=False)
-    assert "window" in attention.unfit_reason(cfg, "bf16", True, 512, "sdpa")
-    assert attention.unfit_reason(cfg, "bf16", True, 256, "sdpa") is None  # a window no sequence reaches
-    cfg.sliding_window = None
+    for cuda in (False, True):  # on either device: packed, no window, no attention dropout
+        assert "loaded with eager" in attention.unfit_reason(cfg, "bf16", True, 512, "eager", cuda)
+        monkeypatch.setattr(cfg, "sliding_window", 256, raising=False)
+        assert "window" in attention.unfit_reason(cfg, "bf16", True, 512, "sdpa", cuda)
+        monkeypatch.setattr(cfg, "sliding_window", None)
+        monkeypatch.setattr(cfg, "attention_dropout", 0.1)
+        assert "attention dropout" in attention.unfit_reason(cfg, "bf16", True, 512, "sdpa", cuda)
+        monkeypatch.setattr(cfg, "attention_dropout", 0.0)
+    # a CPU runs it in any precision
+    assert attention.unfit_reason(cfg, "fp32", True, 512, "sdpa", cuda=False) is None
+    # a CUDA GPU as the flash kernel needs it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert attention.unfit_reason(cfg, "bf16", True, 512, "sdpa", cuda=True) is None
+    assert "training.precision is fp32" in attention.unfit_reason(cfg, "fp32", True, 512, "sdpa", cuda=True)
+    monkeypatch.setattr(cfg, "head_dim", 12)
+    assert "head size 12" in attention.unfit_reason(cfg, "bf16", True, 512, "sdpa", cuda=True)
+    monkeypatch.setattr(cfg, "head_dim", 8)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    assert "compute capability 8.0" in attention.unfit_reason(cfg, "bf16", True, 512, "sdpa")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    choice = attention.choose(model, None, "bf16", True, 512)
+    assert "compute capability 8.0" in attention.unfit_reason(cfg, "bf16", True, 512, "sdpa", cuda=True)
+    # this machine: chosen, and said so in the run log
+    choice = attention.choose(model, None, "fp32", True, 512)
     assert choice.name == attention.NAME and model.config._attn_implementation == attention.NAME
+    assert choice.reason.startswith("varlen: ") and ("flash kernel" if torch.cuda.is_available() else
+                                                     "each sequence alone") in choice.reason
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_cpu_kernel_equals_sdpa_over_the_block_mask(dtype, tol):
+    """per_sequence: short sequences in its own kernel, long ones (past SHORT) on SDPA's flash kernel; GQA."""
+    torch.manual_seed(0)
+    lengths = [3, 40, attention.SHORT + 60, 17, 1]
+    total, heads, kv, dim = sum(lengths), 4, 2, 16
+    q, k, v = (torch.randn(total, h, dim, dtype=dtype, requires_grad=True) for h in (heads, kv, kv))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = attention.per_sequence(q, k, v, cu, cu, max(lengths), max(lengths), dim ** -0.5)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = (seq[:, None] == seq[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None].repeat_interleave(2, 1),
+        v.transpose(0, 1)[None].repeat_interleave(2, 1), attn_mask=mask)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    grads = [torch.autograd.grad((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum(), (q, k, v))
+             for o in (out, ref)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_the_collator_carries_boundaries_only_for_a_kernel_that_reads_them(tiny_tokenizer):

@@ -1,16 +1,18 @@
-"""Which attention a training run uses, and torch's variable-length flash kernel for packed batches.
+"""Which attention a training run uses, and attention over packed batches that reads their boundaries.
 
 Packed (padding-free) batches on SDPA are slow by construction in transformers 5.23: every forward infers the
 packed sequences from position_ids (`masking_utils.find_packed_sequence_indices`, a host sync) and builds a
-block-causal [length, length] mask, which keeps SDPA off its flash kernel. torch (2.10 and later) ships a
-variable-length flash kernel, `torch.nn.attention.varlen.varlen_attn`, that takes the sequences' boundaries
-instead. `varlen` is that kernel registered with transformers' attention interface: the collator builds the
-boundaries once per batch on the host (DataCollatorWithFlattening's `cu_seq_lens_*` / `max_length_*`), they reach
-every layer as keyword arguments, and no forward infers them. Padded batches and generation under the same name get
-SDPA's own masks and SDPA.
+block-causal [length, length] mask, over which SDPA computes every block of the row. `varlen` is registered with
+transformers' attention interface instead: the collator builds the sequences' boundaries once per batch on the host
+(DataCollatorWithFlattening's `cu_seq_lens_*` / `max_length_*`), they reach every layer as keyword arguments, no
+forward infers them or builds a mask, and each sequence attends only within itself:
+- on a CUDA GPU, torch's variable-length flash kernel (`torch.nn.attention.varlen.varlen_attn`, torch 2.10 on);
+- on a CPU, each sequence alone: short ones through a few batched matmuls (`_Short`), long ones through SDPA's
+  flash kernel (bench/RESULTS.md, "Attention over packed rows on a CPU").
+Padded batches and generation under the same name get SDPA's own masks and SDPA.
 
-`choose` makes it the default where it applies (a CUDA GPU of compute capability 8.0 or more, packed batches,
-16-bit compute, a head size the kernel takes, no sliding window or attention dropout); everywhere else the model
+`choose` makes it the default where it applies (packed batches; on a GPU, compute capability 8.0 or more, 16-bit
+compute and a head size the flash kernel takes; no sliding window or attention dropout); everywhere else the model
 keeps the attention it loaded with.
 """
 
@@ -61,7 +63,107 @@ def kernel():
     return run
 
 
-_kernel = None  # set by register(); tests put a CPU reference in its place
+SHORT = 192  # tokens: up to this a CPU runs a sequence's attention faster in _Short than in SDPA's flash kernel
+
+
+def _grouped(t, a: int, b: int, kv: int, group: int):
+    """Tokens a:b of (tokens, heads, dim) as (key/value heads, group x length, dim): each key/value head's query
+    heads stacked, so one batched matmul serves them all (GQA)."""
+    n, dim = b - a, t.shape[-1]
+    return t[a:b].view(n, kv, group, dim).permute(1, 2, 0, 3).reshape(kv, group * n, dim)
+
+
+def _ungrouped(t, n: int, kv: int, group: int):
+    dim = t.shape[-1]
+    return t.view(kv, group, n, dim).permute(2, 0, 1, 3).reshape(n, kv * group, dim)
+
+
+class _Short(torch.autograd.Function):
+    """Causal attention over short sequences laid end to end ((tokens, heads, dim), `bounds` their starts and end),
+    in fp32 as the flash kernel accumulates: three batched matmuls a sequence forward and four backward, the
+    probabilities kept for backward. On a CPU, SDPA's flash kernel costs ~0.7 ms a call even on 16 tokens and its
+    math kernel dispatches ~40 operators a call; this is measured in bench/RESULTS.md."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bounds: list[int], scale: float):
+        with torch.autocast(q.device.type, enabled=False):
+            kv, group = k.shape[1], q.shape[1] // k.shape[1]
+            qf, kf, vf = q.float(), k.float(), v.float()
+            out = torch.empty(qf.shape, dtype=torch.float32, device=q.device)
+            probabilities = []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                n = b - a
+                scores = torch.bmm(_grouped(qf, a, b, kv, group), kf[a:b].permute(1, 2, 0)).mul_(scale)
+                later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+                scores.view(kv, group, n, n).masked_fill_(later, float("-inf"))
+                p = torch.softmax(scores, -1)
+                out[a:b] = _ungrouped(torch.bmm(p, vf[a:b].transpose(0, 1)), n, kv, group)
+                probabilities.append(p)
+        ctx.save_for_backward(qf, kf, vf, *probabilities)
+        ctx.bounds, ctx.scale, ctx.dtypes = bounds, scale, (q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qf, kf, vf, *probabilities = ctx.saved_tensors
+        kv, group = kf.shape[1], qf.shape[1] // kf.shape[1]
+        with torch.autocast(qf.device.type, enabled=False):
+            g = grad_out.float()
+            dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+            for p, a, b in zip(probabilities, ctx.bounds[:-1], ctx.bounds[1:]):
+                n = b - a
+                go = _grouped(g, a, b, kv, group)
+                dv[a:b] = torch.bmm(p.transpose(1, 2), go).transpose(0, 1)
+                dp = torch.bmm(go, vf[a:b].permute(1, 2, 0))
+                ds = (dp - (dp * p).sum(-1, keepdim=True)).mul_(p).mul_(ctx.scale)
+                dq[a:b] = _ungrouped(torch.bmm(ds, kf[a:b].transpose(0, 1)), n, kv, group)
+                dk[a:b] = torch.bmm(ds.transpose(1, 2), _grouped(qf, a, b, kv, group)).transpose(0, 1)
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None
+
+
+def per_sequence(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """varlen_attn's contract on a CPU (self-attention: cu_q is cu_k): causal attention over each sequence of the
+    flattened rows (tokens, heads, dim), the boundaries read on the host (they live there on a CPU). Runs of short
+    sequences go through _Short; a longer one through SDPA's flash kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    starts = cu_q.tolist()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    pieces, run = [], [starts[0]]
+
+    def close_run():
+        if len(run) > 1:
+            a = run[0]
+            pieces.append(_Short.apply(q[a:run[-1]], k[a:run[-1]], v[a:run[-1]], [x - a for x in run], scale))
+        run[:] = [run[-1]]
+
+    for a, b in zip(starts[:-1], starts[1:]):
+        if b - a <= SHORT:
+            run.append(b)
+            continue
+        close_run()
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            piece = torch.nn.functional.scaled_dot_product_attention(  # (1, heads, length, dim): flash takes 4-D
+                q[None, a:b].transpose(1, 2), k[None, a:b].transpose(1, 2), v[None, a:b].transpose(1, 2),
+                is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        pieces.append(piece[0].transpose(0, 1))
+        run[:] = [b]
+    close_run()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def dispatch(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """torch's varlen flash kernel on a CUDA GPU, `per_sequence` elsewhere."""
+    global _cuda
+    if q.device.type != "cuda":
+        return per_sequence(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    if _cuda is None:
+        _cuda = kernel()
+    return _cuda(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+
+_cuda = None
+_kernel = dispatch  # tests put a reference in its place
 
 
 def boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -124,7 +226,6 @@ def _early_exit_for_packed(original):
 
 def register() -> None:
     """`varlen` in transformers' attention and mask interfaces (its masks are SDPA's, for padded batches), once."""
-    global _kernel
     from transformers import masking_utils
     from transformers.modeling_utils import AttentionInterface
 
@@ -133,33 +234,32 @@ def register() -> None:
     AttentionInterface.register(NAME, varlen_forward)
     masking_utils.AttentionMaskInterface.register(NAME, masking_utils.sdpa_mask)
     masking_utils._preprocess_mask_arguments = _early_exit_for_packed(masking_utils._preprocess_mask_arguments)
-    if _kernel is None and torch.cuda.is_available():
-        _kernel = kernel()
 
 
-def unfit_reason(config, precision: str, packed: bool, max_length: int, current: str | None) -> str | None:
-    """Why the varlen kernel cannot serve this run, or None where it can."""
+def unfit_reason(config, precision: str, packed: bool, max_length: int, current: str | None,
+                 cuda: bool | None = None) -> str | None:
+    """Why `varlen` cannot serve this run, or None where it can (`cuda`: on a CUDA GPU; None: if there is one)."""
     if not packed:
         return "batches are not packed"
-    if not torch.cuda.is_available():
-        return "it needs a CUDA GPU"
-    if torch.cuda.get_device_capability() < (8, 0):
-        return "the flash kernel needs a GPU of compute capability 8.0 or more"
-    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 or later has)"
-    if precision not in ("bf16", "fp16"):
-        return f"it computes in bf16 or fp16, and training.precision is {precision}"
     if current not in (None, "sdpa", NAME):
         return f"the model loaded with {current} attention"
-    heads = getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    if head_dim not in HEAD_SIZES:
-        return f"its head size {head_dim} is not one the flash kernel takes (a multiple of 8 up to 256)"
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     if window and window < max_length or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return "the model slides an attention window"
     if getattr(config, "attention_dropout", 0.0):
         return "the model has attention dropout"
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return None  # a CPU: per_sequence
+    if torch.cuda.get_device_capability() < (8, 0):
+        return "the flash kernel needs a GPU of compute capability 8.0 or more"
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 or later has)"
+    if precision not in ("bf16", "fp16"):
+        return f"the flash kernel computes in bf16 or fp16, and training.precision is {precision}"
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if head_dim not in HEAD_SIZES:
+        return f"its head size {head_dim} is not one the flash kernel takes (a multiple of 8 up to 256)"
     return None
 
 
@@ -178,8 +278,9 @@ def choose(model, requested: str | None, precision: str, packed: bool, max_lengt
         if requested == NAME:
             raise TunekitError(f"model.attn_implementation: {NAME} cannot run here: {why_not}; set it to sdpa or "
                                "remove it")
-        return Choice(current, f"{current}; torch's varlen flash kernel not used: {why_not}")
+        return Choice(current, f"{current} ({NAME} not used: {why_not})")
     register()
     base.set_attn_implementation(NAME)
-    return Choice(NAME, "torch's variable-length flash kernel over packed sequences, their boundaries built by the "
-                        "collator")
+    how = ("torch's variable-length flash kernel" if torch.cuda.is_available() else
+           "each sequence alone (the CPU's packed attention)")
+    return Choice(NAME, f"{NAME}: {how} over the packed sequences, their boundaries built by the collator")
