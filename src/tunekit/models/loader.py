@@ -31,7 +31,7 @@ from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core import distributed
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
-from tunekit.models import hub, kernels, vision
+from tunekit.models import hub, kernels, lorafused, vision
 from tunekit.models.ggufread import one_reader
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 
@@ -320,6 +320,7 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     if quant is not None or peft_cfg is not None or start_adapter is not None:
         # beside fp32 adapter matrices: one dtype for everything trained (ZeRO-3 flattens them into one buffer)
         trainable_in_fp32(model)
+        lorafused.fuse(model)
     return model
 
 
