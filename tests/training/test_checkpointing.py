@@ -36,23 +36,33 @@ def test_a_non_finite_trained_weight_stops_the_run_naming_the_first_and_frozen_o
     stop.on_train_begin(None, None, None, model=model)
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")  # frozen: not the run's to stop for
-    stop.on_step_end(None, SimpleNamespace(global_step=6), flow(should_log=True))
+    stop.on_step_end(None, SimpleNamespace(global_step=6), flow(should_save=True))
     with torch.no_grad():
         model[2].weight[1, 1] = float("inf")
         model[1].bias[0] = float("nan")
     with pytest.raises(TunekitError, match=r"by step 7: weight 1\.bias is not finite"):
-        stop.on_step_end(None, SimpleNamespace(global_step=7), flow(should_log=True))
+        stop.on_step_end(None, SimpleNamespace(global_step=7), flow(should_save=True))
 
 
-@pytest.mark.parametrize("then", ["should_log", "should_save", "should_evaluate", "should_training_stop"])
-def test_weights_are_read_only_at_a_step_that_logs_saves_evaluates_or_ends(then, monkeypatch):
+@pytest.mark.parametrize("then", ["should_save", "should_evaluate", "should_training_stop"])
+def test_weights_are_read_only_at_a_step_that_saves_evaluates_or_ends(then, monkeypatch):
     model = torch.nn.Linear(2, 2)
     stop = checkpointing.StopOnNonFinite()
     stop.on_train_begin(None, None, None, model=model)
     read = []
     monkeypatch.setattr(checkpointing, "all_finite", lambda tensors: read.append(len(tensors)) or True)
-    for step in range(1, 4):  # plain steps: no host sync
-        stop.on_step_end(None, SimpleNamespace(global_step=step), flow())
+    for step in range(1, 4):  # plain and logged steps: no host sync of its own
+        stop.on_step_end(None, SimpleNamespace(global_step=step), flow(should_log=step == 2))
     assert read == []
     stop.on_step_end(None, SimpleNamespace(global_step=4), flow(**{then: True}))
     assert read == [2]
+
+
+@pytest.mark.parametrize("logs, says", [({"loss": float("nan")}, "training loss is nan at step 3"),
+                                        ({"loss": 2.0, "grad_norm": float("inf")},
+                                         "training diverged at step 3: the gradient norm is inf")])
+def test_a_logged_step_is_judged_by_what_the_trainer_logs(logs, says):
+    stop = checkpointing.StopOnNonFinite()
+    stop.on_log(None, SimpleNamespace(global_step=3), None, logs={"loss": 2.0, "grad_norm": 0.5})
+    with pytest.raises(TunekitError, match=says):
+        stop.on_log(None, SimpleNamespace(global_step=3), None, logs=logs)

@@ -44,9 +44,10 @@ def all_finite(tensors: list) -> bool:
 
 
 class StopOnNonFinite(TrainerCallback):
-    """Stop at a non-finite loss or weight before a checkpoint, an evaluation or the end can take it. The weights
-    are read only at a step that logs, saves, evaluates or ends (one host sync there, none on other steps: a
-    non-finite weight stays so through AdamW's updates, so it is still there to be found)."""
+    """Stop at a non-finite loss, gradient norm or weight before a checkpoint, an evaluation or the end can take it.
+    A logged step is judged by the loss and gradient norm the Trainer logs (already on the host); the weights are
+    read only at a step that saves, evaluates or ends (one host sync there, none on other steps: a non-finite weight
+    stays so through AdamW's updates, so it is still there to be found)."""
 
     def __init__(self):
         self.model = None
@@ -57,8 +58,7 @@ class StopOnNonFinite(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         # the Trainer's flow callback ran first and set what this step does next
-        if self.model is None or not (control.should_log or control.should_save or control.should_evaluate
-                                      or control.should_training_stop):
+        if self.model is None or not (control.should_save or control.should_evaluate or control.should_training_stop):
             return
         if self.named is None:
             self.named = list(self.model.named_parameters())
@@ -71,7 +71,11 @@ class StopOnNonFinite(TrainerCallback):
                                    "lower training.learning_rate (the last good checkpoint is kept)")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        loss = (logs or {}).get("loss")
+        logs = logs or {}
+        loss, norm = logs.get("loss"), logs.get("grad_norm")
         if loss is not None and not math.isfinite(loss):
             raise TunekitError(f"training loss is {loss} at step {state.global_step}; lower training.learning_rate "
                                "or check the data (the last good checkpoint is kept)")
+        if isinstance(norm, float) and not math.isfinite(norm):
+            raise TunekitError(f"training diverged at step {state.global_step}: the gradient norm is {norm}; lower "
+                               "training.learning_rate (the last good checkpoint is kept)")
