@@ -258,12 +258,14 @@ def test_a_run_that_ends_before_its_first_step_is_marked_failed_and_retried_with
 
 
 @pytest.mark.parametrize("overrides, cuda, ds, expected", [
-    ((), True, None, "adamw_torch_fused"),  # AdamW left at its default runs fused on a CUDA GPU
-    ((), False, None, "adamw_torch"),  # a CPU: as set
+    ((), True, None, "adamw_torch_fused"),  # AdamW left at its default runs fused
+    ((), False, None, "adamw_torch_fused"),
     ((), True, {"zero_optimization": {"stage": 2}}, "adamw_torch"),  # DeepSpeed's engine steps the optimizer
+    (("training.fsdp={}",), False, None, "adamw_torch"),  # sharded over CPU processes: as set
+    (("training.fsdp={}",), True, None, "adamw_torch_fused"),
     (("training.optimizer=adamw_torch",), True, None, "adamw_torch"),  # set in the recipe: kept
     (("training.optimizer=paged_adamw_8bit",), True, None, "paged_adamw_8bit"),
 ])
-def test_adamw_left_at_its_default_runs_fused_on_cuda(tmp_path, tiny_model, data_file, overrides, cuda, ds, expected):
+def test_adamw_left_at_its_default_runs_fused(tmp_path, tiny_model, data_file, overrides, cuda, ds, expected):
     recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run"), *overrides)
     assert runner.optimizer_name(recipe.training, ds, cuda) == expected
