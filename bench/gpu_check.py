@@ -16,9 +16,13 @@ three, start-up left out on both sides) and peak memory
 (torch.cuda.max_memory_allocated) against `tunekit plan`'s prediction for the same run (goal: within 10%, on
 `text` runs, where the planner's full-length assumption holds), and, where marked, against a TRL SFTTrainer
 script (bench/trl_sft.py) with the same model, data, batch and precision, run in the same call (goal:
-tunekit >= 1.5x its tokens/s at no more peak memory). Checks run in order of importance; one that would
-not finish within the budget is recorded as not run. Writes bench/gpu_check.json after every check and
-prints one table.
+tunekit >= 1.5x its tokens/s at no more peak memory). Every row keeps its per-step times and its model FLOPs
+utilisation (flops_per_token: ~4 x parameters x tokens with an adapter, 6 x for full fine-tuning, plus attention,
+against the device's dense 16-bit peak); rows marked `profile` keep, for their last PROFILED steps on both sides,
+bench/step_profile.py's summary (top kernels, host syncs, the GPU's idle gaps between kernels), those steps left
+out of the steady figure. `varlen-parity` compares torch's varlen kernel with SDPA over the block mask
+(bench/varlen_parity.py). Checks run in order of importance; one that would not finish within the budget is
+recorded as not run. Writes bench/gpu_check.json after every check and prints one table.
 
 On an offline GPU machine (see docs/development.md): `bash bench/gpu_check.sh [--out FILE]`.
 Here: `python bench/gpu_check.py [--only NAME ...] [--budget SECONDS] [--tiny]`; `--tiny` swaps each shape
@@ -78,24 +82,43 @@ class Check:
     steps: int = 20
     learns: bool = True  # the loss must fall (GRPO on random weights: equal rewards, zero advantage, no signal)
     est_s: int = 40  # seconds on an H100 (measured), set-up included: one that would overrun the budget is not started
+    accumulation: int = 1  # micro-batches per optimizer step (training.gradient_accumulation_steps, TRL's too)
+    profile: bool = False  # profile the last PROFILED steps of both sides (bench/step_profile.py)
+    script: str | None = None  # a bench script that checks instead of a training run (varlen-parity)
 
 
 QLORA = ["quantization.bits=4", "quantization.quant_type=nf4", "quantization.double_quant=true",
-         "quantization.compute_dtype=bf16"]
+          "quantization.compute_dtype=bf16"]
+# most important first: what decides against TRL, then what a user trains at scale, then the other paths
 CHECKS = [
-    Check("lora-bf16", "LoRA r16 bf16, padding-free packing with SDPA (data.packing auto), against TRL",
+    Check("varlen-parity", "varlen (torch's variable-length flash kernel) against SDPA with the block-causal mask on "
+          "the same packed chat rows: logits, loss, LoRA forward+backward tokens/s", "llama-1b", "chat",
+          script="varlen_parity.py", needs="", est_s=40),
+    Check("lora-bf16", "LoRA r16 bf16, padding-free packing (data.packing auto, varlen on CUDA), against TRL",
           "llama-1b", "chat", ["training.precision=bf16", "training.micro_batch_size=8"],
-          trl={"precision": "bf16", "batch": 8}, needs="", est_s=85),
+          trl={"precision": "bf16", "batch": 8}, needs="", est_s=85, profile=True),
+    Check("qwen-7b-lora", "LoRA bf16 on the Qwen2.5-7B shape, chat rows, against TRL", "qwen-7b", "chat",
+          ["training.precision=bf16", "training.micro_batch_size=8"], trl={"precision": "bf16", "batch": 8},
+          est_s=115, profile=True),
     Check("qlora-8b", "QLoRA nf4 (bitsandbytes CUDA kernels) with paged 8-bit AdamW on the 8B shape: embeddings and "
           "head in bf16, against TRL", "llama-8b", "text",
           [*QLORA, "training.precision=bf16", "training.micro_batch_size=2", "training.optimizer=paged_adamw_8bit"],
-          trl={"precision": "bf16", "batch": 2, "quant4": True, "optim": "paged_adamw_8bit"}, est_s=115),
+          trl={"precision": "bf16", "batch": 2, "quant4": True, "optim": "paged_adamw_8bit"}, est_s=115,
+          profile=True),
+    Check("lora-1b-16k", "LoRA bf16 on the 1B shape at 16,384 tokens an optimizer step (micro-batch 8 x 512 tokens, "
+          "accumulation 4), against TRL", "llama-1b", "text",
+          ["training.precision=bf16", "training.micro_batch_size=8", "training.gradient_accumulation_steps=4"],
+          trl={"precision": "bf16", "batch": 8}, accumulation=4, steps=10, needs="", est_s=70),
+    Check("qlora-8b-16k", "QLoRA nf4 on the 8B shape at 16,384 tokens an optimizer step (micro-batch 4 x 512, "
+          "accumulation 8), paged 8-bit AdamW, against TRL", "llama-8b", "text",
+          [*QLORA, "training.precision=bf16", "training.micro_batch_size=4", "training.optimizer=paged_adamw_8bit",
+           "training.gradient_accumulation_steps=8"],
+          trl={"precision": "bf16", "batch": 4, "quant4": True, "optim": "paged_adamw_8bit"}, accumulation=8,
+          steps=8, est_s=150),
     Check("flagship", "llama_qlora.yaml's settings: QLoRA nf4 + double quant, bf16, ZeRO-2, accumulation 8, "
           "checkpointing, paged 8-bit AdamW; merge with its parity check", "llama-1b", "text",
           ["training.epochs=1", "training.warmup_ratio=0", "training.micro_batch_size=2"],
           recipe="llama_qlora.yaml", merge=True, steps=6, est_s=70),
-    Check("lora-fp16", "LoRA fp16 with loss scaling", "llama-1b", "text",
-          ["training.precision=fp16", "training.micro_batch_size=4"], est_s=30),
     Check("lora-bf16-text", "LoRA bf16 on full-length rows, tunekit's chunked loss (the kernels' baseline)",
           "llama-1b", "text", ["training.precision=bf16", "training.micro_batch_size=4"], needs="", est_s=30),
     Check("zero3", "DeepSpeed ZeRO-3, a group of one, LoRA bf16", "llama-1b", "text",
@@ -104,6 +127,12 @@ CHECKS = [
     Check("fsdp2", "FSDP2 under torchrun, a group of one, LoRA bf16", "llama-1b", "text",
           ["training.fsdp={}", "training.precision=bf16", "training.micro_batch_size=4"], torchrun=True, needs="",
           est_s=45),
+    Check("lora-fp16", "LoRA fp16 with loss scaling", "llama-1b", "text",
+          ["training.precision=fp16", "training.micro_batch_size=4"], est_s=30),
+    Check("vlm-qlora", "qwen_vl_qlora.yaml's settings (4-bit language model, bf16 tower and projector, gradient "
+          "checkpointing) on image batches, a LLaVA-1.5 composition on the Llama-3.2-1B shape", "llava-1b", "vision",
+          ["training.micro_batch_size=4", "training.gradient_accumulation_steps=1", "data.max_length=640"],
+          recipe="qwen_vl_qlora.yaml", needs="", est_s=60),
     Check("grpo", "GRPO sampling (transformers generate), LoRA bf16, 4 completions per prompt", "llama-1b", "grpo",
           ["training.precision=bf16", "training.micro_batch_size=8", "grpo.completions=4",
            "grpo.max_completion_length=32"], recipe="smollm2_grpo.yaml", steps=4, needs="", learns=False,
@@ -114,13 +143,6 @@ CHECKS = [
     Check("cce", "training.kernels: cut_cross_entropy (Apple's Cut Cross-Entropy)", "llama-1b", "text",
           ["training.precision=bf16", "training.micro_batch_size=4", "training.kernels=cut_cross_entropy"],
           needs="cut_cross_entropy", est_s=40),
-    Check("qwen-7b-lora", "LoRA bf16 on the Qwen2.5-7B shape, against TRL", "qwen-7b", "chat",
-          ["training.precision=bf16", "training.micro_batch_size=8"], trl={"precision": "bf16", "batch": 8},
-          est_s=115),
-    Check("vlm-qlora", "qwen_vl_qlora.yaml's settings (4-bit language model, bf16 tower and projector, gradient "
-          "checkpointing) on image batches, a LLaVA-1.5 composition on the Llama-3.2-1B shape", "llava-1b", "vision",
-          ["training.micro_batch_size=4", "training.gradient_accumulation_steps=1", "data.max_length=640"],
-          recipe="qwen_vl_qlora.yaml", needs="", est_s=60),
     # torch's ring attention has no sharding rule for SDPA's CPU kernel: context parallel runs on GPUs only, and
     # needs two of them (docs/multi-gpu.md); the lent machine has one, so this row is skipped there
     Check("cp2", "training.parallelism cp 2 under FSDP2 (torch's ring attention over SDPA), LoRA bf16, a row's "
@@ -128,6 +150,9 @@ CHECKS = [
           ["training.fsdp={}", "training.parallelism={cp: 2}", "model.attn_implementation=sdpa",
            "data.packing=false", "training.precision=bf16", "training.micro_batch_size=4"], gpus=2, est_s=60),
 ]
+PROFILED = 2  # steps profiled at the end of a check marked `profile`, left out of its steady tokens/s
+# dense bf16/fp16 TFLOP/s by device name, for model FLOPs utilisation (NVIDIA's data sheets: SXM parts)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
 
 
 # --- the machine, the tokenizer, the data and the models ---------------------------------------------------
@@ -203,9 +228,12 @@ def write_data(work: Path, tok, n_chat: int = 2000, n_text: int = 400) -> dict[s
     chat = docstring_rows()
     random.Random(0).shuffle(chat)
     # rows that fit max_length: the TRL script's padding-free batches do not truncate
-    chat = [r for r in chat[:3 * n_chat]
-            if len(tok(tok.apply_chat_template(r["messages"], tokenize=False),
-                       add_special_tokens=False)["input_ids"]) <= SQL]
+    lengths = [len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"])
+               for r in chat[:3 * n_chat]]
+    chat = [r for r, n in zip(chat[:3 * n_chat], lengths) if n <= SQL]
+    kept = [n for n in lengths if n <= SQL][:n_chat]
+    # the sequence length each token attends over on average (sum n^2 / sum n): attention's FLOPs per token
+    (work / "context.json").write_text(json.dumps({"chat": sum(n * n for n in kept) / sum(kept), "text": SQL}))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text, chunk = [], 6 * SQL  # characters; a row is kept only if it has at least SQL tokens
     for path in sorted(stdlib.glob("*.py")):
@@ -367,19 +395,33 @@ def trl_baseline(c: Check, model: Path, data: Path, work: Path, timeout: float, 
     if tiny:
         t["precision"] = "fp32"
     cmd = [sys.executable, str(ROOT / "bench" / "trl_sft.py"), "--model", str(model), "--train", str(data),
-           "--format", c.data, "--steps", str(c.steps), "--out", str(out),
+           "--format", c.data, "--steps", str(c.steps), "--out", str(out), "--accumulation", str(c.accumulation),
            "--batch", str(t["batch"]), "--precision", t["precision"], "--warm", str(WARM)]
     cmd += ["--quant4"] * bool(t.get("quant4")) + (["--optim", t["optim"]] if t.get("optim") else [])
+    if c.profile:
+        cmd += ["--until", str(c.steps - PROFILED), "--profile", str(work / f"{c.name}-trl-profile.json"),
+                "--profile-steps", f"{c.steps - PROFILED + 1}:{c.steps}"]
     rc, seconds = run(cmd, work / f"{c.name}-trl.log", timeout)
     if rc != 0:
         return {"result": "FAIL", "notes": f"TRL exit {rc}: {tail(work / f'{c.name}-trl.log')}"}
-    return {**json.loads(out.read_text()), "seconds": round(seconds, 1)}
+    profile = work / f"{c.name}-trl-profile.json"
+    return {**json.loads(out.read_text()), "seconds": round(seconds, 1),
+            **({"profile": json.loads(profile.read_text())} if c.profile and profile.is_file() else {})}
 
 
-def steady(rows: list[dict], warm: int = WARM) -> float | None:
-    """Real tokens/s over the logged steps after the first `warm` (loss_history.jsonl logs every step here):
-    the start-up that run.json's whole-run figure counts is left out, as bench/trl_sft.py leaves it out."""
-    return rate([(r["time"], r["tokens_collated"]) for r in rows if "loss" in r and "tokens_collated" in r], warm)
+def steady(rows: list[dict], warm: int = WARM, until: int | None = None) -> float | None:
+    """Real tokens/s over the logged steps after the first `warm` and up to step `until` (loss_history.jsonl logs
+    every step here): the start-up that run.json's whole-run figure counts is left out, as bench/trl_sft.py leaves
+    it out, and so are profiled steps."""
+    points = [(r["time"], r["tokens_collated"]) for r in rows if "loss" in r and "tokens_collated" in r
+              and (until is None or r["step"] <= until)]
+    return rate(points, warm)
+
+
+def step_seconds(rows: list[dict]) -> list[float]:
+    """Each logged step's time (loss_history.jsonl logs every step here), from the second."""
+    times = [r["time"] for r in rows if "loss" in r]
+    return [round(b - a, 4) for a, b in zip(times, times[1:])]
 
 
 def rate(points: list[tuple[float, int]], warm: int = WARM) -> float | None:
@@ -391,18 +433,41 @@ def rate(points: list[tuple[float, int]], warm: int = WARM) -> float | None:
     return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
 
-def measured(out: Path) -> dict:
+def measured(out: Path, until: int | None = None) -> dict:
     info = json.loads((out / "run.json").read_text())
     rows = [json.loads(line) for line in (out / "loss_history.jsonl").read_text().splitlines()]
     loss = [r["loss"] for r in rows if "loss" in r]
     sampled = [r["completions/mean_length"] for r in rows if "completions/mean_length" in r]
     peak = info.get("peak_memory_gb", {})
     return {"status": info.get("status"), "precision": info["precision"]["name"], "loss": loss,
-            "tokens_per_s": steady(rows),
+            "tokens_per_s": steady(rows, until=until), "step_seconds": step_seconds(rows),
+            "attention": info["data"].get("attention"), "parameters": info.get("parameters"),
             "tokens_per_s_whole_run": (info.get("throughput") or {}).get("real_tokens_per_s"),
             "peak_gib": peak.get("cuda_allocated", peak.get("cpu_rss")),
             "peak_measure": "cuda max_memory_allocated" if "cuda_allocated" in peak else "cpu peak RSS",
             **({"completion_length": sum(sampled) / len(sampled)} if sampled else {})}
+
+
+def flops_per_token(config: dict, parameters: int, full: bool, context: float) -> float:
+    """Training FLOPs per token: 4 x the parameters in matmuls with a frozen base and an adapter (forward 2N, input
+    gradients 2N; the adapter's weight gradients are small), 6 x for full fine-tuning; plus attention's score and
+    value products, 6 x layers x context x query width (forward 2, halved by the causal mask, backward 4)."""
+    text = config.get("text_config", config)
+    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    width = text["num_attention_heads"] * text.get("head_dim", hidden // text["num_attention_heads"])
+    embeddings = 0 if text.get("tie_word_embeddings") else text["vocab_size"] * hidden  # a lookup, not a matmul
+    return (6 if full else 4) * (parameters - embeddings) + 6 * layers * context * width
+
+
+def utilisation(m: dict, model: Path, work: Path, c: Check, device: str) -> float | None:
+    """Model FLOPs utilisation of a row's steady tokens/s against the device's dense 16-bit peak."""
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+    if not (peak and m.get("tokens_per_s") and m.get("parameters") and m["precision"] in ("bf16", "fp16")):
+        return None
+    context = json.loads((work / "context.json").read_text()).get(c.data, SQL)
+    config = json.loads((model / "config.json").read_text())
+    full = m["parameters"]["trainable"] == m["parameters"]["total"]
+    return m["tokens_per_s"] * flops_per_token(config, m["parameters"]["total"], full, context) / (peak * 1e12)
 
 
 def verdicts(c: Check, m: dict, plan: dict | None, trl: dict | None, cuda: bool) -> list[str]:
@@ -450,24 +515,35 @@ def run_check(c: Check, work: Path, files: dict, tok, tiny: bool, timeout: float
     except RuntimeError as e:
         return {"name": c.name, "what": c.what, "result": "FAIL", "seconds": round(time.perf_counter() - started, 1),
                 "notes": str(e)}
+    log = work / f"{c.name}.log"
+    row = {"name": c.name, "what": c.what, "shape": SHAPES[c.shape] + (" (2 layers, --tiny)" if tiny else ""),
+           "data": c.data, "log": str(log)}
+    if c.script:
+        return {**row, **script_check(c, model, files[c.data], work, log, timeout, ["--batches", "2"] * tiny),
+                "seconds": round(time.perf_counter() - started, 1)}
     out = work / "runs" / c.name
     sets = recipe_sets(c, model, files[c.data], out, tiny)
     procs = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.gpus}"]
     launcher = procs if c.torchrun or c.gpus > 1 else []
-    log = work / f"{c.name}.log"
+    profile = work / f"{c.name}-profile.json"
+    profiled = [str(ROOT / "bench" / "step_profile.py"), str(profile), str(c.steps - PROFILED + 1), str(c.steps),
+                "--"] if c.profile and not launcher else []
     plan_log = work / f"{c.name}-plan.log"
     plan_proc = start_plan(c, sets, plan_log) if c.data in ("text", "vision") else None
-    rc, _ = run([sys.executable, *launcher, "-m", "tunekit", "train", f"recipes/{c.recipe}", "--force",
+    rc, _ = run([sys.executable, *profiled, *launcher, "-m", "tunekit", "train", f"recipes/{c.recipe}", "--force",
                  *[a for s in sets for a in ("--set", s)]], log, timeout)
-    row = {"name": c.name, "what": c.what, "shape": SHAPES[c.shape] + (" (2 layers, --tiny)" if tiny else ""),
-           "data": c.data, "log": str(log)}
     plan = planned(plan_proc, plan_log, 120) if plan_proc else None
     if rc != 0:
         return {**row, "result": "FAIL", "seconds": round(time.perf_counter() - started, 1),
                 "notes": f"train exit {rc}: {tail(log)}"}
-    m = measured(out)
+    m = measured(out, until=c.steps - PROFILED if profiled else None)
+    if profile.is_file():
+        m["profile"] = json.loads(profile.read_text())
+    m["mfu"] = utilisation(m, model, work, c, torch.cuda.get_device_name(0) if cuda else "cpu")
     left = timeout - (time.perf_counter() - started)
     trl = trl_baseline(c, model, files[c.data], work, left, tiny) if c.trl else None
+    if trl and trl.get("steady_tokens_per_s") and m.get("mfu"):
+        trl["mfu"] = m["mfu"] * trl["steady_tokens_per_s"] / m["tokens_per_s"]
     problems = verdicts(c, m, plan, trl, cuda)
     notes = []
     if c.merge:
@@ -477,6 +553,19 @@ def run_check(c: Check, work: Path, files: dict, tok, tiny: bool, timeout: float
     shutil.rmtree(out / "merged", ignore_errors=True)  # an 8B merge is 16 GB of disk
     return {**row, **m, "plan": plan, "trl": trl, "result": "FAIL" if problems else "ok",
             "seconds": round(time.perf_counter() - started, 1), "notes": "; ".join(problems + [n for n in notes if n])}
+
+
+def script_check(c: Check, model: Path, data: Path, work: Path, log: Path, timeout: float, extra: list[str]) -> dict:
+    """A check a bench script makes (its JSON's `ok` decides)."""
+    out = work / f"{c.name}.json"
+    rc, _ = run([sys.executable, str(ROOT / "bench" / c.script), "--model", str(model), "--train", str(data),
+                 "--out", str(out), *extra], log, timeout)
+    if not out.is_file():
+        return {"result": "FAIL", "notes": f"{c.script} exit {rc}: {tail(log)}"}
+    found = json.loads(out.read_text())
+    return {"result": "ok" if found.get("ok") else "FAIL", "found": found,
+            "notes": ", ".join(f"{k} {found[k]:.4g}" for k in ("max_abs_logit_diff", "loss_sdpa", "loss_varlen",
+                                                               "speedup") if isinstance(found.get(k), float))}
 
 
 # --- the set -----------------------------------------------------------------------------------------------
@@ -500,12 +589,13 @@ def ratio(x: float | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'check':<15} {'result':<7} {'s':>5} {'tok/s':>8} {'peak GiB':>8} {'vs plan mem':>11} "
+    head = (f"{'check':<15} {'result':<7} {'s':>5} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8} {'vs plan mem':>11} "
             f"{'vs plan tok/s':>13} {'vs TRL tok/s':>12} {'vs TRL mem':>10}  notes")
     lines = [head]
     for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         lines.append(f"{r['name']:<15} {r['result']:<7} {r.get('seconds', 0):>5.0f} "
-                     f"{r.get('tokens_per_s') or 0:>8.0f} {r.get('peak_gib') or 0:>8.2f} "
+                     f"{r.get('tokens_per_s') or 0:>8.0f} {mfu:>6} {r.get('peak_gib') or 0:>8.2f} "
                      f"{ratio(r.get('memory_vs_plan')):>11} {ratio(r.get('speed_vs_plan')):>13} "
                      f"{ratio(r.get('speed_vs_trl')):>12} {ratio(r.get('memory_vs_trl')):>10}  {r.get('notes', '')}")
     return "\n".join(lines)
@@ -559,6 +649,7 @@ def main() -> int:
         total = time.perf_counter() - started  # written after every check: a cut-off run keeps what it did
         Path(a.out).write_text(json.dumps({"machine": env, "budget_s": a.budget, "total_seconds": round(total, 1),
                                            "goals": {"plan_within": PLAN_GOAL, "tokens_per_s_vs_trl": TRL_GOAL},
+                                           "mfu": flops_per_token.__doc__.split(":", 1)[1].strip(),
                                            "checks": rows}, indent=2, default=str) + "\n")
     if not rows:
         print(f"gpu-check: no check named {a.only}")

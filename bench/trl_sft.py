@@ -14,6 +14,9 @@ torch.cuda.max_memory_allocated over the whole process, loading included, as tun
 (CPU: peak RSS).
 
     python bench/trl_sft.py --model DIR --train FILE --format chat|text --out FILE [--batch 8] [--steps 20]
+        [--accumulation 1] [--profile FILE --profile-steps FIRST:LAST]
+
+The step times are kept (`step_seconds`), and --profile writes bench/step_profile.py's summary of the steps named.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from trl import SFTConfig, SFTTrainer
 
 from gpu_check import rate  # the same steady measure as tunekit's side (bench/ is this script's directory)
+from step_profile import StepProfile
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -74,6 +78,10 @@ def main() -> None:
     p.add_argument("--quant4", action="store_true")
     p.add_argument("--optim", default="adamw_torch")
     p.add_argument("--warm", type=int, default=3, help="steps left out of the steady tokens/s (default 3)")
+    p.add_argument("--until", type=int, help="last step counted in the steady tokens/s (default: the last)")
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--profile", help="write a profile of --profile-steps to this file (bench/step_profile.py)")
+    p.add_argument("--profile-steps", default="", help="FIRST:LAST optimizer steps, 1-based")
     a = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -85,6 +93,7 @@ def main() -> None:
                                                  device_map={"": 0} if cuda else None)
     tok = AutoTokenizer.from_pretrained(a.model)
     args = SFTConfig(output_dir=a.out + ".dir", max_steps=a.steps, per_device_train_batch_size=a.batch,
+                     gradient_accumulation_steps=a.accumulation,
                      learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=1, logging_steps=1,
                      save_strategy="no", report_to=[], max_length=None, padding_free=True,
                      gradient_checkpointing=False, bf16=a.precision == "bf16", fp16=a.precision == "fp16",
@@ -94,13 +103,17 @@ def main() -> None:
                        peft_config=peft)
     clock = StepClock(trainer)
     trainer.add_callback(clock)
+    if a.profile:
+        first, last = (int(x) for x in a.profile_steps.split(":"))
+        trainer.add_callback(StepProfile(a.profile, first, last))
     result = trainer.train()
     runtime = result.metrics["train_runtime"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = (torch.cuda.max_memory_allocated() / 2**30 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     out = {"tokens": trainer.tokens, "train_runtime_s": runtime, "tokens_per_s": trainer.tokens / runtime,
-           "steady_tokens_per_s": rate(clock.points, a.warm), "warm_steps": a.warm,
+           "steady_tokens_per_s": rate(clock.points[:a.until], a.warm), "warm_steps": a.warm,
+           "step_seconds": [round(b[0] - a_[0], 4) for a_, b in zip(clock.points, clock.points[1:])],
            "peak_gib": peak, "peak_measure": "cuda max_memory_allocated" if cuda else "cpu peak RSS",
            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
     with open(a.out, "w") as f:

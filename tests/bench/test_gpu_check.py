@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -81,3 +83,48 @@ def test_steady_tokens_per_second_leaves_the_warm_up_out():
     rows += [{"step": s, "time": 10.0 + s - 1, "tokens_collated": 100 * s, "loss": 3.0} for s in range(2, 9)]
     assert g.steady(rows, warm=3) == 100.0
     assert g.steady(rows[:5], warm=3) is None  # too few steps after the warm-up
+
+
+def test_steady_leaves_profiled_steps_out_and_step_times_are_kept():
+    g = gpu_check()
+    rows = [{"step": s, "time": float(s), "tokens_collated": 100 * s, "loss": 3.0} for s in range(1, 9)]
+    rows += [{"step": 9, "time": 30.0, "tokens_collated": 900, "loss": 3.0}]  # a profiled step, 22 s slower
+    assert g.steady(rows, warm=3) < 50 and g.steady(rows, warm=3, until=8) == 100.0
+    assert g.step_seconds(rows) == [1.0] * 7 + [22.0]
+
+
+def test_flops_per_token_is_the_stated_formula():
+    g = gpu_check()
+    cfg = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 4, "vocab_size": 10,
+           "tie_word_embeddings": False}
+    # 1080 parameters, 80 of them the input embeddings (a lookup); attention 6 x 2 layers x 100 x (2 x 4)
+    assert g.flops_per_token(cfg, 1080, False, 100.0) == 4 * 1000 + 6 * 2 * 100 * 8
+    assert g.flops_per_token({**cfg, "tie_word_embeddings": True}, 1080, True, 100.0) == 6 * 1080 + 9600
+
+
+def test_the_step_profile_counts_host_syncs_and_operators():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = importlib.util.spec_from_file_location("step_profile", ROOT / "bench" / "step_profile.py")
+    step_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_profile)
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):  # two "steps": a matmul and one .item() each
+            (x @ x).sum().item()
+    out = step_profile.summarize(prof, steps=2)
+    assert out["host_syncs_per_step"]["aten::_local_scalar_dense"] == 1
+    assert out["top_operators_ms_per_step"][0][0] and out["operators_per_step"] >= 3
+
+
+def test_the_varlen_parity_check_runs_on_a_cpu(tmp_path):
+    import json
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--tiny", "--only", "varlen-parity",
+                          "--work", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+    found = row["found"]
+    assert row["result"] == "ok" and found["loss_varlen"] == pytest.approx(found["loss_sdpa"], rel=1e-5), row
