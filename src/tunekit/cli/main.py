@@ -221,10 +221,13 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="memory per device, e.g. 24GiB: prints a verdict and fixes")
     p.add_argument("--peak-tflops", type=positive_float, default=989.0,
                    help="peak TFLOP/s per device (default: H100 bf16)")
-    p.add_argument("--utilization", type=fraction, default=0.4, help="fraction of peak reached (default 0.4)")
+    p.add_argument("--utilization", type=fraction, default=0.4,
+                   help="fraction of peak the matmuls reach (default 0.4; an assumption: the measured GPU runs were "
+                        "bound by the host's work, which the plan times from them)")
     p.add_argument("--memory-bandwidth", type=positive_float, metavar="GB_PER_S",
-                   help="GB/s the elementwise work (activations, casts, dropout, the optimizer) reaches: adds its "
-                        "time to the step time (default: matmuls only; on a CPU it matters, see bench/RESULTS.md)")
+                   help="GB/s the elementwise work (activations, casts, dropout, the optimizer) reaches, for a CPU: "
+                        "the step is then the matmuls plus that work (default: a GPU's step, the longer of the "
+                        "matmuls and the host's work fitted to measured GPU runs; see docs/plan.md)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--model-config", metavar="FILE",
                    help="the model's config.json, for a model not downloaded here (without it: the model's own "
