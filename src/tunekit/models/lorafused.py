@@ -41,8 +41,13 @@ def fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if not autocast and result.dtype != a.dtype:
         return fallback(self, x, *args, **kwargs)
     hidden = torch.nn.functional.linear(self.lora_dropout[name](x), a)
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), b.t(),
-                      alpha=self.scaling[name])
+    flat, h = result.reshape(-1, result.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
+    if autocast and result.dtype != torch.get_autocast_dtype(x.device.type):
+        # a wider base output (a 4-bit layer on fp32 norms returns fp32): the sum stays in its dtype, as peft's does
+        with torch.autocast(x.device.type, enabled=False):
+            out = torch.addmm(flat, h.to(result.dtype), b.t().to(result.dtype), alpha=self.scaling[name])
+    else:
+        out = torch.addmm(flat, h, b.t(), alpha=self.scaling[name])
     return out.view(result.shape)
 
 
