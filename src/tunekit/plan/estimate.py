@@ -190,14 +190,19 @@ def layer_bytes_per_token(cfg, s: Settings, recipe: Recipe) -> float:
     dimension, kv key/value width, I the MLP's width, plan.shapes):
     - each RMSNorm its fp32 input and inverse RMS, with trained norm weights (full fine-tuning) also the normalised
       input; at fp32 its output too, which the projections after it keep;
-    - below fp32, each of q, k, v, gate and up keeps its own 16-bit cast of its input (5h), and under LoRA o_proj
-      too (q: peft casts the input to the adapter's fp32, autocast back);
+    - below fp32, each of q, k, v, gate and up keeps its own 16-bit cast of its input (5h). Under LoRA's fused
+      forward (models.lorafused) a 16-bit base's adapters take their input as it is: the attention's and the MLP's
+      inputs are kept once each (2h), none with dropout, whose outputs the adapters keep instead; a 4-bit base on
+      fp32 norms still casts (5h). Where peft's own forward runs (ZeRO-3) it casts the input to the adapter's fp32
+      and autocast back, o_proj's too (5h + q);
     - attention: the rotated q and k, v, the output (2q + 2kv) and the kernel's log-sum-exp (fp32 per head);
       eager attention also its probabilities (2 x heads x seq);
     - the SwiGLU MLP's gate, up, SiLU(gate) and product (4I); under QLoRA below fp32 the first three in fp32
       (bitsandbytes' 4-bit layers return their fp32 input's dtype: the norms keep fp32 weights);
-    - LoRA: each of the seven projections' r-wide adapter output; with dropout an fp32 copy of each adapted input
-      (5h + q + I), at fp32 a second one of q, k, v, gate and up's (5h);
+    - LoRA: each of the seven projections' r-wide adapter output (fp32 for the six whose 4-bit base returns fp32,
+      fused); with dropout an fp32 copy of each adapted input (5h + q + I), at fp32 a second one of q, k, v, gate
+      and up's (5h); fused on a 16-bit base, the dropout's output and mask in 16 bits, down_proj's output being
+      the MLP's product (10h + 2q + I);
     - under sequence parallelism o_proj keeps the all-to-all's output (q) where it would share attention's.
     Tensor parallelism splits what is per head or per column (plan.splitting); the norms and casts stay whole."""
     h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
@@ -205,8 +210,16 @@ def layer_bytes_per_token(cfg, s: Settings, recipe: Recipe) -> float:
     full, lora = recipe.full_finetuning, recipe.lora is not None
     fp32 = s.precision == "fp32"
     elem = 4 if fp32 else 2
+    fused = lora and s.zero_stage != 3  # models.lorafused: ZeRO-3's partitioned adapters keep peft's forward
+    plain16 = fused and not fp32 and recipe.quantization is None  # a 16-bit base under the fused forward
+    dropout = lora and recipe.lora.dropout > 0
     whole = 2 * (4 * h + 4) + (2 * 4 * h if full else 0)  # the two norms
-    whole += 2 * 4 * h if fp32 else (5 * h + (q if lora else 0)) * elem
+    if fp32:
+        whole += 2 * 4 * h
+    elif plain16:
+        whole += (0 if dropout else 2 * h) * elem
+    else:
+        whole += (5 * h + (q if lora and not fused else 0)) * elem
     mlp = 4 * inter * elem if fp32 or recipe.quantization is None else 3 * inter * 4 + inter * 2
     split = (2 * q + 2 * kv) * elem + 4 * heads + mlp
     if recipe.model.attn_implementation == "eager":
@@ -215,7 +228,11 @@ def layer_bytes_per_token(cfg, s: Settings, recipe: Recipe) -> float:
         split += q * elem
     if lora:
         whole += 7 * recipe.lora.r * elem
-        if recipe.lora.dropout > 0:
+        if fused and not fp32 and recipe.quantization is not None:
+            whole += 6 * recipe.lora.r * (4 - elem)
+        if dropout and plain16:
+            whole += (10 * h + 2 * q + inter) * elem
+        elif dropout:
             whole += (5 * h + q + inter) * 4 + (5 * h * 4 if fp32 else 0)
     return whole + split / s.tp
 
