@@ -173,6 +173,19 @@ def tiny_recipe(model: Path, train_file: Path, out: Path, **sections) -> dict:
     return recipe
 
 
+@pytest.fixture()
+def plan_recipe(tmp_path, tiny_model):
+    """A tiny LoRA recipe to plan (max_length 256), with overrides: plan_recipe("adapter=qlora", ...)."""
+    from tunekit.config import recipes
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}])
+
+    def _make(*overrides):
+        raw = tiny_recipe(tiny_model, data, tmp_path / "run", data={"max_length": 256})
+        return recipes.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
+    return _make
+
+
 def base_and_tuned(model: str, recipe: Path, tmp_path: Path) -> tuple[dict, dict, Path]:
     """`tunekit eval` of the base `model` on the recipe's held-out data, then the recipe trained as shipped:
     (base scores, the run's end-of-training scores, its run directory)."""

@@ -9,19 +9,8 @@ import re
 
 import pytest
 
-from conftest import ROOT, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from conftest import ROOT
 from tunekit.plan import estimate, shapes, splitting
-
-
-@pytest.fixture()
-def make_recipe(tmp_path, tiny_model):
-    data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}])
-
-    def _make(*overrides):
-        raw = tiny_recipe(tiny_model, data, tmp_path / "run", data={"max_length": 256})
-        return recipes.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
-    return _make
 
 
 def planned(recipe, world, **changes):
@@ -29,8 +18,8 @@ def planned(recipe, world, **changes):
     return estimate.make(recipe, s, versus=False)
 
 
-def test_sequence_and_context_parallel_divide_a_devices_positions(make_recipe):
-    recipe = make_recipe("training.deepspeed=" + str(ROOT / "ds_configs/zero2.json"))
+def test_sequence_and_context_parallel_divide_a_devices_positions(plan_recipe):
+    recipe = plan_recipe("training.deepspeed=" + str(ROOT / "ds_configs/zero2.json"))
     whole, sp = planned(recipe, 4), planned(recipe, 4, sp=4)
     assert sp.parts["activations"] == pytest.approx(whole.parts["activations"] / 4)
     assert sp.parts["logits and loss"] < whole.parts["logits and loss"]
@@ -40,8 +29,8 @@ def test_sequence_and_context_parallel_divide_a_devices_positions(make_recipe):
     assert cp.parts["activations"] == pytest.approx(whole.parts["activations"] / 2)
 
 
-def test_tensor_parallel_splits_the_layers_matrices_and_their_activations(make_recipe):
-    recipe = make_recipe("adapter=none", "lora=null")
+def test_tensor_parallel_splits_the_layers_matrices_and_their_activations(plan_recipe):
+    recipe = plan_recipe("adapter=none", "lora=null")
     cfg, model = estimate.meta_model(recipe)
     share = splitting.split_share(model)
     h, inter, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
@@ -58,15 +47,15 @@ def test_tensor_parallel_splits_the_layers_matrices_and_their_activations(make_r
     assert tp.parts["activations"] / one.parts["activations"] == pytest.approx((whole + split / 2) / (whole + split))
 
 
-def test_the_bytes_each_device_sends_per_step(make_recipe):
-    recipe = make_recipe("adapter=none", "lora=null")
+def test_the_bytes_each_device_sends_per_step(plan_recipe):
+    recipe = plan_recipe("adapter=none", "lora=null")
     cfg, _ = estimate.meta_model(recipe)
     h, layers, q, kv = cfg.hidden_size, cfg.num_hidden_layers, shapes.q_width(cfg), shapes.kv_width(cfg)
     tokens = 8 * 256  # micro-batch 8 x max_length, one accumulation step
     sent = planned(recipe, 2, tp=2).communication
     assert sent["tensor parallel 2: all-reduces of the row-split layers' outputs"] == pytest.approx(
         4 * layers * tokens * h * 2 * 2 * (2 - 1) / 2)  # 4 all-reduces a layer, bf16, a ring of 2
-    sent = planned(make_recipe(), 4, sp=2, zero_stage=2).communication
+    sent = planned(plan_recipe(), 4, sp=2, zero_stage=2).communication
     pieces = tokens / 2
     assert sent["sequence parallel 2: all-to-alls around attention"] == pytest.approx(
         2 * layers * (2 * q + 2 * kv) * pieces * 2 * (2 - 1) / 2)

@@ -10,24 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
 from tunekit.plan import estimate, gpu_fit, steptime
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = json.loads((ROOT / "bench" / "plan_time_fit.json").read_text())
 # the recorded rows the shipped fit (both runs) misses by more than 25% in tokens/s (bench/RESULTS.md says why)
 OUTSIDE = {"H200 vlm-qlora", "H100 cce", "H100 lora-fp16"}
-
-
-@pytest.fixture()
-def make_recipe(tmp_path, tiny_model):
-    data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}])
-
-    def _make(*overrides):
-        raw = tiny_recipe(tiny_model, data, tmp_path / "run", data={"max_length": 256})
-        return recipes.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
-    return _make
 
 
 def host(recipe, cfg=None, **changes):
@@ -75,15 +63,15 @@ def test_each_run_checks_the_fit_made_on_the_other():
         assert f"{checked} {worst['check']}" == f["worst"][1]
 
 
-def test_host_work_grows_with_the_adapter_tensors_and_the_layers(make_recipe):
+def test_host_work_grows_with_the_adapter_tensors_and_the_layers(plan_recipe):
     per = gpu_fit.FIT["operators"]
-    recipe = make_recipe()
+    recipe = plan_recipe()
     cfg, _ = estimate.meta_model(recipe)
     two, four = (host(recipe, cfg.__class__(**{**cfg.to_dict(), "num_hidden_layers": n})) for n in (2, 4))
     layer = per["layer_forward"] + per["layer_backward"] + 7 * (per["adapter_forward"] + per["adapter_backward"])
     assert four.operators - two.operators == pytest.approx(2 * layer)
     assert four.seconds - two.seconds == pytest.approx(2 * layer * gpu_fit.FIT["coefficients"]["seconds_per_operator"])
-    fewer = host(make_recipe("lora.target_modules=[q_proj, v_proj]"), cfg)
+    fewer = host(plan_recipe("lora.target_modules=[q_proj, v_proj]"), cfg)
     everything = host(recipe, cfg)
     adapted = cfg.num_hidden_layers * 5  # five more adapted linears a layer, two tensors each
     assert everything.adapter_backwards - fewer.adapter_backwards == adapted
@@ -93,19 +81,19 @@ def test_host_work_grows_with_the_adapter_tensors_and_the_layers(make_recipe):
         cfg.num_hidden_layers * (per["layer_forward"] + 7 * per["adapter_forward"]))
 
 
-def test_quantized_and_sharded_plans_count_their_host_work(make_recipe):
-    recipe = make_recipe()
+def test_quantized_and_sharded_plans_count_their_host_work(plan_recipe):
+    recipe = plan_recipe()
     cfg, model = estimate.meta_model(recipe)
     layers = cfg.num_hidden_layers
-    qlora = host(make_recipe("adapter=qlora"))
+    qlora = host(plan_recipe("adapter=qlora"))
     assert qlora.four_bit == 7 * layers * 2  # each 4-bit weight in forward and for its input's gradient
     assert host(recipe, zero_stage=3).zero3_gathers == 2 * len({id(p) for p in model.parameters()})
     assert host(recipe, fsdp=True).fsdp_gathers == 2 * (layers + 2)
     assert host(recipe, fsdp=True, fsdp_reshard_after_forward=False).fsdp_gathers == layers + 2
 
 
-def test_a_gpu_plan_says_its_time_is_estimated_from_the_measured_gpus(make_recipe):
-    recipe = make_recipe()
+def test_a_gpu_plan_says_its_time_is_estimated_from_the_measured_gpus(plan_recipe):
+    recipe = plan_recipe()
     cfg, model = estimate.meta_model(recipe)
     p = estimate.make(recipe, estimate.Settings(micro_batch=2, seq_len=64, precision="bf16"), cfg, model)
     assert p.step_seconds == max(p.time.matmul_seconds, p.time.host.seconds) > 0
