@@ -186,7 +186,7 @@ def varlen_forward(module, query, key, value, attention_mask, dropout: float = 0
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     packed = cu_seq_lens_q is not None or (attention_mask is None and kwargs.get("position_ids") is not None
-                                           and kwargs.get("past_key_values") is None and query.shape[2] > 1)
+                                           and key.shape[2] == query.shape[2] > 1)  # no cached keys before
     if not packed or not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, softcap=softcap, **kwargs)
