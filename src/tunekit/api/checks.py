@@ -58,7 +58,9 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
         rewards.check_loadable(settings.rewards, settings.max_completion_length, section)
         from tunekit.evaluation.episodes import Toolkit
 
-        Toolkit.of(settings, section)  # tools and environment import, each with a schema, the class with reset
+        kit = Toolkit.of(settings, section)  # tools and environment import, each with a schema, the class with reset
+        if kit is not None:
+            kit.probe()  # one environment made: a constructor that raises is found before weights load
     if needs.deepspeed and recipe.training.deepspeed:
         deepspeed(recipe, world_size)
     return recipe

@@ -105,6 +105,7 @@ class Toolkit:
     max_turns: int = 1
     timeout: float = 10.0
     output_chars: int = 2000
+    section: str = "grpo"  # the recipe section its errors name
 
     @classmethod
     def of(cls, settings, section: str = "grpo") -> Toolkit | None:
@@ -113,22 +114,45 @@ class Toolkit:
             return None
         env = load_environment(settings.environment, section) if settings.environment else None
         return cls(tuple(load_functions(settings.tools, section)), env, settings.max_turns, settings.tool_timeout,
-                   settings.tool_output_chars)
+                   settings.tool_output_chars, section)
+
+    def probe(self) -> None:
+        """One environment made and dropped (before weights load), so that a constructor that raises is found
+        before a run starts rather than at its first sampled batch."""
+        if self.environment is not None:
+            self.make_environment()
+
+    def make_environment(self):
+        """A new environment; its constructor raising is one line naming the recipe key, the class and why."""
+        name = self.environment.__name__
+        try:
+            return self.environment()
+        except Exception as e:  # a user's class may raise anything
+            raise TunekitError(f"{self.section}.environment: {name}() raised {type(e).__name__}: {first_line(e)}; "
+                               f"an environment is made with no arguments, once per episode: fix {name}.__init__"
+                               ) from None
 
     def schemas(self) -> list[dict]:
         """The tools' JSON schemas, as the prompt offers them."""
         tools = [*self.functions, *(methods_of(self.environment) if self.environment else [])]
         return [schema(fn, "tools") for fn in tools]
 
-    def start(self, record: dict) -> Episode:
-        """A new episode on `record`: its environment made and reset from the record's fields."""
+    def start(self, record: dict, where: str = "a record") -> Episode:
+        """A new episode on `record` (read at `where`, "file line N"): its environment made and reset from the
+        record's fields."""
         env, observation = None, None
         if self.environment is not None:
-            env = self.environment()
-            observation = env.reset(**record)
+            env = self.make_environment()
+            name = self.environment.__name__
+            try:
+                observation = env.reset(**record)
+            except Exception as e:  # a user's class may raise anything
+                raise TunekitError(f"{self.section}.environment: {name}.reset raised {type(e).__name__}: "
+                                   f"{first_line(e)} on {where}; it takes the record's fields as keyword arguments"
+                                   ) from None
             if observation is not None and not isinstance(observation, str):
-                raise TunekitError(f"{self.environment.__name__}.reset returned {type(observation).__name__}; it "
-                                   "returns None or a text added to the prompt")
+                raise TunekitError(f"{self.section}.environment: {name}.reset returned {type(observation).__name__} "
+                                   f"on {where}; it returns None or a text added to the prompt")
         tools = {fn.__name__: fn for fn in self.functions}
         if env is not None:
             tools.update({m.__name__: m for m in methods_of(env)})

@@ -174,7 +174,7 @@ def episode_scores(model, tokenizer, recipe: Recipe, records: list[Record], cfg:
     """(scores, rendered, final answers, episodes): the held-out episodes played greedily with the tools, as
     training samples them (evaluation.episodes.run), each environment reset from its record."""
     renderer = mixture.Renderers(recipe.data, tokenizer, tools=kit.schemas())
-    played = [kit.start(r.values) for r in records[: cfg.limit or None]]
+    played = [kit.start(r.values, r.where) for r in records[: cfg.limit or None]]
     rendered = [renderer.render(r, e.observation) for r, e in zip(records, played)]
     chat.say(renderer.notes)
     prompt_ids = [tokenizer(r.prompt, add_special_tokens=r.add_special_tokens)["input_ids"] for r in rendered]

@@ -25,7 +25,7 @@ class Acting:
         self.episodes, out = [], []
         for x in inputs:
             values = json.loads(x["record"])
-            episode = self.toolkit.start(values)
+            episode = self.toolkit.start(values, x["where"])
             if episode.observation:
                 x = dict(x, prompt=self.renderer.render(Record(values, x["where"]), episode.observation).prompt)
             self.episodes.append(episode)
