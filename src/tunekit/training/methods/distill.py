@@ -86,13 +86,16 @@ def indexed(ds):
 
 
 def prompts_only(recipe, tokenizer):
+    import datasets
+
     from tunekit.training.methods.rollouts import build
 
     bundle = build(recipe, tokenizer)
 
     def ids(ds):
+        # a new table, not ds.select_columns([]): a table without columns has no rows to add a column beside
         tokenized = [tokenizer(p, add_special_tokens=bundle.add_special_tokens)["input_ids"] for p in ds["prompt"]]
-        return indexed(ds.select_columns([]).add_column("prompt_ids", tokenized))
+        return indexed(datasets.Dataset.from_dict({"prompt_ids": tokenized}))
 
     bundle.train = ids(bundle.train)
     if bundle.eval is not None:
