@@ -62,6 +62,9 @@ class MethodSpec:
     images: bool = False
     # training.parallelism applies: tunekit's own loss sums over sequence shards and split layers
     splits_work: bool = False
+    # what its loss learns from the difference between a pair's chosen and rejected answers: a pair whose two answers
+    # are the same is refused, naming its line (it carries no signal); empty where the loss has more to it
+    learns_from_difference: str = ""
 
     @property
     def section(self) -> str | None:
@@ -136,7 +139,8 @@ declare(MethodSpec(
     "(data.format: preference) to score the chosen answer above the rejected one, TRL's RewardTrainer; "
     "grpo.rewards scores completions with it ({reward: model, run: RUN})",
     settings=RewardSettings, data_formats=PAIR_FORMATS, data_description=PAIRS, score_head=True,
-    eval_measures=("accuracy", "margin"), sequences=2))  # chosen and rejected in one batch
+    eval_measures=("accuracy", "margin"), learns_from_difference="the difference between their scores",
+    sequences=2))  # chosen and rejected in one batch
 declare(MethodSpec(
     "grpo", "group relative policy optimization: sampled completions scored by rewards a program checks "
     "(exact match, BLEU, chrF, ROUGE, a format pattern, JSON, tool calls, length, your function), "

@@ -199,6 +199,14 @@ def preference(record: Record, f) -> Parsed:
     return Parsed(messages=prompt + [{"role": "assistant", "content": chosen}], rejected=rejected)
 
 
+def identical_pair(where: str, method, what: str = "text") -> TunekitError:
+    """The error for a pair whose chosen and rejected answers are the same `what` (text, or tokens once rendered),
+    under a `method` (config.methods.MethodSpec) that learns only from their difference."""
+    return TunekitError(f"{where}: the chosen and the rejected answer are the same {what}, and training.method: "
+                        f"{method.name} learns from {method.learns_from_difference}, so the pair carries no signal; "
+                        "give it a different rejected answer or remove it")
+
+
 @register("unpaired_preference")
 def unpaired_preference(record: Record, f) -> Parsed:
     """A prompt (text, or chat messages ending before the answer), one completion and a label saying whether

@@ -25,7 +25,7 @@ from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import DataConfig, ModelConfig, Recipe
 from tunekit.core.errors import TunekitError
 from tunekit.data import images, mixture
-from tunekit.data.formats import FORMATS
+from tunekit.data.formats import FORMATS, identical_pair
 from tunekit.data.reading import file_records
 from tunekit.models import hub, info, vision
 
@@ -56,7 +56,7 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
     is left to training), "shipped" (else tunekit's copy of a well-known model's config, else an error),
     "optional" (as shipped, else a warning saying what was not checked) or "skip". "shipped" and "optional"
     return the recipe with data.max_length fitted."""
-    checks = [c for c in (_reference_check(recipe), _images_check(recipe)) if c is not None]
+    checks = [c for c in (_reference_check(recipe), _images_check(recipe), _pairs_check(recipe)) if c is not None]
 
     def each(record, parsed) -> None:
         for c in checks:
@@ -89,6 +89,19 @@ def _reference_check(recipe: Recipe):
         if not parsed.messages[-1]["content"].strip():
             raise TunekitError(f"{record.where}: no reference answer, and {needing[0]} scores against one; give "
                                "each record one (data.fields.answer) or use rewards without a reference")
+    return check
+
+
+def _pairs_check(recipe: Recipe):
+    """For a method that learns only from the difference between a pair's answers (a reward model): a check that
+    they differ (as rendered tokens they are checked again when the data is prepared)."""
+    method = methods.of(recipe)
+    if not method.learns_from_difference:
+        return None
+
+    def check(record, parsed) -> None:
+        if parsed.rejected is not None and parsed.rejected == parsed.messages[-1]["content"]:
+            raise identical_pair(record.where, method)
     return check
 
 

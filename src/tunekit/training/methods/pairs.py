@@ -84,14 +84,30 @@ def split_records(recipe) -> tuple[list, list, dict, dict]:
     return records, held, facts, report
 
 
+def distinct(tokenize, method):
+    """`tokenize`, refusing a pair whose chosen and rejected answers render to the same tokens, for a `method`
+    (config.methods.MethodSpec) that learns only from their difference (data.precheck compares their texts)."""
+    from tunekit.data.formats import identical_pair
+
+    def tokenize_distinct(record, renderer, tokenizer) -> dict:
+        pair = tokenize(record, renderer, tokenizer)
+        if pair["chosen_ids"] == pair["rejected_ids"]:
+            raise identical_pair(record.where, method, "text once rendered")
+        return pair
+    return tokenize_distinct
+
+
 def build(recipe, tokenizer, tokenize=tokenize_pair, shuffle: bool = False, what: str = "train pairs") -> PairBundle:
     """The recipe's train (and held-out) examples, tokenized by `tokenize`; `shuffle`: the order drawn once
     here with the recipe's seed (for a trainer that samples in order)."""
     import datasets
 
+    from tunekit.config import methods
     from tunekit.data import mixture
 
     cfg = recipe.data
+    if methods.of(recipe).learns_from_difference:
+        tokenize = distinct(tokenize, methods.of(recipe))
     renderer = mixture.Renderers(cfg, tokenizer)
     records, held, facts, report = split_records(recipe)
     train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length, tokenize)
