@@ -15,7 +15,9 @@ import base64
 import binascii
 import hashlib
 import io
+import re
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,17 +50,25 @@ class Image:
                 raise TunekitError(f"{self.where}: cannot fetch image {self.value} ({e}); download it and give its "
                                    "path") from None
         path = Path(self.value)
+        if path.is_dir():
+            raise TunekitError(f"{self.where}: image {self.value} is a directory, not an image file; give the path of "
+                               "the image file")
         if not path.is_file():
             raise TunekitError(f"{self.where}: image file {self.value} not found (paths are relative to the "
                                "working directory); fix the path or leave the record out")
-        return path.read_bytes()
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise TunekitError(f"{self.where}: cannot read image file {self.value} ({e.strerror or e}); make it "
+                               "readable or leave the record out") from None
 
     def digest(self) -> str:
         """A short digest of the image's bytes: the same picture under two names is one image."""
         return hashlib.blake2b(self.data(), digest_size=8).hexdigest()
 
     def load(self):
-        """The image as a PIL image in RGB."""
+        """The image as a PIL image in RGB. One whose header declares more pixels than Pillow's decompression-bomb
+        limit (PIL.Image.MAX_IMAGE_PIXELS, about 89 million) is refused before its pixels are decoded."""
         try:
             from PIL import Image as PILImage
             from PIL import UnidentifiedImageError
@@ -70,12 +80,32 @@ class Image:
         if not raw:
             raise TunekitError(f"{self.where}: image {name} is empty (0 bytes); replace it or leave the record out")
         try:
-            with PILImage.open(io.BytesIO(raw)) as probe:
-                probe.verify()  # the whole file, not only its header
-            return PILImage.open(io.BytesIO(raw)).convert("RGB")
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+            with warnings.catch_warnings():  # Pillow warns between its limit and twice it: refused below instead
+                warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
+                with PILImage.open(io.BytesIO(raw)) as probe:
+                    width, height = probe.size
+                    limit = PILImage.MAX_IMAGE_PIXELS
+                    if limit is not None and width * height > limit:
+                        raise self._too_large(name, f"{width}x{height}, {width * height:,} pixels")
+                    probe.verify()  # the whole file, not only its header
+                return PILImage.open(io.BytesIO(raw)).convert("RGB")
+        except PILImage.DecompressionBombError as e:  # past twice the limit Pillow refuses at its header
+            found = re.search(r"\((\d+) pixels\)", str(e))
+            raise self._too_large(name, f"{int(found.group(1)):,} pixels" if found else
+                                  f"more than {2 * PILImage.MAX_IMAGE_PIXELS:,} pixels") from None
+        except UnidentifiedImageError:
+            raise TunekitError(f"{self.where}: image {name} is not a readable image (Pillow recognises no image "
+                               "format in it); replace it or leave the record out") from None
+        except (OSError, SyntaxError, ValueError) as e:
             raise TunekitError(f"{self.where}: image {name} is not a readable image ({e}); replace it or leave the "
                                "record out") from None
+
+    def _too_large(self, name: str, declared: str) -> TunekitError:
+        from PIL import Image as PILImage
+
+        return TunekitError(f"{self.where}: image {name} declares {declared} in its header, more than the limit of "
+                            f"{PILImage.MAX_IMAGE_PIXELS:,} (Pillow's decompression-bomb guard, "
+                            "PIL.Image.MAX_IMAGE_PIXELS); scale it down or leave it out")
 
 
 def source(value, where: str) -> Image:

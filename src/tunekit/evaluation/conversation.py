@@ -64,6 +64,20 @@ def check_before_loading(target: Target) -> None:
         precheck.check_model(target.recipe.model)
 
 
+def image_for(path: str, target: Target):
+    """An --image, read and checked before any weights load: there, readable as an image, within Pillow's
+    decompression-bomb limit, and sent to a model that reads images."""
+    from tunekit.data import images
+    from tunekit.models import vision
+
+    image = images.source(path, f"--image {path}")
+    if not vision.reads_images(target.recipe.model):
+        raise TunekitError(f"--image {path}: {target.recipe.model.name_or_path} is a text-only language model (its "
+                           "config has no vision_config); leave --image out or chat with a vision-language model")
+    image.load()
+    return image
+
+
 def generation_settings(recipe: Recipe, max_new_tokens: int | None = None) -> EvalConfig:
     """The run's eval settings (its recipe's eval section, else eval's defaults), --max-new-tokens applied."""
     cfg = recipe.eval or EvalConfig()
@@ -120,11 +134,12 @@ class Conversation:
     images: list = field(default_factory=list)  # the images of the history's user messages, in order
     pending: list = field(default_factory=list)  # images attached to the next message
 
-    def attach(self, path: str) -> int:
-        """An image for the next message (read and checked now); returns its token count."""
+    def attach(self, path) -> int:
+        """An image for the next message (a path, read and checked now, or an Image `image_for` checked);
+        returns its token count."""
         from tunekit.data import images
 
-        image = images.source(path, f"{WHERE}: /image {path}")
+        image = path if isinstance(path, images.Image) else images.source(path, f"{WHERE}: /image {path}")
         if self.image_tokens is None:
             images.refuse_text_only((image,), self.prompter.renderer.tok.name_or_path)
         image.load()
@@ -270,9 +285,10 @@ def chat(spec: str, recipe_path: str | None = None, once: str | None = None, sys
         raise TunekitError("--image goes with --once; in the conversation, attach one with /image PATH")
     target = target_for(spec, recipe_path)
     check_before_loading(target)  # before torch
+    attached = [image_for(path, target) for path in images or ()]  # before the weights too
     conversation = load(target, max_new_tokens, system, dtype)
-    for path in images or ():
-        conversation.attach(path)
+    for image in attached:
+        conversation.attach(image)
     if once is not None:
         answer = conversation.reply(once)
         out.write(answer + "\n")
