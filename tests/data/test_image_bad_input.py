@@ -107,6 +107,33 @@ def test_an_image_within_the_limit_reads(tmp_path):
     assert parse(chat(path)).images[0].load().size == (64, 48)
 
 
+def _answer_with(image_content):
+    def make(image):
+        return {"messages": [{"role": "user", "content": "Draw a red square."},
+                             {"role": "assistant", "content": image_content(image)}]}
+    return make
+
+
+# case -> a record with an image in its assistant message (message 1), from an image path
+IN_ANSWERS = {
+    "an image part": _answer_with(lambda a: [{"type": "text", "text": "Here: "}, {"type": "image", "image": a}]),
+    "an image_url part": _answer_with(lambda a: [{"type": "image_url", "image_url": {"url": a}}]),
+    "a placeholder, images in field images": lambda a: {**_answer_with(lambda _: "Here: <image>")(a), "images": [a]},
+    "after an image the user gave": lambda a: {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "Same again?"}]},
+        {"role": "assistant", "content": [{"type": "image", "image": a}]}]},
+}
+
+
+@pytest.mark.parametrize("case", IN_ANSWERS)
+def test_an_image_in_an_assistant_message_is_refused(tmp_path, case):
+    record = IN_ANSWERS[case](png(tmp_path / "a.png"))
+    with pytest.raises(TunekitError) as refused:
+        parse(record)
+    assert str(refused.value) == ("data.jsonl line 3: message 1: an image in an assistant message; a model reads "
+                                  "images and writes text only, so put the image in the user message before it")
+
+
 @pytest.fixture()
 def no_weights(monkeypatch):
     """Loading any weights fails the test: each refusal here comes before."""
@@ -129,7 +156,15 @@ def _train_bomb(tmp, vlm, text):
     return ["train", str(write_recipe(tmp / "r.yaml", raw))]
 
 
+def _train_answer_image(tmp, vlm, text):
+    train = write_jsonl(tmp / "train.jsonl", [IN_ANSWERS["an image part"](png(tmp / "a.png"))] * 2)
+    raw = tiny_recipe(vlm, train, tmp / "run", data={"format": "chat", "train": str(train)})
+    return ["train", str(write_recipe(tmp / "r.yaml", raw))]
+
+
 COMMANDS = {
+    "train, an image in an assistant message": (_train_answer_image, "train.jsonl line 1: message 1: an image in an "
+                                                                     "assistant message"),
     "train, an image past the limit": (_train_bomb, "train.jsonl line 1: message 0: image {tmp}/bomb.png declares "
                                                     "900,000,000 pixels in its header, more than the limit of "
                                                     "89,478,485"),

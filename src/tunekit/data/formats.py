@@ -152,6 +152,7 @@ def _messages(record: Record, f) -> tuple[list[dict], list]:
                                "(or map the key names with data.fields.role)")
         value = m.get(f.content)
         if isinstance(value, list) and any(map(images.is_image_part, value)):
+            images.refuse_in_answer(role, where)
             text, more = images.content(value, where)
             found += more
         else:

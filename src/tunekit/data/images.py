@@ -153,11 +153,21 @@ def listed(value, messages: list[dict], where: str, key: str) -> list[Image]:
     """The LLaVA shape: a record's `images` list, one per PLACEHOLDER in the messages' text, in order."""
     if not isinstance(value, list):
         value = [value]
+    for i, m in enumerate(messages):
+        if PLACEHOLDER in m["content"]:
+            refuse_in_answer(m["role"], f"{where}: message {i}")
     marks = sum(m["content"].count(PLACEHOLDER) for m in messages)
     if marks != len(value):
         raise TunekitError(f"{where}: {marks} {PLACEHOLDER} placeholder(s) in the messages but {len(value)} "
                            f"image(s) in field {key!r}; put one {PLACEHOLDER} where each image belongs")
     return [source(v, f"{where}: field {key!r} [{i}]") for i, v in enumerate(value)]
+
+
+def refuse_in_answer(role: str, where: str) -> None:
+    """Images go in what the model reads, never in an answer it learns to write (it writes text only)."""
+    if role == "assistant":
+        raise TunekitError(f"{where}: an image in an assistant message; a model reads images and writes text only, "
+                           "so put the image in the user message before it")
 
 
 def checked(found: list[Image]) -> tuple[Image, ...]:
