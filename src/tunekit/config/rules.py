@@ -116,6 +116,18 @@ def grpo_rewards(recipe) -> None:
         raise ValueError(f"{key}.environment: {g.environment!r} is not module:Class")
 
 
+def episode_settings(recipe) -> None:
+    """max_turns, tool_timeout and tool_output_chars bound episodes with tools; without tools or an environment
+    nothing reads them. Refused when they differ from their defaults (which every run's recipe.yaml writes)."""
+    key, g = methods.sampled(recipe)
+    if g is None or g.acts:
+        return
+    for name in ("max_turns", "tool_timeout", "tool_output_chars"):
+        if getattr(g, name) != type(g).model_fields[name].default:
+            raise ValueError(f"{key}.{name} applies to episodes with tools, and this recipe sets no {key}.tools or "
+                             f"{key}.environment; set one or remove {name}")
+
+
 def installed(recipe) -> None:
     """An optional package a setting needs is there."""
     key, g = methods.sampled(recipe)
@@ -168,6 +180,23 @@ def best_metric_is_logged(recipe) -> None:
                                                            m.rows) + " during training)") if not generated else \
             "logged: " + ", ".join(["eval_loss"] * logs_loss + generated)
         raise ValueError(f"training.metric_for_best: {name} is not logged at evaluations; {hint}")
+
+
+def eval_metrics(recipe) -> None:
+    """eval.metrics and eval.extra_metrics score generated text (the loss reads a language-model head); a method
+    with a score head generates nothing and has no such head, so naming them is refused. The default list, which
+    every run's recipe.yaml writes, is left: nothing reads it there."""
+    method, e = methods.of(recipe), recipe.eval
+    if e is None or not method.score_head:
+        return
+    named = [("eval.metrics", e.metrics)] if e.metrics and e.metrics != metrickinds.defaults() else []
+    named += [("eval.extra_metrics", e.extra_metrics)] if e.extra_metrics else []
+    if named:
+        key, names = named[0]
+        measures = ", ".join(f"eval_{m}" for m in method.eval_measures)
+        raise ValueError(f"{key}: {', '.join(names)} cannot be computed for training.method: {method.name}, which "
+                         f"generates nothing (its evaluations score the held-out pairs: eval_loss, {measures}); "
+                         f"remove {key}")
 
 
 def distillation(recipe) -> None:
@@ -227,8 +256,8 @@ def parallelism(recipe) -> None:
 
 
 RULES = (method_sections, starting_adapter, data_formats, learning_rate, settings_apply, reference, grpo_rewards,
-         installed, batch, distillation, best_metric_is_logged, sharding_fits_the_quantization, precision_agrees,
-         attention, parallelism)
+         episode_settings, installed, batch, distillation, best_metric_is_logged, eval_metrics,
+         sharding_fits_the_quantization, precision_agrees, attention, parallelism)
 
 
 def run(recipe) -> None:

@@ -314,7 +314,7 @@ def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtyp
             "dtype": str(torch_dtype).removeprefix("torch."),
             "bleu_signature": scores.get("bleu_signature"),
             "chrf_signature": scores.get("chrf_signature"),
-            "metrics": {name: metrics.METRICS[name].settings for name in cfg.metrics},
+            "metrics": {name: metrics.METRICS[name].settings for name in ([] if scored else cfg.metrics)},
         },
     }
     with outputs.atomic_dir(out) as tmp:
