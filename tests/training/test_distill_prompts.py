@@ -10,8 +10,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from conftest import ROOT, write_jsonl, write_recipe
+from conftest import ROOT, refused_in_process, write_jsonl, write_recipe
 from tunekit.config import recipes
+from tunekit.data import precheck
 from tunekit.training import runner
 from tunekit.training.methods import distill
 
@@ -84,3 +85,29 @@ def test_prompt_examples_are_their_ids_and_place(tmp_path, tiny_model, tiny_toke
     assert bundle.train["index"] == list(range(16)) and len(bundle.eval) == 4
     first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])["prompt"]
     assert tiny_tokenizer.decode(bundle.train[0]["prompt_ids"]).count(first) == 1
+
+
+@pytest.mark.parametrize("mode", ["on_policy", "mixed"])
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_sampled_answers_past_the_context_window_are_refused_as_grpo_refuses_them(mode, command, tmp_path,
+                                                                                  tiny_model, other_teacher, capsys,
+                                                                                  monkeypatch):
+    """The tiny model's window is 512 tokens: prompts of up to 192 and answers of up to 400 do not fit."""
+    raw = shipped_from_prompts(tmp_path, tiny_model, other_teacher, mixture=False)
+    if mode == "mixed":  # mixed trains on answers too
+        raw["data"].update(format="alpaca", train=str(ROOT / "recipes/data/extract_train.jsonl"),
+                           eval=str(ROOT / "recipes/data/extract_eval.jsonl"))
+    raw["distill"].update(mode=mode, max_completion_length=400)
+    line = refused_in_process([command, str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys, monkeypatch)
+    assert ("distill.max_completion_length=400: with prompts of up to data.max_length=192 tokens, sequences pass "
+            "the model's context window of 512 tokens") in line, line
+
+
+def test_off_policy_distillation_samples_nothing_and_is_not_bounded_by_the_completion_length(tmp_path, tiny_model,
+                                                                                              other_teacher):
+    raw = shipped_from_prompts(tmp_path, tiny_model, other_teacher, mixture=False)
+    raw["data"].update(format="alpaca", train=str(ROOT / "recipes/data/extract_train.jsonl"),
+                       eval=str(ROOT / "recipes/data/extract_eval.jsonl"))
+    raw["distill"].update(mode="off_policy", max_completion_length=400)
+    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    assert precheck.check(recipe, data_needed=True, model="needed") is not None

@@ -125,8 +125,10 @@ def _images_check(recipe: Recipe):
 
 
 def _check_completion_room(recipe: Recipe, shipped: bool) -> None:
-    """GRPO samples prompt + completion within the model's context window."""
+    """Sampling (GRPO, RLOO, distillation on-policy or mixed): prompt + completion within the context window."""
     key, settings = methods.sampled(recipe)
+    if settings is None and recipe.distill is not None and recipe.distill.samples:
+        key, settings = "distill", recipe.distill
     found = info.context_window(recipe.model, shipped) if settings is not None else None
     if found and recipe.data.max_length + settings.max_completion_length > found[0]:
         window, where = found
