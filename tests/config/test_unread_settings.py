@@ -1,6 +1,7 @@
 """Settings nothing would read are refused in one line, as dpo.label_smoothing is where the loss does not read it:
-grpo's (and rloo's) episode bounds without tools or an environment, and eval metrics a method cannot compute (a
-reward model generates nothing). The defaults, which every run's recipe.yaml writes, still load."""
+grpo's (and rloo's) episode bounds without tools or an environment, eval metrics a method cannot compute (a
+reward model generates nothing), and distill.jsd_beta beside a divergence other than jsd. The defaults, which every
+run's recipe.yaml writes, still load."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def _recipe(tmp_path, model, method: str, section: dict | None = None, **section
     raw = tiny_recipe(model, data, tmp_path / "run", training={"method": method}, data={"format": fmt}, **sections)
     if method in ("grpo", "rloo"):
         raw[method] = {"rewards": [{"reward": "length"}], **(section or {})}
+    if method == "distill":  # prompt records: on-policy (the teacher is resolved by train, not by loading)
+        raw[method] = {"teacher": str(model), "mode": "on_policy", **(section or {})}
     return raw
 
 
@@ -43,6 +46,11 @@ REFUSED = {
     "an evaluate metric on a reward model": ("reward", None, {"eval": {"extra_metrics": ["sacrebleu"]}},
                                              "eval.extra_metrics: sacrebleu " + NOTHING_GENERATED +
                                              "eval.extra_metrics"),
+    "jsd_beta with forward_kl": ("distill", {"divergence": "forward_kl", "jsd_beta": 0.9}, {},
+                                 "distill.jsd_beta applies to distill.divergence: jsd; forward_kl does not read it: "
+                                 "set distill.divergence: jsd or remove jsd_beta"),
+    "jsd_beta with reverse_kl": ("distill", {"divergence": "reverse_kl", "jsd_beta": 0.1}, {},
+                                 "distill.jsd_beta applies to distill.divergence: jsd; reverse_kl does not read it"),
 }
 
 
@@ -54,7 +62,7 @@ def test_a_setting_nothing_reads_is_refused(case, tmp_path, tiny_model):
     assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("case", ["grpo max_turns without tools", "BLEU on a reward model"])
+@pytest.mark.parametrize("case", ["grpo max_turns without tools", "BLEU on a reward model", "jsd_beta with forward_kl"])
 def test_the_command_line_refuses_it_in_one_line(case, tmp_path, tiny_model, capsys, monkeypatch):
     method, section, sections, expected = REFUSED[case]
     recipe = write_recipe(tmp_path / "r.yaml", _recipe(tmp_path, tiny_model, method, section, **sections))
@@ -71,6 +79,8 @@ TAKEN = {
                                                            "max_turns": 2}, {}),
     "a reward model's eval section at its defaults": ("reward", None, {"eval": {"batch_size": 4}}),
     "a reward model's eval section with no metrics": ("reward", None, {"eval": {"metrics": []}}),
+    "distill forward_kl at the default jsd_beta": ("distill", {"divergence": "forward_kl"}, {}),
+    "distill jsd with its beta": ("distill", {"divergence": "jsd", "jsd_beta": 0.9}, {}),
 }
 
 

@@ -224,6 +224,15 @@ class DistillSettings(MethodSettings):
                                "(its memory divided, a gather per forward) or keep a whole copy in each (no "
                                "gathers). Elsewhere every process holds a whole copy.")
 
+    @model_validator(mode="after")
+    def _beta_where_read(self):
+        """jsd_beta weighs the JSD's mixture; forward_kl and reverse_kl do not read it. Refused when it differs
+        from its default (which every run's recipe.yaml writes)."""
+        if self.divergence != "jsd" and self.jsd_beta != DistillSettings.model_fields["jsd_beta"].default:
+            raise ValueError(f"distill.jsd_beta applies to distill.divergence: jsd; {self.divergence} does not read "
+                             "it: set distill.divergence: jsd or remove jsd_beta")
+        return self
+
     @property
     def samples(self) -> bool:
         """Some examples are answered by the student's own samples."""
