@@ -14,6 +14,8 @@ import pytest
 from PIL import Image
 
 from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
+from tunekit import api
+from tunekit.config import recipes
 from tunekit.config.schema import FieldMap
 from tunekit.core.errors import TunekitError
 from tunekit.data.formats import FORMATS, Record
@@ -186,3 +188,161 @@ def test_a_bad_image_is_refused_by_the_command_before_weights_load(tmp_path, tin
     argv, expected = COMMANDS[case]
     line = refused_in_process(argv(tmp_path, tiny_vision_model, tiny_model), tmp_path, capsys, monkeypatch)
     assert expected.format(tmp=tmp_path, text=tiny_model) in line, line
+
+
+def _vision_recipe(tmp, model, **sections) -> dict:
+    """A chat recipe on `model` whose records each hold an image."""
+    train = write_jsonl(tmp / "train.jsonl", [chat(png(tmp / "a.png"))] * 2)
+    return tiny_recipe(model, train, tmp / "run", data={"format": "chat", "train": str(train)}, **sections)
+
+
+def _text_recipe(tmp, model, **sections) -> dict:
+    train = write_jsonl(tmp / "train.jsonl", [{"instruction": "Say red.", "output": "red"}] * 2)
+    return tiny_recipe(model, train, tmp / "run", **sections)
+
+
+def _tokenizer_moved(tmp, vlm) -> str:
+    """A copy of the vision model whose tokenizer holds its image token at another id (a token added before it)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from conftest import build_tokenizer
+
+    copy = tmp / "moved"
+    shutil.copytree(vlm, copy)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy / name).unlink()
+    tokenizer = build_tokenizer(copy)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra>", "<image>"]})
+    tokenizer.save_pretrained(copy)
+    assert AutoTokenizer.from_pretrained(copy).convert_tokens_to_ids("<image>") == 401
+    return str(copy)
+
+
+def _missing_base(name: str):
+    def make(tmp, vlm, text):
+        (tmp / "runs").mkdir(exist_ok=True)  # a runs/ directory is here, the model's directory in it is not
+        return {**_vision_recipe(tmp, vlm), "model": {"name_or_path": name}}
+    return make
+
+
+# case -> (the recipe from (tmp_path, tiny vision model, tiny text model), the whole line expected)
+RECIPES = {
+    "a text tokenizer beside a vision model": (
+        lambda tmp, vlm, text: {**_vision_recipe(tmp, vlm), "model": {"name_or_path": str(vlm),
+                                                                      "tokenizer": str(text)}},
+        "model.tokenizer: {text} has no <image> token, the image token of the vision-language model {vlm}; leave "
+        "model.tokenizer out (the model's own tokenizer has it), or give a tokenizer that holds <image>"),
+    "a text tokenizer beside a vision model, records without images": (
+        lambda tmp, vlm, text: {**_text_recipe(tmp, vlm), "model": {"name_or_path": str(vlm),
+                                                                    "tokenizer": str(text)}},
+        "model.tokenizer: {text} has no <image> token, the image token of the vision-language model {vlm}; leave "
+        "model.tokenizer out (the model's own tokenizer has it), or give a tokenizer that holds <image>"),
+    "a tokenizer with the image token at another id": (
+        lambda tmp, vlm, text: {**_vision_recipe(tmp, vlm), "model": {"name_or_path": str(vlm),
+                                                                      "tokenizer": _tokenizer_moved(tmp, vlm)}},
+        "model.tokenizer: {tmp}/moved has <image> as token 401, and the vision-language model {vlm} reads images at "
+        "token 400; leave model.tokenizer out (the model's own tokenizer has it), or give one with the same ids"),
+    "a base model under runs/ that was not built": (
+        _missing_base("runs/smollm2_vision_base"),
+        "model.name_or_path: runs/smollm2_vision_base does not exist (no such directory; paths are relative to the "
+        "working directory); build or copy the model there, or fix the path"),
+    "a base model path that does not exist": (
+        _missing_base("./vision_base"),
+        "model.name_or_path: no such model directory './vision_base'"),
+    "vision.train_projector on a text model": (
+        lambda tmp, vlm, text: _text_recipe(tmp, text, vision={"train_projector": True}),
+        "vision.train_projector: {text} is a text-only language model (its config has no vision_config), so it has "
+        "no vision tower or projector for the vision section to train; remove the vision section, or train a "
+        "vision-language model"),
+    "vision.train_tower on a text model": (
+        lambda tmp, vlm, text: _text_recipe(tmp, text, vision={"train_tower": True}),
+        "vision.train_tower: {text} is a text-only language model (its config has no vision_config)"),
+    "an empty vision section on a text model": (
+        lambda tmp, vlm, text: _text_recipe(tmp, text, vision={}),
+        "vision: {text} is a text-only language model (its config has no vision_config)"),
+    "a vision section on a shipped text model's config": (
+        lambda tmp, vlm, text: {**_text_recipe(tmp, text, vision={"train_projector": True}),
+                                "model": {"name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"}},
+        "vision.train_projector: Qwen/Qwen2.5-0.5B-Instruct is a text-only language model (its config has no "
+        "vision_config)"),
+}
+
+
+def _expected(case: str, tmp, vlm, text) -> str:
+    return RECIPES[case][1].format(tmp=tmp, vlm=vlm, text=text)
+
+
+@pytest.mark.parametrize("case", RECIPES)
+@pytest.mark.parametrize("verb", ["validate", "train"])
+def test_a_recipe_the_model_cannot_serve_is_refused_by_the_api(tmp_path, tiny_vision_model, tiny_model, monkeypatch,
+                                                               no_weights, case, verb):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    raw = RECIPES[case][0](tmp_path, tiny_vision_model, tiny_model)
+    with pytest.raises(TunekitError) as refused:
+        getattr(api, verb)(raw)
+    message = str(refused.value)
+    expected = _expected(case, tmp_path, tiny_vision_model, tiny_model)
+    assert expected in message and "\n" not in message, message
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", RECIPES)
+def test_a_recipe_the_model_cannot_serve_is_refused_by_the_command_line(tmp_path, tiny_vision_model, tiny_model,
+                                                                        capsys, monkeypatch, no_weights, case):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    recipe = write_recipe(tmp_path / "r.yaml", RECIPES[case][0](tmp_path, tiny_vision_model, tiny_model))
+    expected = _expected(case, tmp_path, tiny_vision_model, tiny_model)
+    for verb in ("validate", "train"):
+        line = refused_in_process([verb, str(recipe)], tmp_path, capsys, monkeypatch)
+        assert line.endswith(expected) or expected in line, line
+
+
+# case -> the recipe from (tmp_path, tiny vision model, tiny text model): each validates, and so does the recipe.yaml
+# a run of it writes (every default spelled out)
+TAKEN = {
+    "a text model, no vision section": lambda tmp, vlm, text: _text_recipe(tmp, text),
+    "a vision model with its vision section": lambda tmp, vlm, text: _vision_recipe(
+        tmp, vlm, vision={"train_projector": True, "train_tower": True}),
+    "a vision model with its own tokenizer named": lambda tmp, vlm, text: {
+        **_vision_recipe(tmp, vlm), "model": {"name_or_path": str(vlm), "tokenizer": str(vlm)}},
+    "a text model with another text tokenizer": lambda tmp, vlm, text: {
+        **_text_recipe(tmp, text), "model": {"name_or_path": str(text), "tokenizer": str(text)}},
+}
+
+
+@pytest.mark.parametrize("case", TAKEN)
+def test_recipes_the_model_serves_validate_and_reload_from_a_run(tmp_path, tiny_vision_model, tiny_model,
+                                                                 monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    loaded = api.validate(TAKEN[case](tmp_path, tiny_vision_model, tiny_model)).recipe
+    saved = tmp_path / "recipe.yaml"
+    saved.write_text(recipes.to_yaml(loaded))
+    assert recipes.load(saved).model_dump() == loaded.model_dump()
+    api.validate(saved)
+
+
+def test_a_vision_model_that_cannot_be_had_here_is_not_called_text_only(tmp_path, tiny_vision_model, monkeypatch,
+                                                                        caplog, no_weights):
+    """A hub model neither cached nor reachable: validate warns that the images were not checked against it, train
+    refuses it as unavailable; neither takes it for a text-only model."""
+    from huggingface_hub import constants
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    raw = {**_vision_recipe(tmp_path, tiny_vision_model), "model": {"name_or_path": "someone/missing-vlm"}}
+    api.validate(raw)
+    assert "the records' images were not checked against the model: model.name_or_path: 'someone/missing-vlm' is " \
+           "not in the local Hugging Face cache" in caplog.text
+    with pytest.raises(TunekitError) as refused:
+        api.train(raw)
+    assert str(refused.value).startswith("model.name_or_path: 'someone/missing-vlm' is not in the local Hugging Face "
+                                         "cache and HF_HUB_OFFLINE=1"), str(refused.value)
+    assert "text-only" not in caplog.text + str(refused.value) and not (tmp_path / "run").exists()

@@ -56,7 +56,8 @@ def check(recipe: Recipe, data_needed: bool, model: str) -> Recipe:
     is left to training), "shipped" (else tunekit's copy of a well-known model's config, else an error),
     "optional" (as shipped, else a warning saying what was not checked) or "skip". "shipped" and "optional"
     return the recipe with data.max_length fitted."""
-    checks = [c for c in (_reference_check(recipe), _images_check(recipe), _pairs_check(recipe)) if c is not None]
+    checks = [c for c in (_reference_check(recipe), _images_check(recipe, model), _pairs_check(recipe))
+              if c is not None]
 
     def each(record, parsed) -> None:
         for c in checks:
@@ -105,17 +106,20 @@ def _pairs_check(recipe: Recipe):
     return check
 
 
-def _images_check(recipe: Recipe):
-    """Records with images (data.images) need a model that reads them (models.vision), trained with SFT."""
-    reads = None
+def _images_check(recipe: Recipe, model: str):
+    """Records with images (data.images) need a model that reads them (models.vision), trained with SFT. First, where
+    the model's config can be read here: a `vision` section needs such a model, and a model.tokenizer beside one
+    its image token (vision.check_recipe). A model that cannot be read here is said so, not taken for a text-only
+    one (an error where `model` is "needed", else a warning)."""
+    vision.check_recipe(recipe.model, recipe.vision)
+    told: dict[str, bool | None] = {}
 
     def check(record, parsed) -> None:
-        nonlocal reads
         if not parsed.images:
             return
-        if reads is None:
-            reads = vision.reads_images(recipe.model)
-        if not reads:
+        if "reads" not in told:
+            told["reads"] = vision.reads_images_here(recipe.model, needed=model == "needed")
+        if told["reads"] is False:
             images.refuse_text_only(parsed.images, recipe.model.name_or_path)
         if not methods.of(recipe).images:
             able = ", ".join(m.name for m in methods.DECLARED.values() if m.images)

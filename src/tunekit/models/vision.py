@@ -9,9 +9,11 @@ the other pretrained model inside it, the projector whatever else holds weights 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import ModelConfig, VisionConfig
@@ -29,6 +31,145 @@ def reads_images(cfg: ModelConfig) -> bool:
     except hub.Unavailable:
         return False
     return isinstance(raw.get("vision_config"), dict)
+
+
+def reads_images_here(cfg: ModelConfig, needed: bool) -> bool | None:
+    """reads_images for records that hold images, where a model that cannot be read here is not taken for a
+    text-only one: a name that reads as a local path (it starts with a directory that is here, as runs/NAME does
+    where runs/ is) and is not there is an error saying so; another (a hub model not in the cache, offline) is its
+    own error when `needed`, else a warning and None (not known)."""
+    spec = cfg.name_or_path
+    try:
+        raw = info.raw_config(cfg, shipped=True)
+    except TunekitError as failure:  # hub.Unavailable, or no such model on the Hub
+        if _local_looking(spec):
+            raise TunekitError(f"model.name_or_path: {spec} does not exist (no such directory; paths are relative "
+                               "to the working directory); build or copy the model there, or fix the path") from None
+        if needed or not isinstance(failure, hub.Unavailable):
+            raise
+        log.warning("the records' images were not checked against the model: %s", failure)
+        return None
+    return isinstance(raw.get("vision_config"), dict)
+
+
+def _local_looking(spec: str) -> bool:
+    """A name whose first part is a directory here, and which is not there itself."""
+    parts = Path(spec).expanduser().parts
+    return len(parts) > 1 and Path(parts[0]).is_dir() and not Path(spec).expanduser().exists()
+
+
+def check_recipe(cfg: ModelConfig, settings: VisionConfig | None) -> None:
+    """Before weights load, where the model's config can be read here (its config.json, or tunekit's shipped copy):
+    a `vision` section needs a model that reads images (nothing else reads it), and a model.tokenizer given beside
+    a vision-language model must hold the model's image token (the text's image markers are its tokens)."""
+    if settings is None and not cfg.tokenizer:
+        return
+    try:
+        raw = info.raw_config(cfg, shipped=True)
+    except TunekitError:  # the model cannot be read here: the checks of the model itself say so
+        return
+    reads = isinstance(raw.get("vision_config"), dict)
+    if settings is not None and not reads:
+        named = [name for name in type(settings).model_fields if name in settings.model_fields_set]
+        key = f"vision.{named[0]}" if named else "vision"
+        raise TunekitError(f"{key}: {cfg.name_or_path} is a text-only language model (its config has no "
+                           "vision_config), so it has no vision tower or projector for the vision section to train; "
+                           "remove the vision section, or train a vision-language model")
+    if reads and cfg.tokenizer:
+        check_tokenizer(cfg, raw)
+
+
+def check_tokenizer(cfg: ModelConfig, raw: dict) -> None:
+    """model.tokenizer holds the vision-language model's image token, at the id the model reads it at; read from
+    the files (tokenizer.json, tokenizer_config.json, processor_config.json) of each where they are here, without
+    transformers. Nothing is said where the files do not tell."""
+    found = image_token(cfg.name_or_path, cfg.revision, raw)
+    if found is None:
+        return
+    token, token_id = found
+    theirs = vocabulary(cfg.tokenizer, cfg.revision)
+    if theirs is None:
+        return
+    if token not in theirs:
+        raise TunekitError(f"model.tokenizer: {cfg.tokenizer} has no {token} token, the image token of the "
+                           f"vision-language model {cfg.name_or_path}; leave model.tokenizer out (the model's own "
+                           f"tokenizer has it), or give a tokenizer that holds {token}")
+    if token_id is not None and theirs[token] != token_id:
+        raise TunekitError(f"model.tokenizer: {cfg.tokenizer} has {token} as token {theirs[token]}, and the "
+                           f"vision-language model {cfg.name_or_path} reads images at token {token_id}; leave "
+                           "model.tokenizer out (the model's own tokenizer has it), or give one with the same ids")
+
+
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")  # config.json's id of the image token, by family
+TOKEN_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")  # may name it
+
+
+def image_token(spec: str, revision: str | None, raw: dict) -> tuple[str, int | None] | None:
+    """A vision-language model's image token and the id its config reads it at, from its files: the processor's
+    or tokenizer's `image_token`, else the token its config's image_token_id names; None where they do not say."""
+    token_id = next((raw[k] for k in IMAGE_TOKEN_KEYS if isinstance(raw.get(k), int)), None)
+    for name in TOKEN_FILES:
+        token = _json(model_file(spec, revision, name)).get("image_token")
+        if isinstance(token, str) and token:
+            return token, token_id
+    if token_id is None:
+        return None
+    own = vocabulary(spec, revision) or {}
+    token = next((t for t, i in own.items() if i == token_id), None)
+    return (token, token_id) if token is not None else None
+
+
+def vocabulary(spec: str, revision: str | None) -> dict[str, int] | None:
+    """A tokenizer's tokens and their ids from its tokenizer.json (the added tokens and the model's vocabulary)
+    and tokenizer_config.json (added_tokens_decoder); None where neither is here."""
+    files = [_json(model_file(spec, revision, name)) for name in ("tokenizer.json", "tokenizer_config.json")]
+    tokenizer, config = files
+    if not tokenizer and not config:
+        return None
+    found: dict[str, int] = {}
+    vocab = (tokenizer.get("model") or {}).get("vocab") if isinstance(tokenizer.get("model"), dict) else None
+    if isinstance(vocab, dict):
+        found.update((t, i) for t, i in vocab.items() if isinstance(i, int))
+    elif isinstance(vocab, list):  # Unigram: [piece, score] in id order
+        found.update((entry[0], i) for i, entry in enumerate(vocab) if isinstance(entry, list) and entry)
+    for entry in tokenizer.get("added_tokens") or ():
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and isinstance(entry.get("id"), int):
+            found[entry["content"]] = entry["id"]
+    for i, entry in (config.get("added_tokens_decoder") or {}).items():
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and str(i).isdigit():
+            found.setdefault(entry["content"], int(i))
+    return found
+
+
+def model_file(spec: str, revision: str | None, name: str) -> Path | None:
+    """A file of a model or tokenizer that is here: in its local directory, or in the Hugging Face cache (never
+    downloaded); None otherwise (a GGUF file, a hub model not cached)."""
+    try:
+        source = resolve_model(spec)
+    except TunekitError:
+        return None
+    if source.kind == "dir":
+        path = Path(source.location) / name
+        return path if path.is_file() else None
+    if source.kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            path = try_to_load_from_cache(spec, name, revision=revision)
+        except ValueError:  # not a valid repo id
+            return None
+        return Path(path) if isinstance(path, str) else None
+    return None
+
+
+def _json(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def location(cfg: ModelConfig) -> str:
