@@ -118,7 +118,8 @@ def _images_check(recipe: Recipe, model: str):
         if not parsed.images:
             return
         if "reads" not in told:
-            told["reads"] = vision.reads_images_here(recipe.model, needed=model == "needed")
+            told["reads"] = vision.reads_images_here(recipe.model, needed=model == "needed",
+                                                     local=Path(recipe.output_dir).parts[:1])
         if told["reads"] is False:
             images.refuse_text_only(parsed.images, recipe.model.name_or_path)
         if not methods.of(recipe).images:

@@ -33,16 +33,16 @@ def reads_images(cfg: ModelConfig) -> bool:
     return isinstance(raw.get("vision_config"), dict)
 
 
-def reads_images_here(cfg: ModelConfig, needed: bool) -> bool | None:
+def reads_images_here(cfg: ModelConfig, needed: bool, local: tuple[str, ...] = ()) -> bool | None:
     """reads_images for records that hold images, where a model that cannot be read here is not taken for a
-    text-only one: a name that reads as a local path (it starts with a directory that is here, as runs/NAME does
-    where runs/ is) and is not there is an error saying so; another (a hub model not in the cache, offline) is its
-    own error when `needed`, else a warning and None (not known)."""
+    text-only one: a name that reads as a local path (it starts with a directory that is here, or with one of
+    `local`, as runs/NAME does where the recipe's output_dir is runs/...) and is not there is an error saying so;
+    another (a hub model not in the cache, offline) is its own error when `needed`, else a warning and None."""
     spec = cfg.name_or_path
     try:
         raw = info.raw_config(cfg, shipped=True)
     except TunekitError as failure:  # hub.Unavailable, or no such model on the Hub
-        if _local_looking(spec):
+        if _local_looking(spec, local):
             raise TunekitError(f"model.name_or_path: {spec} does not exist (no such directory; paths are relative "
                                "to the working directory); build or copy the model there, or fix the path") from None
         if needed or not isinstance(failure, hub.Unavailable):
@@ -52,10 +52,10 @@ def reads_images_here(cfg: ModelConfig, needed: bool) -> bool | None:
     return isinstance(raw.get("vision_config"), dict)
 
 
-def _local_looking(spec: str) -> bool:
-    """A name whose first part is a directory here, and which is not there itself."""
+def _local_looking(spec: str, local: tuple[str, ...]) -> bool:
+    """A name whose first part is a directory here (or one of `local`), and which is not there itself."""
     parts = Path(spec).expanduser().parts
-    return len(parts) > 1 and Path(parts[0]).is_dir() and not Path(spec).expanduser().exists()
+    return len(parts) > 1 and (Path(parts[0]).is_dir() or parts[0] in local) and not Path(spec).expanduser().exists()
 
 
 def check_recipe(cfg: ModelConfig, settings: VisionConfig | None) -> None:
