@@ -113,8 +113,8 @@ def test_the_rules_across_sections_run_in_one_order():
     recipe breaking two is told of the first."""
     assert [r.__name__ for r in rules.RULES] == [
         "method_sections", "starting_adapter", "data_formats", "learning_rate", "settings_apply", "reference",
-        "grpo_rewards", "installed", "batch", "distillation", "best_metric_is_logged", "sharding_fits_the_quantization",
-        "precision_agrees", "attention", "parallelism"]
+        "grpo_rewards", "episode_settings", "installed", "batch", "distillation", "best_metric_is_logged",
+        "eval_metrics", "sharding_fits_the_quantization", "precision_agrees", "attention", "parallelism"]
 
 
 def dpo_raw(tmp_path, tiny_model, **sections):
