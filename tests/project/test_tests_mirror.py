@@ -44,10 +44,20 @@ THROUGH = {
     "tunekit.training.fsdpstate": "tests/e2e/test_multiprocess.py::test_fsdp2_resumes_on_one_process_after_a_kill",
     "tunekit.training.methods.base": "tests/training/test_methods.py::test_a_registered_method_is_a_training_method_"
                                      "with_its_section",
+    "tunekit.training.methods.dpo": "tests/training/test_preference.py::test_dpo_learns_the_preference_against_the_"
+                                    "adapter_off_base",
+    "tunekit.training.methods.kto": "tests/training/test_preference.py::test_kto_learns_desirable_completions_from_"
+                                    "unpaired_labels",
+    "tunekit.training.methods.orpo": "tests/training/test_preference.py::test_orpo_learns_the_preference_without_a_"
+                                     "reference",
+    "tunekit.training.methods.reward": "tests/training/test_reward_model.py::test_training_lowers_the_loss_and_"
+                                       "raises_held_out_pair_accuracy",
     "tunekit.training.methods.sft": "tests/training/test_train.py::test_lora_lowers_loss_and_leaves_base_weights_"
                                     "unchanged",
     "tunekit.training.trackers": "tests/training/test_trackers.py::test_tensorboard_event_files_hold_the_metrics_and_"
                                 "the_recipe",
+    "tunekit.training.trainers.reference": "tests/training/test_preference.py::test_dpo_learns_the_preference_"
+                                           "against_the_adapter_off_base",
 }
 
 

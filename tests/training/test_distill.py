@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from conftest import NEEDS_SMOLLM2, in_full, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
-from tunekit.training import distiller, divergences, runner
-from tunekit.training.methods import distill
+from tunekit.training import divergences, methods, runner
+from tunekit.training.trainers import distill as distiller
 
 MIN_DISTILLED = 80  # held-out exact match % the distilled student must reach (hand run: 0 -> 100; the teacher 100)
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
@@ -174,7 +174,7 @@ def test_the_plan_counts_the_teacher_and_shows_where_it_is(tmp_path, tiny_model,
 
 
 def test_prompts_are_cut_before_the_last_answer():
-    assert distill.trainer_class() is distiller.DistillTrainer
+    assert methods.get("distill").trainer_class() is distiller.DistillTrainer
     assert distiller.prompt_of([1, 2, 3, 4, 5, 6, 7], [-100, -100, 3, -100, -100, 6, 7]) == [1, 2, 3, 4, 5]
     assert distiller.prompt_of([1, 2, 3], [-100, 2, 3]) == [1]
 

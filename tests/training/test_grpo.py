@@ -20,7 +20,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.evaluation import evaluator, rewards
 from tunekit.models import loader
 from tunekit.training import runner, sampling
-from tunekit.training.methods import grpo
+from tunekit.training.methods import rollouts
 
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
 REWARD_MODULE = '''
@@ -164,7 +164,7 @@ def test_prompts_are_what_eval_generates_from(tmp_path, tiny_model):
     template's text, its special tokens not added twice), with the reference answer and the raw record."""
     recipe = load(tmp_path, grpo_raw(tiny_model, tmp_path, tmp_path / "run"))
     tok = loader.load_tokenizer(recipe.model)
-    bundle = grpo.build(recipe, tok)
+    bundle = rollouts.build(recipe, tok)
     held = evaluator.held_out_records(recipe)
     rendered = evaluator.rendered_examples(recipe, tok, held, recipe.eval)
     assert bundle.eval["prompt"] == [r.prompt for r in rendered]

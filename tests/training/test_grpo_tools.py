@@ -17,6 +17,7 @@ from tunekit.evaluation import evaluator
 from tunekit.runs import history
 from tunekit.training import runner, sampling
 from tunekit.training.methods import acting, rollouts
+from tunekit.training.trainers.rollouts import Rollouts
 
 TOOLS = '''
 TABLE = {"oslo": 7, "lima": 19, "rome": 24, "kyiv": 3}
@@ -115,15 +116,14 @@ def test_a_run_plays_episodes_masks_the_results_and_logs_the_tools(tmp_path, lon
         return out
 
     monkeypatch.setattr(sampling, "generate", scripted)
-    cls = rollouts.mixin()
-    real_mask = cls.tool_mask
+    real_mask = Rollouts.tool_mask
 
     def keep_mask(self, completion_ids):
         mask = real_mask(self, completion_ids)
         masks.append((completion_ids.clone(), mask.clone(), [list(e.mask) for e in self.episodes]))
         return mask
 
-    monkeypatch.setattr(cls, "tool_mask", keep_mask)
+    monkeypatch.setattr(Rollouts, "tool_mask", keep_mask)
     runner.run(recipe)
     run_dir = tmp_path / "run"
     steps = tool_steps(run_dir)

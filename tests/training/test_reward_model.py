@@ -23,8 +23,8 @@ from tunekit.models import loader
 from tunekit.plan import estimate
 from tunekit.runs.layout import RunRecord, resolve_target
 from tunekit.runs.trained import load_trained
-from tunekit.training import runner
-from tunekit.training.methods import reward as reward_method
+from tunekit.training import methods, runner
+from tunekit.training.trainers.reward import RewardModelTrainer
 
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish",
          "goatmole", "moleduck", "frogcat", "duckgoat"]
@@ -307,7 +307,7 @@ def fake_run(run_dir, method: str, status: str = "completed"):
 def test_a_run_of_another_method_is_not_a_reward_model(tmp_path):
     with pytest.raises(TunekitError, match="is a training.method: sft run, not a reward model"):
         rewardmodel.reward_run(str(fake_run(tmp_path / "sft", "sft")))
-    assert reward_method.trainer_class().__name__ == "RewardModelTrainer"
+    assert methods.get("reward").trainer_class() is RewardModelTrainer
 
 
 @pytest.mark.slow  # seconds: make test-fast leaves it out

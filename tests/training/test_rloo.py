@@ -75,11 +75,17 @@ def test_plan_counts_it_as_grpo(tmp_path, tiny_model):
 
 
 def test_grpo_and_rloo_share_prompts_rewards_and_sampling():
-    from tunekit.training.methods import grpo, rloo, rollouts
+    from tunekit.training import methods
+    from tunekit.training.methods import rollouts
+    from tunekit.training.trainers.grpo import GrpoTrainer
+    from tunekit.training.trainers.rloo import RlooTrainer
+    from tunekit.training.trainers.rollouts import Rollouts
 
-    assert grpo.build is rollouts.build and grpo.scorers_of is rollouts.scorers_of
-    mixin = rollouts.mixin()
-    assert issubclass(grpo.GrpoTrainer, mixin) and issubclass(rloo.RlooTrainer, mixin)
+    grpo, rloo = methods.get("grpo"), methods.get("rloo")
+    assert isinstance(grpo, rollouts.SampledMethod) and isinstance(rloo, rollouts.SampledMethod)
+    assert type(grpo).make_trainer is type(rloo).make_trainer is rollouts.SampledMethod.make_trainer
+    assert grpo.trainer_class() is GrpoTrainer and rloo.trainer_class() is RlooTrainer
+    assert issubclass(GrpoTrainer, Rollouts) and issubclass(RlooTrainer, Rollouts)
 
 
 def test_trainer_config_reads_the_section(tmp_path, tiny_model):

@@ -17,13 +17,12 @@ import types
 
 import pytest
 
-from tunekit.training.methods.dpo import DpoTrainer
-from tunekit.training.methods.grpo import GrpoTrainer
-from tunekit.training.methods.kto import KtoTrainer
-from tunekit.training.methods.orpo import OrpoTrainer
-
 # tunekit's classes that subclass upstream ones: one import line per module, so a module move is one edit
 from tunekit.training.trainer import GenerationEval, SafeState, SafeStateTrainer
+from tunekit.training.trainers.dpo import DpoTrainer
+from tunekit.training.trainers.grpo import GrpoTrainer
+from tunekit.training.trainers.kto import KtoTrainer
+from tunekit.training.trainers.orpo import OrpoTrainer
 
 # ---------------------------------------------------------------- transformers' Trainer
 # (name, why tunekit overrides it) -- all in SafeState, inherited unchanged by every tunekit trainer

@@ -11,7 +11,7 @@ import json
 
 
 class Acting:
-    """Mixed into training.methods.rollouts' trainer mixin; `toolkit` None leaves everything as TRL does it."""
+    """Mixed into training.trainers.rollouts.Rollouts; `toolkit` None leaves everything as TRL does it."""
 
     toolkit = None  # evaluation.episodes.Toolkit
     renderer = None  # data.mixture.Renderers that rendered the prompts

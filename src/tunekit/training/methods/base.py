@@ -59,6 +59,10 @@ class Method:
         from tunekit.data.split and tunekit.data.contamination)."""
         raise NotImplementedError
 
+    def trainer_class(self) -> type:
+        """The method's trainer, a top-level class of training.trainers (imported here: it imports torch and TRL)."""
+        raise NotImplementedError
+
     def trainer_config(self, args, recipe):
         """The Trainer's arguments as this method's trainer takes them (a TRL config, say)."""
         return args
@@ -115,13 +119,3 @@ def get(name: str) -> Method:
 def of(recipe) -> Method:
     """The recipe's training method."""
     return get(recipe.training.method)
-
-
-def built_on_use(module: str, **builders):
-    """A module's __getattr__ (PEP 562) that builds its TRL-based classes on first use: `from
-    tunekit.training.methods.dpo import DpoTrainer` imports TRL then, not when the module loads."""
-    def __getattr__(name: str):
-        if name in builders:
-            return builders[name]()
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    return __getattr__

@@ -16,10 +16,9 @@ resume or multi-process equality), and has no SFT term nor a kept top-k of the t
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
-from tunekit.training.methods.base import Method, TrainerInputs, built_on_use, register
+from tunekit.training.methods.base import Method, TrainerInputs, register
 
 log = logging.getLogger("tunekit")
 
@@ -56,6 +55,11 @@ class Distill(Method):
             bundle.eval = indexed(bundle.eval)
         return bundle
 
+    def trainer_class(self):
+        from tunekit.training.trainers.distill import DistillTrainer
+
+        return DistillTrainer
+
     def trainer_config(self, args, recipe):
         args.remove_unused_columns = False  # the example's place and prompt reach the trainer
         return args
@@ -67,7 +71,7 @@ class Distill(Method):
         teacher = teachers.check(recipe, inputs.tokenizer)
         with whole_unless(d.teacher_placement == "sharded", inputs.args):
             model = teachers.load(teacher, inputs.precision.dtype, d.teacher_4bit)
-        trainer = trainer_class()(
+        trainer = self.trainer_class()(
             model=inputs.model, args=inputs.args, train_dataset=inputs.data.train, eval_dataset=inputs.data.eval,
             data_collator=collator(inputs.tokenizer), processing_class=inputs.tokenizer, callbacks=inputs.callbacks,
             generation_eval=inputs.generation_eval, teacher=model, settings=d)
@@ -104,7 +108,7 @@ def prompts_only(recipe, tokenizer):
 
 
 def collator(tokenizer):
-    from tunekit.training.distiller import Collator
+    from tunekit.training.trainers.distill import Collator
 
     return Collator(tokenizer)
 
@@ -126,17 +130,6 @@ def whole_unless(sharded: bool, args):
         yield
     finally:
         set_hf_deepspeed_config(args.hf_deepspeed_config)
-
-
-@functools.cache
-def trainer_class():
-    """DistillTrainer (training.distiller), imported on first use (torch and transformers)."""
-    from tunekit.training.distiller import DistillTrainer
-
-    return DistillTrainer
-
-
-__getattr__ = built_on_use(__name__, DistillTrainer=trainer_class)
 
 
 register(Distill())

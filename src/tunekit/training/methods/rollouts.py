@@ -1,18 +1,19 @@
 """What the methods that sample completions and score them by the recipe's rewards share (training.method grpo,
 rloo): the prompts as tunekit renders them, the rewards (tunekit.evaluation.rewards), TRL's config settings both
 trainers read, the reference model, and a trainer mixin with tunekit's seeded sampling, token counts and
-held-out rewards in place of TRL's evaluation pass. Each method module adds its own TRL trainer."""
+held-out rewards in place of TRL's evaluation pass (training.trainers.rollouts). Each method module adds its own
+TRL config and reference."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 
 from tunekit.config.methodsettings import RewardSpec, SampledSettings
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import rewards
+from tunekit.training.methods.base import Method, TrainerInputs
 from tunekit.training.methods.pairs import PairBundle, split_records
 
 log = logging.getLogger("tunekit")
@@ -109,65 +110,25 @@ def build(recipe, tokenizer) -> PromptBundle:
     return bundle
 
 
-@functools.cache
-def mixin():
-    """Rollouts: the parts of tunekit's GRPO and RLOO trainers that are the same over TRL's two trainers (built on
-    first use: imports TRL)."""
-    from unittest import mock
+class SampledMethod(Method):
+    """A method that samples completions and learns from their rewards (grpo, rloo): its prompts built by `build`,
+    its trainer made from the same inputs; each names its trainer, TRL config and reference."""
 
-    from tunekit.data.collating import CountingCollator
-    from tunekit.training.methods.acting import Acting
+    def build_data(self, recipe, tokenizer):
+        return build(recipe, tokenizer)
 
-    class Rollouts(Acting):
-        """Samples from the prompts as tunekit renders them (already templated text, tokenized as `tunekit eval`
-        tokenizes it), counts the tokens sampled, scores held-out prompts by their greedy answers' rewards
-        (evaluation.DuringTraining) instead of TRL's evaluation pass. `trl_module`: the TRL module whose
-        create_model_from_path would load the reference again."""
+    def log_more(self, g: SampledSettings) -> str:
+        """What the start line says beyond the settings both methods read."""
+        return ""
 
-        trl_module = None
-
-        def __init__(self, *args, add_special_tokens: bool = True, ref_model=None, data=None, **kwargs):
-            self.add_special_tokens = add_special_tokens
-            self.tokens = CountingCollator(None)  # its counters only: real and computed tokens sampled
-            self.toolkit = getattr(data, "toolkit", None)
-            self.renderer = getattr(data, "renderer", None)
-            self.episodes: list | None = None  # the batch being sampled, with tools
-            if ref_model is None:
-                super().__init__(*args, **kwargs)
-                return
-            # Full fine-tuning with a KL term: TRL loads the reference again from the policy's hub name, which a
-            # model loaded from a GGUF file or a local build has not; hand it the copy tunekit loaded instead.
-            with mock.patch.object(self.trl_module, "create_model_from_path", lambda *a, **k: ref_model):
-                super().__init__(*args, **kwargs)
-
-        def _generate_and_score_completions(self, inputs):
-            if self.toolkit is not None:
-                inputs = self.start_episodes(inputs)
-            out = super()._generate_and_score_completions(inputs)
-            if self.episodes is not None:
-                out["tool_mask"] = self.tool_mask(out["completion_ids"])
-                self.log_episodes()
-                self.episodes = None
-            if self.model.training:  # prompts and completions, as the throughput counts them
-                masks = [out["prompt_mask"], out["completion_mask"]]
-                self.tokens.real += int(sum(m.sum() for m in masks))
-                self.tokens.computed += sum(m.numel() for m in masks)
-            return out
-
-        def seeded(self, images, multimodal_fields) -> bool:
-            """Whether tunekit's seeded sampling (training.sampling) samples, not TRL's own paths."""
-            return not (self.use_vllm or self.use_transformers_continuous_batching or images or multimodal_fields)
-
-        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-            if self.generation_eval is None:
-                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-            # the held-out prompts are scored by their greedy answers' rewards (evaluation.DuringTraining); TRL's
-            # pass would sample `completions` answers per prompt again, for a loss that says little
-            return None, None, None
-
-        def _tokenize_prompts(self, prompts: list):
-            # TRL tokenizes text prompts with the tokenizer's special tokens; a chat template has written them
-            ids = self.processing_class(text=prompts, add_special_tokens=self.add_special_tokens)["input_ids"]
-            return ids, None, {}
-
-    return Rollouts
+    def make_trainer(self, inputs: TrainerInputs):
+        g = self.settings_of(inputs.recipe)
+        ref_args, reference = self.reference(inputs.recipe, inputs.precision, inputs.start_adapter)
+        scorers = scorers_of(g.rewards, g.max_completion_length, self.name)
+        log_start(self.name, g, scorers, reference, self.log_more(g))
+        trainer = self.trainer_class()(
+            model=inputs.model, reward_funcs=scorers, args=inputs.args, train_dataset=inputs.data.train,
+            eval_dataset=inputs.data.eval, processing_class=inputs.tokenizer, callbacks=inputs.callbacks,
+            generation_eval=inputs.generation_eval, add_special_tokens=inputs.data.add_special_tokens,
+            data=inputs.data, **ref_args)
+        return trainer, trainer.tokens
