@@ -96,6 +96,12 @@ def test_sizes_at_a_world_size():
         parallelconfig.layout(ParallelismConfig(tp=2), 3)
     with pytest.raises(TunekitError, match=r"dp_replicate 1 x dp_shard 2 x tp 2 x cp 1 = 4 processes, but 8"):
         parallelconfig.layout(ParallelismConfig(tp=2, dp_shard=2), 8)
+    # plan and validate name their --world-size (tests/plan/test_splitting.py: the commands refuse alike)
+    with pytest.raises(TunekitError, match=r"= 8 does not divide --world-size 1 \(a parallel group needs 8\); give "
+                                           "--world-size a multiple of 8"):
+        parallelconfig.layout(ParallelismConfig(sp=8), 1, "--world-size")
+    with pytest.raises(TunekitError, match="= 4 processes, but --world-size is 8; make the product 8"):
+        parallelconfig.layout(ParallelismConfig(tp=2, dp_shard=2), 8, "--world-size")
 
 
 def test_context_parallel_is_refused_without_a_gpu():

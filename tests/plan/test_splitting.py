@@ -75,3 +75,91 @@ def test_the_long_context_recipe_is_planned_with_each_layout(capsys):
     assert set(need) == {"ZeRO-3 alone", "sp 8", "cp 8"}  # tp: full fine-tuning only
     assert need["sp 8"] < need["ZeRO-3 alone"] / 4
     assert "sent per step per device:" in out and "verdict: fits in 80.0 GiB" in out
+
+
+# ---------------------------------------------------------------- the world size, as training checks it
+
+ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
+SP = {"parallelism": {"sp": 2}, "deepspeed": ZERO2}
+FULL = {"adapter": "none", "lora": None}
+
+# case -> (recipe changes, training changes, the command after its recipe, what the one line says)
+WORLD_REFUSED = {
+    "sp 2 at world size 3": ({}, SP, ["--world-size", "3"],
+                             "training.parallelism: tp x sp x cp = 2 does not divide --world-size 3; give --world-size "
+                             "a multiple of 2"),
+    "sp 4 at world size 1, below its group": ({}, {**SP, "parallelism": {"sp": 4}}, ["--world-size", "1"],
+                                              "tp x sp x cp = 4 does not divide --world-size 1 (a parallel group "
+                                              "needs 4); give --world-size a multiple of 4"),
+    "cp 2 at world size 5": ({}, {"parallelism": {"cp": 2}, "fsdp": {}}, ["--world-size", "5"],
+                             "tp x sp x cp = 2 does not divide --world-size 5"),
+    "tp 2 x dp_shard 2 at world size 2": (FULL, {"parallelism": {"tp": 2, "dp_shard": 2}}, ["--world-size", "2"],
+                                          "dp_replicate 1 x dp_shard 2 x tp 2 x cp 1 = 4 processes, but "
+                                          "--world-size is 2; make the product 2"),
+    "tp 2 at world size 3": (FULL, {"parallelism": {"tp": 2}}, ["--world-size", "3"],
+                             "tp x sp x cp = 2 does not divide --world-size 3"),
+    "a given config's heads tp does not divide": (FULL, {"parallelism": {"tp": 2}}, ["--model-config", "odd.json"],
+                                                  "training.parallelism.tp 2 must divide --model-config odd.json's 3 "
+                                                  "attention heads and 3 key/value heads"),
+}
+
+
+@pytest.fixture()
+def parallel_recipe(tmp_path, tiny_model):
+    from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+
+    def make(sections: dict, training: dict) -> str:
+        raw = tiny_recipe(tiny_model, data, tmp_path / "run", **sections)
+        raw["training"] = {**raw["training"], **training}
+        return str(write_recipe(tmp_path / "r.yaml", raw))
+    return make
+
+
+@pytest.mark.parametrize("case", WORLD_REFUSED)
+def test_plan_refuses_a_world_size_training_would_refuse(case, parallel_recipe, tiny_model, tmp_path, capsys,
+                                                         monkeypatch):
+    import json
+
+    from conftest import refused_in_process
+
+    sections, training, rest, expected = WORLD_REFUSED[case]
+    recipe = parallel_recipe(sections, training)
+    config = json.loads((tiny_model / "config.json").read_text())
+    (tmp_path / "odd.json").write_text(json.dumps({**config, "num_attention_heads": 3, "num_key_value_heads": 3,
+                                                   "hidden_size": 48}))
+    assert expected in refused_in_process(["plan", recipe, *rest], tmp_path, capsys, monkeypatch)
+    if "--world-size" in rest:  # validate at the same world size refuses it alike
+        assert expected in refused_in_process(["validate", recipe, *rest], tmp_path, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("sections, training, fewest, described", [
+    ({}, {**SP, "parallelism": {"sp": 4}}, 4, "sequence parallel 4 (DeepSpeed Ulysses)"),
+    (FULL, {"parallelism": {"tp": 2, "dp_shard": 2}}, 4, "tensor parallel 2 (layers split), FSDP2 over 2"),
+])
+def test_plan_without_a_world_size_plans_the_fewest_processes_the_sizes_run_on(sections, training, fewest, described,
+                                                                                 parallel_recipe, capsys):
+    import logging
+
+    from tunekit import api
+    from tunekit.cli.main import main
+
+    recipe = parallel_recipe(sections, training)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log, level = logging.getLogger("tunekit"), logging.getLogger("tunekit").level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        assert main(["plan", recipe]) == 0
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert f"per device: world size {fewest}," in capsys.readouterr().out
+    said = [r.getMessage() for r in records if "--world-size left out" in r.getMessage()]
+    assert len(said) == 1 and f"planned at {fewest}, the fewest processes training.parallelism runs on" in said[0]
+    assert described in said[0]
+    assert api.plan(recipe).plan.settings.world_size == fewest
+    assert api.plan(recipe, world_size=fewest).plan.settings.world_size == fewest

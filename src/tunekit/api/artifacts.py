@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunekit.api import arguments
 from tunekit.api.pipeline import _files
 from tunekit.core import console
 
@@ -25,11 +26,19 @@ class Written:
         return found + ([modelfile] if self.out.is_file() and modelfile.is_file() else [])
 
 
+MERGE_DTYPES = ("bf16", "fp16", "fp32")
+
+
 def merge(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, dtype: str | None = None,
           force: bool = False, tolerance: float = 1e-3) -> Written:
     """Merge a LoRA run's adapter into its base model and save it (default RUN_DIR/merged), after checking that
     the merged model's logits match the adapter's within `tolerance`. `dtype`: bf16, fp16 or fp32 (default: the
     base model's)."""
+    arguments.path("run_dir", run_dir)
+    arguments.path("out", out, optional=True)
+    arguments.choice("dtype", dtype, MERGE_DTYPES, optional=True)
+    arguments.flag("force", force)
+    arguments.number("tolerance", tolerance)
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     from tunekit.config.recipes import load
     from tunekit.data import precheck
@@ -47,6 +56,15 @@ def export(target: str | os.PathLike, format: str = "gguf", quant: str | None = 
     """Write a GGUF file checked against its source, with an Ollama Modelfile beside it (`format` gguf, `quant`
     q8_0 by default), or a safetensors directory (`format` safetensors, `dtype`). `target`: a run directory
     (merged on the fly), a merged directory or a base model."""
+    arguments.path("target", target)
+    arguments.text("format", format)
+    arguments.text("quant", quant, optional=True)
+    arguments.text("dtype", dtype, optional=True)
+    arguments.path("out", out, optional=True)
+    arguments.flag("force", force)
+    from tunekit.export.writers import resolve_options
+
+    resolve_options(format, {"quant": quant, "dtype": dtype})  # the format and its options, before the target
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     from tunekit.export import source
 
@@ -68,6 +86,14 @@ def push(target: str | os.PathLike, repo: str, what: str | None = None, private:
     """Upload a run's adapter, merged weights or a GGUF file to the Hub repo `repo` as one commit, with a model
     card. `what`: adapter, merged or gguf (default: what the target is). `baseline`: a base-model eval directory,
     for the card's before/after table. The token comes from HF_TOKEN or `huggingface-cli login`."""
+    arguments.path("target", target)
+    arguments.text("repo", repo)
+    arguments.choice("what", what, ("adapter", "merged", "gguf"), optional=True)
+    arguments.flag("private", private)
+    arguments.text("revision", revision, optional=True)
+    arguments.flag("force", force)
+    arguments.path("baseline", baseline, optional=True)
+    arguments.text("base_model", base_model, optional=True)
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     from tunekit.export import push as pushing  # imports no torch: a LoRA run is merged only once all is checked
 

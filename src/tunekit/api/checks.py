@@ -82,6 +82,26 @@ def parallelism(recipe: Recipe, model: str) -> None:
                                f"model.name_or_path {recipe.model.name_or_path}")
 
 
+def world(recipe: Recipe, world_size: int | None, option: str = "--world-size") -> int:
+    """The world size a recipe is planned or validated at, refused where training.parallelism's sizes do not fit
+    it, with the rule training applies to the processes it launched (config.parallelconfig.layout); None (no
+    --world-size) is 1, or under training.parallelism the fewest processes its sizes run on, said in one line."""
+    p = recipe.training.parallelism
+    if p is None:
+        return 1 if world_size is None else world_size
+    from tunekit.config import parallelconfig
+
+    if world_size is not None:
+        parallelconfig.layout(p, world_size, option)
+        return world_size
+    fewest = p.split * (p.dp_replicate * (p.dp_shard or 1) if p.sp == 1 else 1)
+    if fewest > 1:
+        lay = parallelconfig.layout(p, fewest, option)
+        log.info("%s left out: planned at %d, the fewest processes training.parallelism runs on (%s); give %s for "
+                 "more", option, fewest, parallelconfig.describe(lay), option)
+    return fewest
+
+
 def deepspeed(recipe: Recipe, world_size: int | None) -> None:
     """DeepSpeed's own check of training.deepspeed (it imports deepspeed and torch), then its "auto" values
     filled from the recipe at the precision training would take here; a contradiction raises."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from tunekit.api import checks, recipeargs
+from tunekit.api import arguments, checks, recipeargs
 from tunekit.api.recipeargs import Overrides, RecipeLike
 from tunekit.config.schema import Recipe
 from tunekit.core import console
@@ -38,8 +38,11 @@ def validate(recipe: RecipeLike, overrides: Overrides = None, world_size: int | 
     """Refuse (TunekitError) whatever `train` would refuse before loading weights. A model or hub data set that
     cannot be had here is named in a warning. With `world_size`, the DeepSpeed config is also resolved for that
     many processes and returned; DeepSpeed's own check runs in any case (it imports torch: seconds)."""
+    arguments.whole("world_size", world_size, optional=True)
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     loaded = checks.before_weights(recipeargs.load(recipe, overrides), checks.VALIDATE, world_size or 1)
+    if world_size is not None:  # training.parallelism's sizes must divide it, as a launch of that many
+        checks.world(loaded, world_size)
     if not (loaded.training.deepspeed and world_size):
         return Validated(loaded)
     from tunekit.core.hardware import resolve_precision
@@ -73,6 +76,11 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
     is refused) from the checks through the report. Under several processes (torchrun) every process calls
     this; only the main one evaluates and reports. `argv`: the command line (`train RECIPE ...`) to start
     again as CPU processes when `accelerate launch --num_processes N` started one on a machine without GPUs."""
+    arguments.flag("force", force)
+    arguments.flag("resume", resume)
+    if argv is not None and (not isinstance(argv, (list, tuple)) or not all(isinstance(a, str) for a in argv)):
+        raise TunekitError(f"argv: expected a list of strings (the command line: train RECIPE ...) or None, got "
+                           f"{type(argv).__name__} {argv!r}")
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
 
@@ -150,6 +158,9 @@ class Evaluations:
         return format_table([(e.label, e.scores) for e in self.evaluations])
 
 
+DTYPES = ("auto", "bf16", "fp16", "fp32")  # eval's and chat's model dtype, as `tunekit eval --dtype` takes it
+
+
 def _file_given(flag: str, value) -> None:
     if value is not None and not Path(value).is_file():
         raise TunekitError(f"{flag} {value}: " + ("is a directory; give a file" if Path(value).is_dir() else
@@ -181,6 +192,14 @@ def evaluate(target: str | os.PathLike, recipe: RecipeLike | None = None, data: 
     from `recipe` (path, dict or Recipe) or reads `data` alone. `data`: an eval file in place of the recipe's
     held-out data. `out`: where metrics.json and predictions.jsonl go (default TARGET/eval for a run; with
     `compare`, OUT/target and OUT/compare)."""
+    for name, value in (("target", target), ("data", data), ("compare", compare), ("out", out)):
+        arguments.path(name, value, optional=name != "target")
+    if recipe is not None:
+        recipeargs.check_type(recipe)
+    for name, value in (("limit", limit), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+        arguments.whole(name, value, optional=True)
+    arguments.choice("dtype", dtype, DTYPES)
+    arguments.flag("force", force)
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     from pydantic import ValidationError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from tunekit.api import checks, recipeargs
+from tunekit.api import arguments, checks, recipeargs
 from tunekit.api.recipeargs import Overrides, RecipeLike
 from tunekit.config.schema import Recipe
 from tunekit.core import console
@@ -43,28 +43,36 @@ class PlanResult:
         return estimate.to_json(self.plan)
 
 
-def plan(recipe: RecipeLike, overrides: Overrides = None, world_size: int = 1, gpu_memory: int | str | None = None,
-         peak_tflops: float = 989.0, utilization: float = 0.4, memory_bandwidth: float | None = None,
-         model_config: str | os.PathLike | None = None) -> PlanResult:
-    """Memory per device and time per step, from the model's config alone (no weights). `gpu_memory`: bytes or a
-    size such as "24GiB"; a plan above it comes with fixes. `memory_bandwidth`: GB/s of the elementwise work.
-    `model_config`: the model's config.json, for a model not downloaded here."""
+def plan(recipe: RecipeLike, overrides: Overrides = None, world_size: int | None = None,
+         gpu_memory: int | str | None = None, peak_tflops: float = 989.0, utilization: float = 0.4,
+         memory_bandwidth: float | None = None, model_config: str | os.PathLike | None = None) -> PlanResult:
+    """Memory per device and time per step, from the model's config alone (no weights). `world_size`: devices
+    (default 1, or under training.parallelism its smallest layout's; sizes that do not divide it are refused, as a
+    launch of that many is). `gpu_memory`: bytes or a size such as "24GiB"; a plan above it comes with fixes.
+    `memory_bandwidth`: GB/s of the elementwise work. `model_config`: the model's config.json, for a model not
+    downloaded here."""
+    arguments.whole("world_size", world_size, optional=True)
+    gpu_memory = arguments.size("gpu_memory", gpu_memory)
+    arguments.number("peak_tflops", peak_tflops)
+    arguments.number("utilization", utilization, most=1)
+    arguments.number("memory_bandwidth", memory_bandwidth, optional=True)
+    arguments.path("model_config", model_config, optional=True)
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
-    if isinstance(gpu_memory, str):
-        from tunekit.plan.sizes import parse_size
-
-        try:
-            gpu_memory = parse_size(gpu_memory)
-        except ValueError as e:
-            raise TunekitError(f"gpu_memory: {e}") from None
     # torch-free first; a model given by model_config need not be here
     loaded = checks.before_weights(recipeargs.load(recipe, overrides),
                                    checks.PLAN_GIVEN_CONFIG if model_config else checks.PLAN)
-    from tunekit.core.hardware import resolve_precision
     from tunekit.models.info import config_file, fit_max_length
-    from tunekit.plan import estimate
 
     given = config_file(str(model_config)) if model_config else None
+    if given is not None and loaded.training.parallelism is not None:  # the heads it splits, as for a model here
+        from tunekit.config import parallelconfig
+
+        parallelconfig.check_model(loaded.training.parallelism, given, loaded.model.attn_implementation,
+                                   f"--model-config {model_config}")
+    world_size = checks.world(loaded, world_size)  # as training refuses the processes it launched
+    from tunekit.core.hardware import resolve_precision
+    from tunekit.plan import estimate
+
     loaded = fit_max_length(loaded, shipped=True, given=given)
     precision = loaded.training.precision  # planned as written: a GPU's precision need not exist here
     if precision == "auto":
@@ -101,6 +109,7 @@ class DataPreview:
 
 def data(recipe: RecipeLike, overrides: Overrides = None, show: int = 3) -> DataPreview:
     """The training data as training prepares it, with `show` examples rendered; loads the tokenizer only."""
+    arguments.whole("show", show, least=0)
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     loaded = checks.before_weights(recipeargs.load(recipe, overrides), checks.DATA)  # before torch
     from tunekit.training import methods

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
+from tunekit.api import arguments
 from tunekit.config import recipes
 from tunekit.config.schema import Recipe
 from tunekit.core.errors import TunekitError
@@ -24,9 +25,18 @@ def override_lines(overrides: Overrides) -> list[str]:
     if isinstance(overrides, str):
         lines = [overrides]
     elif isinstance(overrides, Mapping):
-        lines = [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
-    else:
+        lines = []
+        for key, value in overrides.items():
+            if not isinstance(key, str) or not key.strip():
+                raise TunekitError(f"overrides: key {key!r} is not a dotted key; write e.g. "
+                                   "{'training.learning_rate': 1e-4}")
+            arguments.yaml_value(f"overrides[{key!r}]", value)
+            lines.append(f"{key}={json.dumps(value)}")
+    elif isinstance(overrides, (list, tuple)):
         lines = list(overrides)
+    else:
+        raise TunekitError(f"overrides: expected a list of 'dotted.key=value' strings or a dict of dotted keys to "
+                           f"values, got {type(overrides).__name__}")
     for line in lines:
         if not isinstance(line, str):
             raise TunekitError(f"override {line!r}: expected a 'dotted.key=value' string")
@@ -38,9 +48,15 @@ def is_path(recipe: Any) -> bool:
     return isinstance(recipe, (str, os.PathLike))
 
 
+def check_type(recipe: Any) -> None:
+    if not isinstance(recipe, (str, os.PathLike, Mapping, Recipe)):
+        raise TunekitError(f"recipe: expected a YAML file's path, a dict or a Recipe, got {type(recipe).__name__}")
+
+
 def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
     """The recipe validated, its files checked and made absolute, as `tunekit validate` reads a file. A dict's
     relative paths are looked up from the current directory; a Recipe with overrides is validated anew."""
+    check_type(recipe)
     lines = override_lines(overrides)
     if is_path(recipe):
         return recipes.load(Path(recipe), lines)
@@ -49,8 +65,7 @@ def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
             return recipe
         raw = recipe.model_dump(mode="json", exclude_unset=True)
         raw.setdefault("output_dir", recipe.output_dir)
-    elif isinstance(recipe, Mapping):
-        raw = copy.deepcopy(dict(recipe))
     else:
-        raise TunekitError(f"recipe: expected a YAML file's path, a dict or a Recipe, got {type(recipe).__name__}")
+        arguments.yaml_value("recipe", dict(recipe))  # what a YAML file could hold: a set or an object is named
+        raw = copy.deepcopy(dict(recipe))
     return recipes.from_dict(recipes.apply_overrides(raw, lines), source="recipe", base=Path.cwd())

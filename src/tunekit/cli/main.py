@@ -204,7 +204,8 @@ def cmd_push(a) -> int:
 def _validate_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
     p.add_argument("--world-size", type=positive_int, metavar="N",
-                   help="also print the DeepSpeed config resolved for N processes")
+                   help="also print the DeepSpeed config resolved for N processes, and refuse training.parallelism "
+                        "sizes that do not divide N")
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -216,7 +217,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
-    p.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="number of devices (default 1)")
+    p.add_argument("--world-size", type=positive_int, metavar="N",
+                   help="number of devices (default 1; under training.parallelism, the fewest its sizes run on); "
+                        "training.parallelism's tp x sp x cp must divide it, as at launch")
     p.add_argument("--gpu-memory", type=size, metavar="SIZE",
                    help="memory per device, e.g. 24GiB: prints a verdict and fixes")
     p.add_argument("--peak-tflops", type=positive_float, default=989.0,

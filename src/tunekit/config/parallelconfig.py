@@ -135,16 +135,22 @@ class Layout:
         return self.world // self.split
 
 
-def layout(p, world: int) -> Layout:
-    """training.parallelism's sizes for `world` processes; a world they do not fit is refused, saying which would."""
+def layout(p, world: int, option: str | None = None) -> Layout:
+    """training.parallelism's sizes for `world` processes; a world they do not fit is refused, saying which would.
+    `option`: the argument that gave the world size where it is not the processes launched (`tunekit plan`'s and
+    `validate`'s --world-size), named in the refusal."""
+    given = f"the {world} processes launched" if option is None else f"{option} {world}"
+    were = f"{world} were launched" if option is None else f"{option} is {world}"
+    fix = "launch" if option is None else f"give {option}"
     if world % p.split:
-        raise TunekitError(f"{KEY}: tp x sp x cp = {p.split} does not divide the {world} processes launched; "
-                           f"launch a multiple of {p.split}")
+        fewer = f" (a parallel group needs {p.split})" if world < p.split else ""
+        raise TunekitError(f"{KEY}: tp x sp x cp = {p.split} does not divide {given}{fewer}; {fix} a multiple of "
+                           f"{p.split}")
     dp_shard = p.dp_shard if p.dp_shard is not None else world // (p.split * p.dp_replicate) if p.sp == 1 else 1
     if p.sp == 1 and dp_shard * p.dp_replicate * p.split != world:
         raise TunekitError(f"{KEY}: dp_replicate {p.dp_replicate} x dp_shard {dp_shard} x tp {p.tp} x cp {p.cp} = "
-                           f"{dp_shard * p.dp_replicate * p.split} processes, but {world} were launched; make the "
-                           f"product {world} (or leave dp_shard out)")
+                           f"{dp_shard * p.dp_replicate * p.split} processes, but {were}; make the product {world} "
+                           "(or leave dp_shard out)")
     return Layout(p.tp, p.sp, p.cp, dp_shard, p.dp_replicate, world)
 
 
