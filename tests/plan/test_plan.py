@@ -595,3 +595,20 @@ def test_fsdp2_terms_match_torchs_memory_tracker(make_recipe, tmp_path):
     assert t["peak"]["Unsharded Param"] == p.parts["FSDP2 gathered: every decoder layer (one unit) + head unit"]
     p, t = accumulating
     assert t["peak"]["Unsharded Grad"] == p.parts["FSDP2: unsharded gradients over micro-batches (no_sync)"]
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"num_attention_heads": "x"}, "transformers refuses this llama config: Validation error for field "
+                                   "'num_attention_heads': TypeError: Field 'num_attention_heads' expected int"),
+    ({"num_attention_heads": 5}, "The hidden size (64) is not a multiple of the number of attention heads (5)"),
+])
+def test_a_model_config_transformers_refuses_is_one_line(changes, expected, tiny_model, tmp_path, capsys,
+                                                        monkeypatch):
+    from conftest import refused_in_process, reverse_rows
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, write_jsonl(tmp_path / "d.jsonl",
+                                                                                   reverse_rows(4)), tmp_path / "run"))
+    config = json.loads((tiny_model / "config.json").read_text())
+    (tmp_path / "c.json").write_text(json.dumps({**config, **changes}))
+    line = refused_in_process(["plan", str(recipe), "--model-config", "c.json"], tmp_path, capsys, monkeypatch)
+    assert line.startswith("tunekit: error: --model-config c.json: ") and expected in line

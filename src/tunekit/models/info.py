@@ -66,7 +66,11 @@ def _from_dict(raw: dict, where: str):
     if kind not in CONFIG_MAPPING:
         raise TunekitError(f"{where}: model_type {kind!r} is not an architecture this transformers knows; "
                            f"give the model's own config.json")
-    return CONFIG_MAPPING[kind](**raw)
+    try:
+        return CONFIG_MAPPING[kind](**raw)
+    except Exception as e:  # transformers' own checks of the fields (huggingface_hub's strict dataclasses)
+        said = " ".join(str(e).split()) or type(e).__name__
+        raise TunekitError(f"{where}: transformers refuses this {kind} config: {said}") from None
 
 
 def _shipped_raw(name: str) -> dict | None:
