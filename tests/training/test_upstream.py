@@ -18,14 +18,15 @@ import types
 import pytest
 
 # tunekit's classes that subclass upstream ones: one import line per module, so a module move is one edit
-from tunekit.training.trainer import GenerationEval, SafeState, SafeStateTrainer
+from tunekit.training.loraplus import LoraPlusOptimizer
+from tunekit.training.trainer import GenerationEval, SafeStateTrainer, TrainerAdditions
 from tunekit.training.trainers.dpo import DpoTrainer
 from tunekit.training.trainers.grpo import GrpoTrainer
 from tunekit.training.trainers.kto import KtoTrainer
 from tunekit.training.trainers.orpo import OrpoTrainer
 
 # ---------------------------------------------------------------- transformers' Trainer
-# (name, why tunekit overrides it) -- all in SafeState, inherited unchanged by every tunekit trainer
+# (name, why tunekit overrides it) -- all in TrainerAdditions' pieces, inherited unchanged by every tunekit trainer
 TRAINER_HOOKS = [
     ("_save", "weights without torch.save(self.args) (training_args.bin is a pickle); only the trained adapter"),
     ("_save_optimizer_and_scheduler", "optimizer and scheduler state as safetensors, not optimizer.pt / scheduler.pt"),
@@ -202,13 +203,13 @@ TUNEKIT_TRAINERS = (SafeStateTrainer, DpoTrainer, KtoTrainer, OrpoTrainer, GrpoT
 def test_the_private_trainer_methods_tunekit_overrides_still_exist_upstream():
     from transformers import Trainer
 
-    problems = [p for name, _ in TRAINER_HOOKS for p in override_problems(SafeState, Trainer, name)]
+    problems = [p for name, _ in TRAINER_HOOKS for p in override_problems(TrainerAdditions, Trainer, name)]
     for name, _ in TRAINER_HOOKS:
-        for trainer in TUNEKIT_TRAINERS:  # no class between them and SafeState overrides it
-            if getattr(trainer, name) is not getattr(SafeState, name):
-                problems.append(f"{trainer.__name__}.{name} bypasses SafeState")
+        for trainer in TUNEKIT_TRAINERS:  # no class between them and TrainerAdditions overrides it
+            if getattr(trainer, name) is not getattr(TrainerAdditions, name):
+                problems.append(f"{trainer.__name__}.{name} bypasses TrainerAdditions")
     for name, _ in TRAINER_OVERRIDES:
-        owners = [c for c in (SafeStateTrainer, GenerationEval, OrpoTrainer) if name in c.__dict__]
+        owners = [c for c in (SafeStateTrainer, GenerationEval, LoraPlusOptimizer, OrpoTrainer) if name in c.__dict__]
         problems += [p for c in owners for p in override_problems(c, Trainer, name)]
     assert not problems, "update trainer.py / methods/: " + "; ".join(problems)
 

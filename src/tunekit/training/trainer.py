@@ -1,4 +1,5 @@
-"""transformers.Trainer whose checkpoints hold no pickles.
+"""What tunekit adds to every upstream trainer (TrainerAdditions: LoRA+, parallelism on CPU processes, checkpoints
+without pickles, generation metrics at evaluations) and SafeStateTrainer, the Trainer SFT runs with its loss path.
 
 The stock Trainer writes optimizer.pt, scheduler.pt, scaler.pt and rng_state.pth with torch.save and a
 pickled training_args.bin; DeepSpeed writes its shards with torch.save too. Here the same state goes
@@ -12,6 +13,7 @@ import contextlib
 import logging
 import os
 import random
+from unittest import mock
 
 import numpy as np
 import torch
@@ -22,22 +24,14 @@ from tunekit.core.errors import TunekitError
 from tunekit.data.collating import TRAINED_POSITIONS
 from tunekit.models import kernels, losspath
 from tunekit.runs.checkpoints import OPTIMIZER
+from tunekit.training.cpuprocesses import ParallelOnCpu
+from tunekit.training.loraplus import LoraPlusOptimizer
+from tunekit.training.sequencepieces import over_sequence_pieces, skip_first_batches
 
 log = logging.getLogger("tunekit")
 
 SCHEDULER = "scheduler.safetensors"
 SCALER = "scaler.safetensors"
-
-
-@contextlib.contextmanager
-def _patched(owner, name: str, value):
-    """`owner.name` is `value` inside the block, and what it was after."""
-    before = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, before)
 
 
 def _rng_file(args) -> str:
@@ -46,23 +40,6 @@ def _rng_file(args) -> str:
 
 class SafeState:
     """Mixin for transformers.Trainer and its subclasses (TRL's trainers): checkpoints without pickles."""
-
-    loraplus_lr_ratio: float | None = None  # lora.lr_ratio (LoRA+); set by the runner on every method's trainer
-
-    def create_optimizer(self, model=None):
-        """The recipe's optimizer; with LoRA+, built by peft with the B matrices at lr x ratio, for every
-        method's trainer (none of TRL's overrides this). The Trainer calls this under DeepSpeed too, unless the
-        DeepSpeed config brings its own optimizer (refused with LoRA+ when the recipe is loaded)."""
-        if self.loraplus_lr_ratio is None or self.optimizer is not None:
-            return super().create_optimizer(model)
-        from peft.optimizers import create_loraplus_optimizer
-
-        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
-        kwargs = dict(kwargs)
-        self.optimizer = create_loraplus_optimizer(self.model, optimizer_cls, lr=kwargs.pop("lr"),
-                                                   loraplus_lr_ratio=self.loraplus_lr_ratio,
-                                                   loraplus_weight_decay=self.args.weight_decay, **kwargs)
-        return self.optimizer
 
     # --- DeepSpeed: the Trainer assigns its engine to self.deepspeed right after building it and before
     # loading a checkpoint into it; that is where the engine is switched to safetensors.
@@ -85,63 +62,11 @@ class SafeState:
 
         return isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper)
 
-    # --- FSDP on CPU processes: accelerate turns an FSDP plugin into FSDP only for GPU-like devices and
-    # otherwise falls back to DDP without a word (AcceleratorState.__init__, accelerate 1.15). FSDP2 itself
-    # runs on CPU with gloo, so the plugin is installed here, once the accelerator exists and again just before
-    # the model is wrapped (TRL's GRPO trainer leaves the state re-initialised in between).
-    def create_accelerator_and_postprocess(self):
-        with self._parallel_on_cpu() if self.args.parallelism_config is not None else contextlib.nullcontext():
-            super().create_accelerator_and_postprocess()
-        self._fsdp_on_cpu()
-
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        self._fsdp_on_cpu()
-        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        if hasattr(train_dataloader, "sp_world_size"):  # DeepSpeed's Ulysses loader (training.parallelism.sp)
-            follow_epochs(train_dataloader)
-        return model, train_dataloader
-
-    def _parallel_on_cpu(self):
-        """accelerate 1.15 takes a ParallelismConfig only on GPU-like devices, FSDP2 or DeepSpeed
-        (ParallelismConfig._validate_accelerator refuses MULTI_CPU). A model split by transformers as it loads
-        (training.parallelism.tp) owns its placement and runs on CPU processes with gloo (a two-process run
-        equals one: tests/e2e/test_parallel_runs.py), so there the check is shown the processes as the devices they
-        stand in for; everything else it checks still holds."""
-        from accelerate.parallelism_config import ParallelismConfig
-        from accelerate.utils import DistributedType
-
-        check = ParallelismConfig._validate_accelerator
-
-        def validate(config, accelerator):
-            state = accelerator.state
-            if state.distributed_type != DistributedType.MULTI_CPU:
-                return check(config, accelerator)
-            state.distributed_type = DistributedType.MULTI_GPU
-            try:
-                return check(config, accelerator)
-            finally:
-                state.distributed_type = DistributedType.MULTI_CPU
-
-        return _patched(ParallelismConfig, "_validate_accelerator", validate)
-
     @property
     def _sharded_state(self) -> bool:
         """The weights are DTensors (FSDP2, or a model split by transformers as it loaded): checkpoints gather them
         whole (fsdpstate), every rank taking part."""
         return self.is_fsdp_enabled or getattr(self, "is_distributed_loading_by_transformers", False)
-
-    def _fsdp_on_cpu(self) -> None:
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-        state = self.accelerator.state
-        if self.args.fsdp_plugin_args is None or state.distributed_type == DistributedType.FSDP:
-            return
-        if state.distributed_type != DistributedType.MULTI_CPU:
-            raise RuntimeError(f"training.fsdp: accelerate did not enable FSDP ({state.distributed_type})")
-        if getattr(state, "fsdp_plugin", None) is None:
-            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-        state.distributed_type = DistributedType.FSDP
-        self.is_fsdp_enabled = True
 
     # --- weights: Trainer._save minus torch.save(self.args)
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -265,55 +190,6 @@ class GenerationEval:
         return output
 
 
-def skip_first_batches(dataloader, num_batches: int = 0):
-    """accelerate's skip_first_batches, which the Trainer calls on resuming mid-epoch, and which cannot skip
-    DeepSpeed's Ulysses loader (training.parallelism.sp; it is no DataLoader): that one is told to skip its first
-    `num_batches` pieces once the Trainer has set the epoch (follow_epochs)."""
-    from accelerate import skip_first_batches as accelerate_skip
-
-    if not hasattr(dataloader, "sp_world_size"):  # a DataLoader, not DeepSpeed's UlyssesSPDataLoaderAdapter
-        return accelerate_skip(dataloader, num_batches)
-    dataloader.skip = num_batches
-    return dataloader
-
-
-def follow_epochs(adapter) -> None:
-    """DeepSpeed's Ulysses loader has no set_epoch, so a resumed run would read every epoch in the first epoch's
-    order (the loader it wraps counts epochs only as it goes through them). Given one: the wrapped loader is set
-    to the epoch and read anew, past the pieces a resumed epoch skips, every process of the group gathering the
-    same batches as it goes."""
-    def set_epoch(epoch: int) -> None:
-        adapter.dl.set_epoch(epoch)
-        adapter.iter = iter(adapter.dl)
-        adapter.micro_batches.clear()
-        for _ in range(adapter.__dict__.pop("skip", 0)):
-            next(adapter)
-
-    adapter.set_epoch = set_epoch
-
-
-def over_sequence_pieces(total: torch.Tensor, trained: int, averaged: bool) -> torch.Tensor:
-    """The mean loss over every trained token of the rows a sequence-parallel group shares, from this process's
-    summed loss over its piece (`total`, `trained` tokens). Its gradient is this piece's share, scaled to what
-    DeepSpeed 0.19.8 does with the group's gradients (`averaged`), measured at sp 2 against one process: ZeRO-2
-    sums them (stage_1_and_2.py divides by the world over sp; ZeRO-1's too), ZeRO-3 with reduce_scatter (its
-    default) averages them (reduce_scatter_coalesced divides by the whole world: the gradient norm was half one
-    process's); without reduce_scatter it sums them as ZeRO-2 does. transformers' deepspeed_sp_compute_loss, a
-    mean gathered differentiably, gave twice the norm under ZeRO-2. Its value is the whole mean, for the log."""
-    import torch.distributed as dist
-    from deepspeed.utils import groups
-
-    group = groups._get_sequence_parallel_group()
-    count = torch.tensor(float(trained), dtype=total.dtype, device=total.device)
-    dist.all_reduce(count, group=group)
-    scale = dist.get_world_size(group) if averaged else 1
-    share = total / count.clamp(min=1) * scale
-    whole = share.detach().clone()
-    dist.all_reduce(whole, group=group)
-    whole /= scale
-    return share + (whole - share.detach())
-
-
 def loss_head(model, chunked: bool, stock_only: bool) -> losspath.TrainedPositionsHead | None:
     """The SFT loss path, said once in the log: the kernels the model was patched with (training.kernels), else
     tunekit's chunked head (training.chunked_loss) or, None, the model's own loss (stock or Liger's)."""
@@ -332,7 +208,12 @@ def loss_head(model, chunked: bool, stock_only: bool) -> losspath.TrainedPositio
     return losspath.install(model) if chunked and not stock_only else None
 
 
-class SafeStateTrainer(SafeState, GenerationEval, Trainer):
+class TrainerAdditions(LoraPlusOptimizer, ParallelOnCpu, SafeState, GenerationEval):
+    """What every tunekit trainer mixes into its upstream trainer (transformers' or TRL's), first among its
+    bases: LoRA+, FSDP2 and tensor parallelism on CPU processes, pickle-free checkpoints, generation metrics."""
+
+
+class SafeStateTrainer(TrainerAdditions, Trainer):
     """The Trainer tunekit runs for SFT: pickle-free checkpoints, the chunked loss (or training.kernels'),
     generation metrics."""
 
@@ -341,7 +222,7 @@ class SafeStateTrainer(SafeState, GenerationEval, Trainer):
         # its own writer cannot gather DTensor optimizer state. This one can (fsdpstate, the FSDP2 path), so the
         # refusal is passed with save_only_model shown set, and the checkpoints still hold the optimizer state.
         split = getattr(kwargs.get("model"), "is_distributed_loading_by_transformers", False) and "args" in kwargs
-        with _patched(kwargs["args"], "save_only_model", True) if split else contextlib.nullcontext():
+        with mock.patch.object(kwargs["args"], "save_only_model", True) if split else contextlib.nullcontext():
             super().__init__(*args, **kwargs)
         stock_only = self.label_smoother is not None or self.compute_loss_func is not None
         self.loss_head = loss_head(self.model, chunked_loss, stock_only)
@@ -349,7 +230,7 @@ class SafeStateTrainer(SafeState, GenerationEval, Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         import transformers.trainer
 
-        with _patched(transformers.trainer, "skip_first_batches", skip_first_batches):
+        with mock.patch.object(transformers.trainer, "skip_first_batches", skip_first_batches):
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

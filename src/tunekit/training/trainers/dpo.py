@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from trl import DPOTrainer
 
-from tunekit.training.trainer import GenerationEval, SafeState
+from tunekit.training.trainer import TrainerAdditions
 from tunekit.training.trainers.reference import BaseReference
 
 
-class DpoTrainer(SafeState, GenerationEval, BaseReference, DPOTrainer):
+class DpoTrainer(TrainerAdditions, BaseReference, DPOTrainer):
     """DPOTrainer with tunekit's checkpoints and generation metrics, fed the pairs tokenized by tunekit's renderer
     (training.methods.pairs), the adapter-off base as the reference, without TRL's adapter copy."""
 

@@ -6,12 +6,12 @@ from trl import GRPOTrainer
 from trl.trainer import grpo_trainer
 
 from tunekit.training import sampling
-from tunekit.training.trainer import GenerationEval, SafeState
+from tunekit.training.trainer import TrainerAdditions
 from tunekit.training.trainers.reference import BaseReference
 from tunekit.training.trainers.rollouts import Rollouts
 
 
-class GrpoTrainer(SafeState, GenerationEval, Rollouts, BaseReference, GRPOTrainer):
+class GrpoTrainer(TrainerAdditions, Rollouts, BaseReference, GRPOTrainer):
     """GRPOTrainer with tunekit's checkpoints and generation metrics, sampling as Rollouts does, the reference
     chosen as for DPO (BaseReference)."""
 

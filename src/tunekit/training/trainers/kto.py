@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from trl import KTOTrainer
 
-from tunekit.training.trainer import GenerationEval, SafeState
+from tunekit.training.trainer import TrainerAdditions
 from tunekit.training.trainers.reference import BaseReference
 
 
-class KtoTrainer(SafeState, GenerationEval, BaseReference, KTOTrainer):
+class KtoTrainer(TrainerAdditions, BaseReference, KTOTrainer):
     """KTOTrainer as DpoTrainer is DPOTrainer, fed tunekit's prompt_ids / completion_ids / label."""
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

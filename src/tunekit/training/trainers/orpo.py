@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tunekit.data.collating import CountingCollator
 from tunekit.data.tokenizing import IGNORE
-from tunekit.training.trainer import GenerationEval, SafeState
+from tunekit.training.trainer import TrainerAdditions
 
 with warnings.catch_warnings():  # TRL 1.16 (pinned) keeps ORPO in trl.experimental and warns on import
     warnings.simplefilter("ignore")
@@ -27,7 +27,7 @@ class PairCounter(CountingCollator):
         return sum(int(m.sum()) for m in masks), 2 * len(features) * max(m.shape[1] for m in masks)
 
 
-class OrpoTrainer(SafeState, GenerationEval, ORPOTrainer):
+class OrpoTrainer(TrainerAdditions, ORPOTrainer):
     """ORPOTrainer as DpoTrainer is DPOTrainer, fed the same pairs.
 
     Two changes to TRL's loss. TRL takes the SFT term of ORPO over the whole chosen sequence, prompt included

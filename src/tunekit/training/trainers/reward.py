@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from trl import RewardTrainer
 
-from tunekit.training.trainer import GenerationEval, SafeState
+from tunekit.training.trainer import TrainerAdditions
 
 
-class RewardModelTrainer(SafeState, GenerationEval, RewardTrainer):
+class RewardModelTrainer(TrainerAdditions, RewardTrainer):
     """RewardTrainer with tunekit's pickle-free checkpoints. Its held-out accuracy and margin are counted over
     the pairs (TRL averages the batches' values, which weighs a short last batch as a full one) and reach the
     evaluation's metrics (eval_accuracy, eval_margin: the callbacks, metric_for_best), not only the logged

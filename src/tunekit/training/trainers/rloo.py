@@ -7,11 +7,11 @@ from trl.trainer import rloo_trainer
 
 from tunekit.training import sampling
 from tunekit.training.methods.acting import MaskedLogps
-from tunekit.training.trainer import GenerationEval, SafeState
+from tunekit.training.trainer import TrainerAdditions
 from tunekit.training.trainers.rollouts import Rollouts
 
 
-class RlooTrainer(SafeState, GenerationEval, MaskedLogps, Rollouts, RLOOTrainer):
+class RlooTrainer(TrainerAdditions, MaskedLogps, Rollouts, RLOOTrainer):
     """RLOOTrainer with tunekit's checkpoints and generation metrics, sampling as Rollouts does, tool results left
     out of its sequence log probabilities (MaskedLogps)."""
 
