@@ -104,6 +104,7 @@ def exclusive(output_dir: Path, what: str = "output_dir") -> Iterator[None]:
     if path in _held:
         yield
         return
+    made = [p for p in [path.parent, *path.parent.parents] if not p.exists()]  # removed again if left empty
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, stale = _acquire(path, output_dir, what)
@@ -123,6 +124,9 @@ def exclusive(output_dir: Path, what: str = "output_dir") -> Iterator[None]:
         del _held[path]
         path.unlink(missing_ok=True)  # before unlocking: a process that opened it meanwhile retries
         os.close(fd)
+        for folder in made:  # a refused run leaves no folder it created only for its lock
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _acquire(path: Path, output_dir: Path, what: str) -> tuple[int, str]:
