@@ -130,6 +130,11 @@ LAUNCH_CASES = {  # argv after `tunekit launch` -> the one line's cause
     "an option train does not have": ([*NODE, "train", "RECIPE", "--epochs", "2"], "unrecognized arguments: --epochs"),
     "a recipe that is not there": ([*NODE, "train", "missing.yaml"], "missing.yaml"),
     "a recipe that train refuses": ([*NODE, "train", "RECIPE", "--set", "training.epochs=0"], "training.epochs"),
+    "parallel sizes the processes cannot hold": (
+        ["--nnodes", "1", "--nproc-per-node", "3", "train", "RECIPE", "--set", "training.parallelism.cp=2",
+         "--set", "training.fsdp={}"],
+        "training.parallelism: tp x sp x cp = 2 does not divide --nnodes x --nproc-per-node 3; give --nnodes x "
+        "--nproc-per-node a multiple of 2"),
 }
 
 

@@ -61,6 +61,13 @@ def node_counts(args) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
+def world_size(args) -> int | None:
+    """--nnodes x --nproc-per-node where both are fixed numbers (None for a node range or auto, gpu, cpu)."""
+    low, high = node_counts(args)
+    nproc = str(args.nproc_per_node)
+    return low * int(nproc) if low == high and nproc.isdigit() else None
+
+
 def check(args) -> None:
     """What torchrun takes on trust and then fails on late or waits on forever, refused before anything starts."""
     _, most = node_counts(args)
@@ -116,8 +123,9 @@ def _first_failure(err) -> str:
     return f"rank {rank} on this node ({socket.gethostname()}) ended with {what}"
 
 
-def main(argv: list[str], check_command: Callable[[list[str]], None] | None = None) -> int:
-    """Launch; `check_command` refuses a tunekit command (its arguments, its recipe) before anything starts."""
+def main(argv: list[str], check_command: Callable[[list[str], int | None], None] | None = None) -> int:
+    """Launch; `check_command(command, world_size)` refuses a tunekit command (its arguments, its recipe, at the
+    launch's world size where it is fixed) before anything starts."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
@@ -126,7 +134,7 @@ def main(argv: list[str], check_command: Callable[[list[str]], None] | None = No
     args = _parse(argv)
     check(args)
     if check_command is not None:
-        check_command(args.training_script_args)
+        check_command(args.training_script_args, world_size(args))
     served = _rendezvous_address(args)
     if served is not None:
         check_port(*served)

@@ -335,13 +335,17 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
 def cmd_launch(a) -> int:
     from tunekit.cli import launch
 
-    def check_command(argv: list[str]) -> None:
-        """The launched command's arguments, and a training recipe's checks, before any process starts."""
+    def check_command(argv: list[str], world: int | None) -> None:
+        """The launched command's arguments, and a training recipe's checks (training.parallelism's sizes against
+        the launch's processes, where their number is fixed), before any process starts."""
         command = build_parser().parse_args(argv)  # a wrong verb or option: one line, exit 2
         if command.func is cmd_train:
             from tunekit import api
+            from tunekit.api import checks
 
-            api.validate(command.recipe, command.overrides)
+            validated = api.validate(command.recipe, command.overrides)
+            if world is not None:
+                checks.world(validated.recipe, world, "--nnodes x --nproc-per-node")
 
     return launch.main(a.torchrun_options_and_command, check_command)
 
