@@ -10,7 +10,7 @@ from conftest import ROOT, run_cli, write_jsonl, write_recipe
 from tunekit.config import dsconfig, recipes
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision
-from tunekit.training import runner
+from tunekit.training import arguments
 
 
 @pytest.fixture()
@@ -33,7 +33,7 @@ def make(tmp_path, tiny_model):
 @pytest.mark.parametrize("name", ["zero1.json", "zero2.json", "zero2_offload.json", "zero3.json", "zero3_offload.json"])
 def test_shipped_configs_resolve_every_auto(make, name):
     path = make(name, learning_rate=3e-4, max_grad_norm=0.5)
-    ds = runner.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=2)
+    ds = arguments.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=2)
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 0.5
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
@@ -61,9 +61,9 @@ def test_hand_set_contradictions_are_refused_naming_both(make, ds, expected):
 
 def test_train_batch_size_checked_against_world_size(make):
     path = make({"zero_optimization": {"stage": 2}, "train_batch_size": 32})
-    assert runner.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=2)
+    assert arguments.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=2)
     with pytest.raises(TunekitError, match="train_batch_size = 32 contradicts"):
-        runner.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=1)
+        arguments.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=1)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from tunekit.core.hardware import Precision
 from tunekit.data import arrow, packing
 from tunekit.data.collating import collator
 from tunekit.models import loader
-from tunekit.training import runner
+from tunekit.training import arguments, runner
 
 # fp32 on CPU: packed and alone differ only by summation order (measured max 2e-7)
 TOL = 1e-5
@@ -134,7 +134,7 @@ def test_group_by_length_reduces_padding(tmp_path, tiny_model, tiny_tokenizer):
                           training={"group_by_length": group, "micro_batch_size": 8})
         recipe = recipes.load(write_recipe(tmp_path / "g.yaml", raw))
         bundle = arrow.build(recipe.data, tiny_tokenizer, 0)
-        args = runner.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", False)
+        args = arguments.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", False)
         model = loader.load_for_training(recipe, Precision("fp32", "test"))
         trainer = Trainer(model=model, args=args, train_dataset=bundle.train,
                           data_collator=collator(tiny_tokenizer))

@@ -15,7 +15,7 @@ from tunekit.core.hardware import Precision
 from tunekit.data import arrow
 from tunekit.data.collating import TRAINED_POSITIONS, collator
 from tunekit.models import loader, losspath
-from tunekit.training.runner import training_arguments
+from tunekit.training.arguments import training_arguments
 from tunekit.training.trainer import SafeStateTrainer
 
 # fp32: the two paths differ only in summation order. bf16: matmuls over a chunk round differently from

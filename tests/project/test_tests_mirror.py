@@ -44,6 +44,8 @@ THROUGH = {
     "tunekit.training.dscheckpoint": "tests/e2e/test_multiprocess.py::test_deepspeed_checkpoints_are_safetensors_and_"
                                      "resume_exactly",
     "tunekit.training.fsdpstate": "tests/e2e/test_multiprocess.py::test_fsdp2_resumes_on_one_process_after_a_kill",
+    "tunekit.training.losshistory": "tests/training/test_train.py::test_run_directory_contents_and_no_overwrite_"
+                                    "without_force",
     "tunekit.training.methods.base": "tests/training/test_methods.py::test_a_registered_method_is_a_training_method_"
                                      "with_its_section",
     "tunekit.training.methods.dpo": "tests/training/test_preference.py::test_dpo_learns_the_preference_against_the_"
@@ -58,6 +60,8 @@ THROUGH = {
                                        "raises_held_out_pair_accuracy",
     "tunekit.training.methods.sft": "tests/training/test_train.py::test_lora_lowers_loss_and_leaves_base_weights_"
                                     "unchanged",
+    "tunekit.training.runrecord": "tests/training/test_train.py::test_run_directory_contents_and_no_overwrite_"
+                                  "without_force",
     "tunekit.training.sequencepieces": "tests/e2e/test_parallel_runs.py::test_sequence_parallel_resumes_to_the_"
                                        "uninterrupted_run",
     "tunekit.training.trackers": "tests/training/test_trackers.py::test_tensorboard_event_files_hold_the_metrics_and_"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from conftest import cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import defaults, recipes
 from tunekit.reporting import report
-from tunekit.training import lrfind, runner
+from tunekit.training import arguments, lrfind, runner
 
 
 def test_rates_rise_geometrically_from_low_to_high():
@@ -89,8 +89,8 @@ def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trai
     res = run_cli("validate", str(path))
     assert res.returncode == 0, res.stderr
     assert "training.learning_rate: auto (a range test of 16 steps" in res.stderr
-    args = runner.training_arguments(recipes.load(path), Precision("fp32", ""), tmp_path / "run", False)
-    assert args.neftune_noise_alpha == 5 and args.learning_rate == runner.PROVISIONAL_RATE
+    args = arguments.training_arguments(recipes.load(path), Precision("fp32", ""), tmp_path / "run", False)
+    assert args.neftune_noise_alpha == 5 and args.learning_rate == arguments.PROVISIONAL_RATE
     # a recipe without a rate: the measured default is named with its reason, by validate and by train
     raw["training"].pop("learning_rate")
     raw["lora"].pop("use_rslora")

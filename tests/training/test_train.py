@@ -14,7 +14,7 @@ from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
-from tunekit.training import runner
+from tunekit.training import arguments, runner
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 
@@ -223,7 +223,7 @@ def test_fp16_on_cpu_is_refused_with_a_clear_message(tmp_path, tiny_model, data_
 ])
 def test_save_and_eval_schedules(tmp_path, tiny_model, data_file, training, has_eval, expected):
     recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run", training=training))
-    args = runner.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", has_eval)
+    args = arguments.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", has_eval)
     for key, value in expected.items():
         got = getattr(args, key)
         assert (got.value if hasattr(got, "value") else got) == value, key
@@ -268,4 +268,4 @@ def test_a_run_that_ends_before_its_first_step_is_marked_failed_and_retried_with
 ])
 def test_adamw_left_at_its_default_runs_fused(tmp_path, tiny_model, data_file, overrides, cuda, ds, expected):
     recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run"), *overrides)
-    assert runner.optimizer_name(recipe.training, ds, cuda) == expected
+    assert arguments.optimizer_name(recipe.training, ds, cuda) == expected

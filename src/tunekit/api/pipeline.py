@@ -46,7 +46,7 @@ def validate(recipe: RecipeLike, overrides: Overrides = None, world_size: int | 
     if not (loaded.training.deepspeed and world_size):
         return Validated(loaded)
     from tunekit.core.hardware import resolve_precision
-    from tunekit.training.runner import deepspeed_config
+    from tunekit.training.arguments import deepspeed_config
 
     precision = resolve_precision(loaded.training.precision)
     return Validated(loaded, deepspeed_config(loaded, precision, world_size, shipped=True), world_size,
