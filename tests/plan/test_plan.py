@@ -18,7 +18,7 @@ from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
-from tunekit.plan import estimate
+from tunekit.plan import estimate, report, sizes
 
 
 @pytest.fixture()
@@ -66,7 +66,7 @@ def test_a_vision_language_model_is_planned_as_it_loads(tmp_path, tiny_vision_mo
     assert counts.quantized == quantized and (quantized > 0) == (recipe.quantization is not None)
     plan = estimate.make(recipe, estimate.settings_from(recipe, 1, "fp32"), cfg, meta)
     assert plan.vision.startswith("vision: tower ") and "projector" in plan.vision
-    assert plan.vision in estimate.report(recipe, plan, None, [])
+    assert plan.vision in report.text(recipe, plan, None, [])
 
 
 def test_the_vision_tower_runs_on_patches_not_on_text_tokens(tmp_path, tiny_vision_model, monkeypatch):
@@ -132,8 +132,8 @@ def test_qlora_keeps_embeddings_and_head_in_the_compute_dtype_as_loaded(make_rec
     assert sum(q.numel() * q.element_size() for q in embedding.values()) == p.parts[EMBEDDINGS_BF16]
     assert sum(q.numel() * q.element_size() for q in plain if id(q) not in embedding) == p.parts[NORMS]
     # the report says what the compute dtype saves against peft's upcast, beside the part
-    line = next(x for x in estimate.report(recipe, p, None, []).splitlines() if EMBEDDINGS_BF16 in x)
-    assert f"({estimate.size_words(c.embeddings * 2)} less than with peft's prepare_model_for_kbit_training" in line
+    line = next(x for x in report.text(recipe, p, None, []).splitlines() if EMBEDDINGS_BF16 in x)
+    assert f"({sizes.size_words(c.embeddings * 2)} less than with peft's prepare_model_for_kbit_training" in line
     fp32 = estimate.make(recipe, estimate.Settings(seq_len=64, precision="fp32"), cfg, model)
     assert fp32.parts["weights (unquantized embeddings and head, fp32)"] == c.embeddings * 4 and not fp32.remarks
 
@@ -266,9 +266,9 @@ def test_a_memory_bandwidth_adds_the_elementwise_work(make_recipe):
     assert p.step_seconds == pytest.approx(gpu.time.matmul_seconds + moved / 2e9)
     ckpt = estimate.make(recipe, dataclasses.replace(s, memory_bandwidth=2e9, gradient_checkpointing=True), cfg, model)
     assert ckpt.time.elementwise_bytes == pytest.approx(moved + 2 * cfg.num_hidden_layers * tokens * per_token)
-    text = estimate.report(recipe, p, None, [])
+    text = report.text(recipe, p, None, [])
     assert f"elementwise work {moved / 2e9:.3f} s" in text and "GB at 2 GB/s" in text
-    assert json.loads(estimate.to_json(p))["time"]["elementwise_bytes"] == pytest.approx(moved)
+    assert json.loads(report.to_json(p))["time"]["elementwise_bytes"] == pytest.approx(moved)
 
 
 def test_suggestions_each_lower_the_planned_peak(make_recipe):
@@ -371,7 +371,7 @@ def test_settings_read_training_fsdp_and_the_zero3_config(make_recipe):
     zero3 = estimate.settings_from(make_recipe(f"training.deepspeed={ROOT / 'ds_configs' / 'zero3.json'}"), 2, "bf16")
     fields = [f.name for f in dataclasses.fields(estimate.Settings) if f.name.startswith("zero3_")]
     assert zero3.zero_stage == 3 and all(getattr(zero3, f) == getattr(estimate.Settings(), f) for f in fields)
-    assert '"fsdp_offload": true' in estimate.to_json(estimate.make(make_recipe("training.fsdp.cpu_offload=true"),
+    assert '"fsdp_offload": true' in report.to_json(estimate.make(make_recipe("training.fsdp.cpu_offload=true"),
                                                            estimate.Settings(fsdp=True, fsdp_offload=True)))
 
 
@@ -413,7 +413,7 @@ def test_fsdp2_keeping_layers_gathered_to_backward_costs_more(make_recipe):
     kept = estimate.make(recipe, dataclasses.replace(s, fsdp_reshard_after_forward=False), cfg, model)
     layers_and_embeddings = kept.parts["FSDP2 gathered: every decoder layer + embeddings (kept to backward)"]
     assert layers_and_embeddings > resharded.parts[LAYER_ONLY] and kept.peak > resharded.peak
-    assert "layers kept gathered from forward to backward" in estimate.report(recipe, kept, None, [])
+    assert "layers kept gathered from forward to backward" in report.text(recipe, kept, None, [])
 
 
 def test_fsdp2_cpu_offload_moves_the_sharded_state_to_cpu(make_recipe):
@@ -473,9 +473,9 @@ def test_the_report_says_whether_fsdp2_or_zero3_needs_less(make_recipe, override
     recipe = make_recipe(*overrides)
     cfg, model = estimate.meta_model(recipe, mid_llama())
     alone = estimate.make(recipe, estimate.settings_from(recipe, 1, "bf16"), cfg, model)
-    assert alone.versus is None and "ZeRO-3 (" not in estimate.report(recipe, alone, None, [])
+    assert alone.versus is None and "ZeRO-3 (" not in report.text(recipe, alone, None, [])
     p = estimate.make(recipe, estimate.settings_from(recipe, 2, "bf16"), cfg, model)
-    line = next(x for x in estimate.report(recipe, p, None, []).splitlines() if x.startswith("FSDP2 ("))
+    line = next(x for x in report.text(recipe, p, None, []).splitlines() if x.startswith("FSDP2 ("))
     assert "ZeRO-3 (ds_configs/zero3.json) on 2 devices" in line and reason in line
     fsdp, zero3 = p.versus["fsdp"][1], p.versus["zero3"][1]
     assert (fsdp is p) == (recipe.training.fsdp is not None)  # the recipe's own plan, where it uses one of them
@@ -483,7 +483,7 @@ def test_the_report_says_whether_fsdp2_or_zero3_needs_less(make_recipe, override
     assert named == lower == ("FSDP2" if fsdp.peak < zero3.peak else "ZeRO-3")
     assert f == pytest.approx(fsdp.peak, rel=0.01) and z == pytest.approx(zero3.peak, rel=0.01)
     assert diff == pytest.approx(abs(fsdp.peak - zero3.peak), rel=0.01)
-    assert json.loads(estimate.to_json(p))["versus"]["zero3"]["peak"] == zero3.peak
+    assert json.loads(report.to_json(p))["versus"]["zero3"]["peak"] == zero3.peak
 
 
 def test_suggestions_offer_fsdp2_beside_zero_only_where_it_lowers_the_peak(make_recipe):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tunekit.plan import estimate, gpu_fit, steptime
+from tunekit.plan import estimate, gpu_fit, report, steptime
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = json.loads((ROOT / "bench" / "plan_time_fit.json").read_text())
@@ -97,18 +97,18 @@ def test_a_gpu_plan_says_its_time_is_estimated_from_the_measured_gpus(plan_recip
     cfg, model = estimate.meta_model(recipe)
     p = estimate.make(recipe, estimate.Settings(micro_batch=2, seq_len=64, precision="bf16"), cfg, model)
     assert p.step_seconds == max(p.time.matmul_seconds, p.time.host.seconds) > 0
-    text = estimate.report(recipe, p, None, [])
+    text = report.text(recipe, p, None, [])
     line = next(line for line in text.splitlines() if line.startswith("estimated step time"))
     assert "estimated from runs measured on an H100 and an H200 (bench/plan_time_fit.py)" in line
     assert "PyTorch operators" in line and "989 TFLOP/s peak and 40% utilization" in line
-    out = json.loads(estimate.to_json(p))
+    out = json.loads(report.to_json(p))
     assert out["step_seconds"] == pytest.approx(p.step_seconds)
     assert out["time_fit"]["gpus"] == ["H100", "H200"] and out["time_fit"]["basis"] == gpu_fit.FIT["basis"]
     assert out["time"]["host"]["operators"] == p.time.host.operators
     cpu = estimate.make(recipe, estimate.Settings(micro_batch=2, seq_len=64, precision="bf16", memory_bandwidth=2e9),
                         cfg, model)  # a CPU plan, calibrated by a bandwidth: as before, no fitted GPU time
-    assert cpu.time.host is None and "measured on" not in estimate.report(recipe, cpu, None, [])
-    assert json.loads(estimate.to_json(cpu))["time_fit"] is None
+    assert cpu.time.host is None and "measured on" not in report.text(recipe, cpu, None, [])
+    assert json.loads(report.to_json(cpu))["time_fit"] is None
 
 
 def test_the_operator_counts_are_what_the_counter_finds():

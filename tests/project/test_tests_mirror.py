@@ -36,7 +36,6 @@ THROUGH = {
     "tunekit.export.modelfile": "tests/export/test_push.py::test_a_gguf_file_arrives_with_its_modelfile",
     "tunekit.models.ggufread": "tests/e2e/test_e2e_smollm2.py::test_demo_pipeline_shows_a_clear_gain",
     "tunekit.plan.sharding": "tests/plan/test_plan.py::test_fsdp2_terms_match_torchs_memory_tracker",
-    "tunekit.plan.sizes": "tests/plan/test_plan.py::test_four_bit_bytes_by_hand_and_against_bitsandbytes",
     "tunekit.reporting.listing": "tests/reporting/test_runlist.py::test_lists_every_run_with_status_steps_scores_wall_"
                                  "time_and_output",
     "tunekit.training.cpuprocesses": "tests/e2e/test_multiprocess.py::test_fsdp2_equals_one_process_and_writes_no_"

@@ -33,14 +33,14 @@ class PlanResult:
         return None if self.gpu_memory is None else self.plan.peak <= self.gpu_memory
 
     def report(self) -> str:
-        from tunekit.plan import estimate
+        from tunekit.plan import report
 
-        return estimate.report(self.recipe, self.plan, self.gpu_memory, self.fixes)
+        return report.text(self.recipe, self.plan, self.gpu_memory, self.fixes)
 
     def to_json(self) -> str:
-        from tunekit.plan import estimate
+        from tunekit.plan import report
 
-        return estimate.to_json(self.plan)
+        return report.to_json(self.plan)
 
 
 def plan(recipe: RecipeLike, overrides: Overrides = None, world_size: int | None = None,

@@ -34,3 +34,11 @@ def quantized_bytes(n: int, bits: int, double_quant: bool) -> float:
         return n * 1.0 + n / 4096 * 4  # int8 weights + one fp32 scale per row (approx.)
     constants = (n / QLORA_BLOCK) * (1 + 4 / DOUBLE_QUANT_BLOCK) if double_quant else (n / QLORA_BLOCK) * 4
     return n / 2 + constants
+
+
+def size_words(n: float) -> str:
+    """Bytes in the unit that suits them: GiB from 1 GiB, MiB from 1 MiB, else KiB."""
+    for unit, name in ((GiB, "GiB"), (2**20, "MiB")):
+        if abs(n) >= unit:
+            return f"{n / unit:.2f} {name}"
+    return f"{n / 1024:.1f} KiB"
