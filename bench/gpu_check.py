@@ -519,7 +519,8 @@ def run_check(c: Check, work: Path, files: dict, tok, tiny: bool, timeout: float
     row = {"name": c.name, "what": c.what, "shape": SHAPES[c.shape] + (" (2 layers, --tiny)" if tiny else ""),
            "data": c.data, "log": str(log)}
     if c.script:
-        return {**row, **script_check(c, model, files[c.data], work, log, timeout, ["--batches", "2"] * tiny),
+        return {**row, **script_check(c, model, files[c.data], work, log, timeout,
+                                      ["--batch", "2", "--batches", "2"] * tiny),
                 "seconds": round(time.perf_counter() - started, 1)}
     out = work / "runs" / c.name
     sets = recipe_sets(c, model, files[c.data], out, tiny)
