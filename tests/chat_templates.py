@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.resources
 import importlib.util
-import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -77,19 +76,13 @@ def mistral_template() -> tuple[str, str]:
 
 
 def gguf_metadata(path: Path, wanted: str):
-    """One key of a GGUF file's metadata, reading the header with the standard library."""
-    from tunekit.models.info import _gguf_value
+    """One key of a GGUF file's metadata, read from its header with the standard library (tunekit's own reader)."""
+    from tunekit.models.info import gguf_keys
 
-    with path.open("rb") as f:
-        magic, version, _, count = struct.unpack("<4sIQQ", f.read(24))
-        assert magic == b"GGUF" and version in (2, 3), path
-        for _ in range(count):
-            (size,) = struct.unpack("<Q", f.read(8))
-            key = f.read(size).decode("utf-8")
-            value = _gguf_value(f, struct.unpack("<I", f.read(4))[0])
-            if key == wanted:
-                return value
-    raise KeyError(f"{path}: no {wanted}")
+    found = gguf_keys(path, done=lambda found: wanted in found)
+    if wanted not in found:
+        raise KeyError(f"{path}: no {wanted}")
+    return found[wanted]
 
 
 def smollm2_template() -> tuple[str, str]:
