@@ -254,6 +254,26 @@ def launch(recipe_file, out, nproc: int = 2, *overrides: str, launcher: str = "t
     return res
 
 
+def history(run_dir: Path, having: str | None = None) -> list[dict]:
+    """The run's logged lines (loss_history.jsonl) as tunekit's own reader gives them (tunekit.runs.history),
+    only those that log `having` when given. A run without the file fails here rather than reading as empty."""
+    from tunekit.runs import history as logged
+    from tunekit.runs.layout import HISTORY_FILE
+
+    assert (run_dir / HISTORY_FILE).is_file(), f"{run_dir}: no {HISTORY_FILE}"
+    return [r for r in logged.rows(run_dir) if having is None or having in r]
+
+
+def logged(run_dir: Path, key: str) -> list:
+    """Each value of `key` in the run's history, in the order logged."""
+    return [r[key] for r in history(run_dir, key)]
+
+
+def training_rows(run_dir: Path) -> list[dict]:
+    """The training steps' lines of the run's history: those with a loss that are not an evaluation's."""
+    return [r for r in history(run_dir, "loss") if "eval_loss" not in r]
+
+
 PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"}
 
 

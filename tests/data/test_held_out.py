@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import tiny_recipe, write_jsonl, write_recipe
+from conftest import history, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
@@ -107,8 +107,7 @@ def test_training_evaluation_and_eval_of_the_run_score_the_same_held_out_records
 
     during = runner.generation_eval(recipe, loader.load_tokenizer(recipe.model), True)
     assert [r.where for r in during.rendered] == expected
-    history = (tmp_path / "run" / "loss_history.jsonl").read_text()
-    assert '"eval_bleu"' in history  # generation metrics were logged during training
+    assert history(tmp_path / "run", "eval_bleu")  # generation metrics were logged during training
     predictions = [json.loads(x) for x in (tmp_path / "run" / "eval" / "predictions.jsonl").read_text().splitlines()]
     assert [p["where"] for p in predictions] == expected
     target = resolve_target(str(tmp_path / "run"))

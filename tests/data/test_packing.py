@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Trainer
 
-from conftest import tiny_recipe, write_jsonl, write_recipe
+from conftest import logged, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes, schema
 from tunekit.core.hardware import Precision
 from tunekit.data import arrow, packing
@@ -112,8 +110,7 @@ def _run(tmp_path, tiny_model, name, **data):
     raw = tiny_recipe(tiny_model, file, tmp_path / name, data={"max_length": 128, **data},
                       training={"max_steps": 5, "micro_batch_size": 8})
     runner.run(recipes.load(write_recipe(tmp_path / f"{name}.yaml", raw)))
-    rows = [json.loads(line) for line in (tmp_path / name / "loss_history.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+    return logged(tmp_path / name, "loss")
 
 
 @pytest.mark.slow  # seconds: make test-fast leaves it out

@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from conftest import NEEDS_SMOLLM2, ROOT, base_and_tuned, run_cli
+from conftest import NEEDS_SMOLLM2, ROOT, base_and_tuned, history, run_cli
 from tunekit.data import tooldemo
 from tunekit.evaluation import metrics
 
@@ -112,8 +112,7 @@ def test_recipe_run_logs_tool_call_scores_while_training_and_in_its_eval(tiny_mo
     assert scores["scores"]["tool_call_spurious"] is None  # the first 4 eval rows all call a tool
     assert "valid JSON" not in scores["settings"]["metrics"]["rouge"]
     assert "parseable call" in scores["settings"]["metrics"]["tool_calls"]
-    logged = [json.loads(line) for line in (out / "loss_history.jsonl").read_text().splitlines()]
-    evals = [r for r in logged if "eval_tool_call_args" in r]
+    evals = history(out, "eval_tool_call_args")
     assert [r["step"] for r in evals] == [1, 2] and "eval_tool_call_spurious" not in evals[-1]
     assert "tool call arguments %" in res.stdout
 
@@ -142,8 +141,7 @@ def test_real_model_learns_the_tool_calls(tmp_path):
     assert tuned["tool_call_args"] >= base["tool_call_args"] + 45, (base, tuned)
     assert tuned["tool_call_valid_json"] >= base["tool_call_valid_json"] + 50, (base, tuned)
     assert tuned["tool_call_spurious"] <= base["tool_call_spurious"] + 10, (base, tuned)
-    logged = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    evals = [r for r in logged if "eval_tool_call_args" in r]
+    evals = history(run_dir, "eval_tool_call_args")
     assert [r["step"] for r in evals] == [20, 40] and evals[-1]["eval_tool_call_args"] == tuned["tool_call_args"]
 
 

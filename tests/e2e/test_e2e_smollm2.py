@@ -15,7 +15,7 @@ import sys
 import pytest
 from test_quiet import hidden_lines
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, history, logged, run_cli
 
 pytestmark = [
     pytest.mark.slow,
@@ -26,8 +26,7 @@ pytestmark = [
 
 
 def _losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r], [r["eval_loss"] for r in rows if "eval_loss" in r]
+    return logged(run_dir, "loss"), logged(run_dir, "eval_loss")
 
 
 def _train_shipped(recipe: str, run_dir, **overrides):
@@ -58,8 +57,7 @@ def test_demo_pipeline_shows_a_clear_gain(tmp_path):
     assert losses[-1] < 0.5 * losses[0], losses
     merged = json.loads((out / "run" / "merged" / "tunekit.json").read_text())
     assert merged["parity"]["max_abs_diff"] < 1e-3 and merged["parity"]["top1_agreement"] == 1.0
-    evals = [r for r in map(json.loads, (out / "run" / "loss_history.jsonl").read_text().splitlines())
-             if "eval_rougeL" in r]
+    evals = history(out / "run", "eval_rougeL")
     assert [r["step"] for r in evals] == [10, 20]  # scored while training: the last evaluation shows the gain
     assert evals[-1]["eval_rougeL"] >= summary["before"]["rougeL"] + 15
     assert list((out / "run" / "tensorboard").glob("events.out.tfevents.*"))
@@ -121,8 +119,7 @@ def test_dpo_recipe_turns_the_base_preference_around(tmp_path):
     assert tuned["reward_accuracy"] > 0.9 and tuned["reward_margin"] > 0
     assert tuned["preference_accuracy"] > 0.9
     assert tuned["chrf"] >= base["chrf"] + 20 and tuned["exact_match"] > base["exact_match"]
-    evals = [r for r in map(json.loads, (run_dir / "loss_history.jsonl").read_text().splitlines())
-             if "eval_rewards/accuracies" in r]
+    evals = history(run_dir, "eval_rewards/accuracies")
     assert [r["step"] for r in evals] == [6, 12] and evals[-1]["eval_rewards/accuracies"] > 0.9
     assert "eval_chrf" in evals[-1]
 
@@ -142,8 +139,7 @@ def _train_as_shipped(recipe: str, run_dir, limit: int) -> tuple[dict, list[dict
     the end-of-training scores and the evaluations logged while training."""
     res = run_cli("train", f"recipes/{recipe}", "--set", f"output_dir={run_dir}", "--set", f"eval.limit={limit}")
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"], [r for r in rows if "eval_loss" in r]
+    return json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"], history(run_dir, "eval_loss")
 
 
 def test_kto_recipe_moves_generations_to_the_desirable_answers(tmp_path):

@@ -24,6 +24,7 @@ from conftest import (
     assert_no_pickles,
     cut_after_checkpoint,
     in_full,
+    logged,
     reverse_rows,
     run_cli,
     tiny_recipe,
@@ -58,11 +59,6 @@ def uninterrupted(resume_recipe, tmp_path_factory):
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS)
     assert res.returncode == 0, res.stderr[-2000:]
     return out
-
-
-def history(run_dir):
-    return [json.loads(line).get("loss") for line in (run_dir / "loss_history.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
 
 
 def start_and_kill(recipe_file, out, wait_for: Path):
@@ -110,7 +106,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(resume_recipe, uninte
     info = json.loads((out / "run.json").read_text())
     assert info["status"] == "completed" and info["global_step"] == 8
     # exactly the same: data order, optimizer, scheduler and RNG state all restored
-    assert history(out) == history(uninterrupted)
+    assert logged(out, "loss") == logged(uninterrupted, "loss")
     a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(uninterrupted / "adapter" / "adapter_model.safetensors"))
     for key in a:
@@ -140,7 +136,7 @@ def test_resume_restores_8bit_optimizer_state(resume_recipe, tmp_path):
     cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={cut}", *args, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert history(cut) == history(full)
+    assert logged(cut, "loss") == logged(full, "loss")
     a, b = load_file(str(full / "model" / "model.safetensors")), load_file(str(cut / "model" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -160,7 +156,7 @@ def test_resume_ignores_a_half_written_checkpoint(resume_recipe, uninterrupted, 
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "removed incomplete checkpoint checkpoint-6" in res.stderr and "resuming from checkpoint-4" in res.stderr
-    assert history(out) == history(uninterrupted)
+    assert logged(out, "loss") == logged(uninterrupted, "loss")
     assert not (out / ".adapter.partial").exists()
 
 
@@ -327,7 +323,7 @@ def test_full_disk_while_checkpointing_ends_clearly_and_resumes(resume_recipe, u
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resuming from {kept.name}" in res.stderr
-    assert history(out) == history(uninterrupted)
+    assert logged(out, "loss") == logged(uninterrupted, "loss")
 
 
 # ---------------------------------------------------------------- pre-flight and safety

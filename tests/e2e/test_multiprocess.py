@@ -13,7 +13,9 @@ from safetensors.torch import load_file
 from conftest import (
     assert_no_pickles,
     cut_after_checkpoint,
+    history,
     launch,
+    logged,
     reverse_rows,
     run_cli,
     tiny_recipe,
@@ -39,18 +41,13 @@ def recipe_file(tmp_path_factory, tiny_model):
     return write_recipe(root / "r.yaml", raw)
 
 
-def history(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
 def weights(run_dir):
     sub = "adapter/adapter_model.safetensors" if (run_dir / "adapter").is_dir() else "model/model.safetensors"
     return load_file(str(run_dir / sub))
 
 
 def assert_same_run(a, b):
-    assert history(a) == pytest.approx(history(b), rel=RTOL)
+    assert logged(a, "loss") == pytest.approx(logged(b, "loss"), rel=RTOL)
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
     for key in wa:
@@ -75,7 +72,7 @@ def ddp(recipe_file, tmp_path_factory):
 
 def test_two_process_ddp_equals_one_process_with_the_same_effective_batch(single, ddp):
     assert json.loads((ddp / "run.json").read_text())["world_size"] == 2
-    losses = history(ddp)
+    losses = logged(ddp, "loss")
     assert losses[-1] < losses[0] - 0.2
     assert_same_run(single, ddp)
 
@@ -132,7 +129,7 @@ def test_zero_stages_train_lora_and_full_finetuning(recipe_file, tmp_path, tiny_
     if adapter == "none":
         overrides += ["lora=null", "training.learning_rate=1e-3"]
     launch(recipe_file, out, 2, *overrides)
-    losses = history(out)
+    losses = logged(out, "loss")
     assert losses[-1] < losses[0] - 0.1, losses
     shards = [p.name for p in assert_no_pickles(out) if p.parent.name.startswith("global_step")]
     assert any(n.endswith("optim_states.safetensors") for n in shards), shards
@@ -165,7 +162,7 @@ def test_qlora_under_zero3_and_fsdp2_equals_qlora_under_ddp(recipe_file, qlora_d
     launch(recipe_file, runs["sharded"], 2, "adapter=qlora", sharding, "training.max_steps=4")
     info = json.loads((runs["sharded"] / "run.json").read_text())
     assert info["parameters"] == json.loads((runs["ddp"] / "run.json").read_text())["parameters"]
-    assert history(runs["sharded"])[-1] < history(runs["sharded"])[0]
+    assert logged(runs["sharded"], "loss")[-1] < logged(runs["sharded"], "loss")[0]
     assert_same_run(runs["ddp"], runs["sharded"])
 
 
@@ -175,7 +172,7 @@ def test_chunked_loss_under_zero2_equals_the_stock_loss(recipe_file, zero2, tmp_
     stock = tmp_path / "stock"
     res = launch(recipe_file, stock, 2, *ZERO2_LORA, "training.chunked_loss=false")
     assert "trained positions only" not in res.stderr
-    assert history(chunked)[-1] < history(chunked)[0]
+    assert logged(chunked, "loss")[-1] < logged(chunked, "loss")[0]
     assert_same_run(chunked, stock)
 
 
@@ -195,7 +192,7 @@ def test_deepspeed_checkpoints_are_safetensors_and_resume_exactly(recipe_file, r
     res = launch(recipe_file, cut, 2, *overrides, flags=["--resume"])
     assert "resuming from checkpoint-2" in res.stderr
     assert_no_pickles(cut)
-    assert history(cut) == history(full)
+    assert logged(cut, "loss") == logged(full, "loss")
     wa, wb = weights(full), weights(cut)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -219,7 +216,7 @@ def test_zero3_run_merges_and_evaluates(recipe_file, tmp_path):
     held = [r.where for r in split.held_out(recipe.data, recipe.training.seed)]
     predictions = [json.loads(x) for x in (out / "eval" / "predictions.jsonl").read_text().splitlines()]
     assert [p["where"] for p in predictions] == held
-    evals = [json.loads(x) for x in (out / "loss_history.jsonl").read_text().splitlines() if "eval_bleu" in x]
+    evals = history(out, "eval_bleu")
     assert evals and evals[-1]["step"] == 6
     ev = run_cli("eval", str(out), "--data", str(recipe_file.parent / "train.jsonl"), "--limit", "4",
                  "--max-new-tokens", "4", "--out", str(tmp_path / "ev"))
@@ -245,7 +242,7 @@ def test_fsdp2_equals_one_process_and_writes_no_pickles(fsdp2, single):
     units = int(re.search(r"fsdp: (\d+) units sharded over 2 processes", stderr).group(1))
     assert units >= 3  # at least the 2 decoder layers and the root: FSDP ran
     assert json.loads((out / "run.json").read_text())["world_size"] == 2
-    assert history(out)[-1] < history(out)[0] - 0.2
+    assert logged(out, "loss")[-1] < logged(out, "loss")[0] - 0.2
     assert_same_run(single, out)
     saved = {p.name for p in assert_no_pickles(out)}
     assert {"optimizer.safetensors", "adapter_model.safetensors", "rng_state_1.safetensors"} <= saved
@@ -262,7 +259,7 @@ def test_fsdp2_resumes_on_one_process_after_a_kill(fsdp2, recipe_file, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming from checkpoint-2" in res.stderr
     assert "world size 1 x micro-batch 8 x accumulation 2 = 16 examples" in res.stderr
-    assert history(cut) == pytest.approx(history(full), rel=RTOL)
+    assert logged(cut, "loss") == pytest.approx(logged(full, "loss"), rel=RTOL)
     assert_same_run(full, cut)
     # the same split on resume is required: a different number of examples per step is refused
     res = run_cli("train", str(recipe_file), "--set", f"output_dir={cut}",
@@ -284,7 +281,7 @@ def test_fsdp2_full_finetuning_settings_equal_ddp(recipe_file, tmp_path, fsdp):
                         "training.learning_rate=1e-3", "training.max_steps=3").stderr
     assert ("cpu_offload skipped: no GPU" in stderr) == ("cpu_offload" in fsdp)
     assert re.search(r"fsdp: \d+ units sharded over 2 processes", stderr)
-    assert history(runs["fsdp"])[-1] < history(runs["fsdp"])[0]
+    assert logged(runs["fsdp"], "loss")[-1] < logged(runs["fsdp"], "loss")[0]
     assert_same_run(runs["ddp"], runs["fsdp"])
 
 

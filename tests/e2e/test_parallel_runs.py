@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_multiprocess import assert_same_run, history
+from test_multiprocess import assert_same_run
 
 from conftest import (
     assert_no_pickles,
     cut_after_checkpoint,
     launch,
+    logged,
     reverse_rows,
     run_cli,
     tiny_recipe,
@@ -58,9 +59,9 @@ def test_sequence_parallel_equals_one_process_and_writes_no_pickles(sequence_par
     assert "world size 2 (1 seeing different batches) x micro-batch 8 x accumulation 1 = 8 examples" in stderr
     assert "batches: padded" in stderr
     single = one_process(recipe_file, tmp_path / "one", "data.packing=false")
-    assert history(out)[-1] < history(out)[0] - 0.2
+    assert logged(out, "loss")[-1] < logged(out, "loss")[0] - 0.2
     assert_same_run(single, out)
-    assert grad_norms(out) == pytest.approx(grad_norms(single), rel=1e-4)
+    assert logged(out, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
     assert_no_pickles(out)
     assert json.loads((out / "run.json").read_text())["effective_batch"] == 8
 
@@ -73,13 +74,8 @@ def test_sequence_parallel_resumes_to_the_uninterrupted_run(sequence_parallel, r
     cut = cut_after_checkpoint(full, tmp_path / "cut", step)
     res = launch(recipe_file, cut, 2, *SP, flags=["--resume"])
     assert f"resuming from checkpoint-{step}" in res.stderr
-    assert history(cut) == pytest.approx(history(full), rel=1e-4)
+    assert logged(cut, "loss") == pytest.approx(logged(full, "loss"), rel=1e-4)
     assert_same_run(full, cut)
-
-
-def grad_norms(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return [r["grad_norm"] for r in rows if "grad_norm" in r]
 
 
 def test_sequence_parallel_under_zero3_equals_one_process(recipe_file, tmp_path):
@@ -89,7 +85,7 @@ def test_sequence_parallel_under_zero3_equals_one_process(recipe_file, tmp_path)
     launch(recipe_file, out, 2, "training.deepspeed=ds_configs/zero3.json", "training.parallelism={sp: 2}")
     single = one_process(recipe_file, tmp_path / "one", "data.packing=false")
     assert_same_run(single, out)
-    assert grad_norms(out) == pytest.approx(grad_norms(single), rel=1e-4)
+    assert logged(out, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +100,7 @@ def test_tensor_parallel_equals_one_process_and_writes_no_pickles(tensor_paralle
     out, stderr = tensor_parallel
     assert "parallelism: tensor parallel 2 (layers split); 2 processes share each batch" in stderr
     single = one_process(recipe_file, tmp_path / "one", *TP[:2])
-    assert history(out)[-1] < history(out)[0] - 0.2
+    assert logged(out, "loss")[-1] < logged(out, "loss")[0] - 0.2
     assert_same_run(single, out)
     saved = {p.name for p in assert_no_pickles(out)}
     assert {"optimizer.safetensors", "model.safetensors", "rng_state_1.safetensors"} <= saved

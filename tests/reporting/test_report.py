@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import history, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
 from tunekit.reporting import report
@@ -43,10 +43,6 @@ def two_runs(tmp_path_factory, tiny_model):
 def embedded(page: str) -> dict:
     found = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
     return json.loads(found.group(1).replace("<\\/", "</"))
-
-
-def history(run_dir):
-    return [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
 
 
 def test_marked_diff_strikes_missing_words_and_marks_added_ones():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import cut_after_checkpoint, history, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.training import runner
@@ -26,8 +26,7 @@ def recipe_for(tmp_path, tiny_model, out, **training):
 
 
 def eval_losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    return {r["step"]: r["eval_loss"] for r in history(run_dir, "eval_loss")}
 
 
 def same_weights(a, b):

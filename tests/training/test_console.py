@@ -6,7 +6,6 @@ with --verbose. The slow tests read the output of real tiny runs in each mode.""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -16,7 +15,7 @@ import threading
 
 import pytest
 
-from conftest import ROOT, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, history, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.core import console, quiet
 from tunekit.training.progress import log_line
 
@@ -214,10 +213,10 @@ def test_without_a_terminal_only_lines_with_the_same_facts(tmp_path, tiny_model)
     assert lines.count("tunekit: eval: generating 4/4 answers") == 3
     assert any(re.fullmatch(r"tunekit: done 4/4  time [\d.]+s +train loss \d\.\d{4} +epoch 1\.00", line)
                for line in lines)
-    history = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
+    rows = history(tmp_path / "run")
     # as the Trainer logs, with when and how many real tokens had been collated
-    assert set(history[0]) == {"step", "epoch", "time", "tokens_collated", "loss", "grad_norm", "learning_rate"}
-    tokens = [r["tokens_collated"] for r in history if "loss" in r]
+    assert set(rows[0]) == {"step", "epoch", "time", "tokens_collated", "loss", "grad_norm", "learning_rate"}
+    tokens = [r["tokens_collated"] for r in rows if "loss" in r]
     assert 0 < tokens[0] < tokens[-1] and all(a <= b for a, b in zip(tokens, tokens[1:])), tokens
 
 

@@ -11,7 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import NEEDS_SMOLLM2, in_full, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import (
+    NEEDS_SMOLLM2,
+    history,
+    in_full,
+    refused_in_process,
+    run_cli,
+    tiny_recipe,
+    training_rows,
+    write_jsonl,
+    write_recipe,
+)
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.training import divergences, methods, runner
@@ -47,10 +57,6 @@ def distill_raw(tiny_model, tmp_path, out, teacher_dir, distill_=None, **trainin
 
 def load(tmp_path, raw):
     return recipes.load(write_recipe(tmp_path / "r.yaml", raw))
-
-
-def history(run_dir):
-    return [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
 
 
 def test_divergences_are_gkds_per_token():
@@ -226,7 +232,7 @@ def test_mixed_mode_draws_each_example_adds_the_sft_loss_keeps_the_best_and_merg
                                           save_steps=3)))
     best = json.loads((out / "run.json").read_text())["best"]  # the best checkpoint by held-out divergence
     assert best["metric"] == "eval_loss" and best["step"] in (3, 6)
-    trained = [r for r in history(out) if "loss" in r and "eval_loss" not in r]
+    trained = training_rows(out)
     shares = [r["distill/on_policy"] for r in trained]
     assert 0 < sum(shares) / len(shares) < 1 and all("distill/sft_loss" in r for r in trained)
     res = run_cli("merge", str(out))  # the student merges as any run: logits checked equal to the adapter's
@@ -267,7 +273,7 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, teacher, sharding
     where = "a whole copy on each process" if not sharding or placement == "replicated" else \
         f"sharded across the processes ({'FSDP' if 'fsdp' in sharding else 'ZeRO-3'})"
     assert where in res.stderr
-    one, two = ([r for r in history(d) if "loss" in r and "eval_loss" not in r] for d in (single, tmp_path / "two"))
+    one, two = (training_rows(d) for d in (single, tmp_path / "two"))
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two):
         assert a["distill/on_policy"] == b["distill/on_policy"]
@@ -292,8 +298,7 @@ def test_real_model_student_learns_the_teachers_task_from_prompts_alone(tmp_path
         res = run_cli("train", f"recipes/{recipe}.yaml", "--set", f"output_dir={out}",
                       *[a for s in sets for a in ("--set", s)], timeout=3600)
         assert res.returncode == 0, res.stderr[-3000:]
-    start = next(json.loads(line) for line in (student / "loss_history.jsonl").read_text().splitlines()
-                 if '"eval_exact_match"' in line)
+    start = history(student, "eval_exact_match")[0]
     assert start["step"] == 0
     end, taught, sft = (json.loads((d / "eval" / "metrics.json").read_text())["scores"]
                         for d in (student, teacher, few))

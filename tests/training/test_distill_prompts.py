@@ -10,7 +10,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from conftest import ROOT, refused_in_process, write_jsonl, write_recipe
+from conftest import ROOT, history, refused_in_process, training_rows, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.data import precheck
 from tunekit.training import runner
@@ -68,8 +68,7 @@ def test_on_policy_distillation_trains_from_prompt_records(tmp_path, tiny_model,
     runner.run(recipe)
     out = tmp_path / "run"
     assert json.loads((out / "run.json").read_text())["status"] == "completed"
-    rows = [json.loads(line) for line in (out / "loss_history.jsonl").read_text().splitlines()]
-    trained = [r for r in rows if "loss" in r and "eval_loss" not in r]
+    rows, trained = history(out), training_rows(out)
     assert [r["step"] for r in trained] == [1, 2, 3]
     assert all(r["distill/on_policy"] == 1.0 and r["distill/divergence"] > 0 for r in trained), trained
     assert [r["step"] for r in rows if "eval_exact_match" in r] == [0, 3]

@@ -13,7 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import in_full, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import (
+    history,
+    in_full,
+    refused_in_process,
+    run_cli,
+    tiny_recipe,
+    training_rows,
+    write_jsonl,
+    write_recipe,
+)
 from tunekit.config import recipes
 from tunekit.config.methodsettings import RewardSpec
 from tunekit.core.errors import TunekitError
@@ -55,10 +64,6 @@ def grpo_raw(tiny_model, tmp_path, out, rewards_=None, grpo_=None, **training):
 
 def load(tmp_path, raw):
     return recipes.load(write_recipe(tmp_path / "r.yaml", raw))
-
-
-def history(run_dir):
-    return [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -205,7 +210,7 @@ def lora_run(tmp_path_factory, tiny_model):
 @pytest.mark.slow  # a training run
 def test_a_run_logs_each_reward_the_kl_and_completion_length(lora_run):
     run_dir, res = lora_run
-    rows = [r for r in history(run_dir) if "loss" in r and "eval_loss" not in r]
+    rows = training_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert {"rewards/chrf/mean", "rewards/chrf/std", "rewards/vowels/mean", "rewards/vowels/std", "reward",
@@ -214,7 +219,7 @@ def test_a_run_logs_each_reward_the_kl_and_completion_length(lora_run):
     assert any(r["kl"] > 0 for r in rows[1:])  # the policy moved away from the adapter-off base
     assert "reference: the base with the adapter switched off (no second copy)" in res.stderr
     assert "rewards: chrf x 1, vowels x 0.5" in res.stderr
-    evals = [r for r in history(run_dir) if "eval_reward" in r]
+    evals = history(run_dir, "eval_reward")
     assert [r["step"] for r in evals] == [2, 4] and all("eval_reward/vowels" in r for r in evals)
 
 
@@ -289,7 +294,7 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, sharding):
     res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
-    one, two = ([r for r in history(d) if "loss" in r and "eval_loss" not in r] for d in (single, tmp_path / "two"))
+    one, two = (training_rows(d) for d in (single, tmp_path / "two"))
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two):
         assert a["reward"] == pytest.approx(b["reward"], abs=1e-5)

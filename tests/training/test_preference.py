@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import in_full, tiny_recipe, write_jsonl, write_recipe
+from conftest import history, in_full, logged, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.data.formats import Record
@@ -27,11 +27,6 @@ WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "b
 
 def pairs(n_repeat=4):
     return [{"prompt": f"Reverse the word.\n\n{w}", "chosen": w[::-1], "rejected": w} for w in WORDS * n_repeat]
-
-
-def eval_history(run_dir):
-    return [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()
-            if "eval_loss" in line]
 
 
 def dpo_raw(tiny_model, data, out, **training):
@@ -92,8 +87,7 @@ def test_dpo_learns_the_preference_against_the_adapter_off_base(tmp_path, tiny_m
     raw["data"]["eval"] = str(data)
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     result = runner.run(recipe)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "eval_loss" in r]
+    evals = history(tmp_path / "run", "eval_loss")
     assert evals[0]["eval_loss"] < 0.6931  # below log 2: the policy already separates the pair
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert evals[-1]["eval_rewards/accuracies"] == 1.0 and evals[-1]["eval_rewards/margins"] > 0
@@ -126,8 +120,7 @@ def test_dpo_run_scores_generations_while_training_and_its_measures_reach_metric
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     evaluator.end_of_training(recipe, tmp_path / "run")  # as `tunekit train` ends
-    rows = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
-    last = [r for r in rows if "eval_loss" in r][-1]
+    last = history(tmp_path / "run", "eval_loss")[-1]
     assert last["step"] == 12 and {"eval_bleu", "eval_chrf", "eval_rougeL", "eval_exact_match"} <= set(last)
     scores = json.loads((tmp_path / "run" / "eval" / "metrics.json").read_text())["scores"]
     assert scores["preference_pairs"] == len(pairs())
@@ -173,8 +166,7 @@ def test_dpo_continues_an_sft_run_against_that_run_as_reference(tmp_path, tiny_m
     raw = dpo_raw(tiny_model, data, tmp_path / "dpo", max_steps=3, eval_steps=None)
     raw["model"]["adapter_from"] = str(tmp_path / "sft")
     result = runner.run(recipes.load(write_recipe(tmp_path / "dpo.yaml", raw)))
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "dpo" / "loss_history.jsonl").read_text().splitlines()
-              if '"loss"' in line]
+    losses = logged(tmp_path / "dpo", "loss")
     assert losses[0] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the start
     model = result.trainer.model
     assert not [n for n, p in model.named_parameters() if p.requires_grad and ".ref." in n]
@@ -215,8 +207,7 @@ def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, ti
     raw["data"]["eval"] = str(data)
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     result = runner.run(recipe)
-    last = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()
-            if "eval_loss" in line][-1]
+    last = history(tmp_path / "run", "eval_loss")[-1]
     assert last["eval_rewards/accuracies"] == 1.0 and last["eval_loss"] < 0.6931
     base = load_file(str(tiny_model / "model.safetensors"))
     ref = result.trainer.ref_model.state_dict()
@@ -242,7 +233,7 @@ def test_orpo_learns_the_preference_without_a_reference(tmp_path, tiny_model):
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     assert recipe.orpo.beta == 0.1 and recipe.dpo is None
     result = runner.run(recipe)
-    first, last = (evals := eval_history(tmp_path / "run"))[0], evals[-1]
+    first, last = (evals := history(tmp_path / "run", "eval_loss"))[0], evals[-1]
     assert last["eval_loss"] < first["eval_loss"] and last["eval_nll_loss"] < first["eval_nll_loss"]
     assert last["eval_log_odds_ratio"] > first["eval_log_odds_ratio"] and last["eval_rewards/accuracies"] == 1.0
     assert json.loads((tmp_path / "run" / "run.json").read_text())["training_method"] == "orpo"
@@ -282,7 +273,7 @@ def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_mo
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     assert recipe.kto.beta == 0.1 and recipe.dpo is None
     result = runner.run(recipe)
-    first, last = (evals := eval_history(tmp_path / "run"))[0], evals[-1]
+    first, last = (evals := history(tmp_path / "run", "eval_loss"))[0], evals[-1]
     assert last["eval_loss"] < first["eval_loss"]
     assert last["eval_rewards/margins"] > first["eval_rewards/margins"] > 0
     assert last["eval_rewards/chosen"] > 0 > last["eval_rewards/rejected"]
@@ -390,8 +381,7 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding)
     assert records[1]["world_size"] == 2
     if (sharding or {}).get("learning_rate") == "auto":  # the range test's losses too are those of one process
         assert records[1]["learning_rate"]["value"] == pytest.approx(records[0]["learning_rate"]["value"], rel=1e-6)
-    losses = [[json.loads(line)["loss"] for line in (d / "loss_history.jsonl").read_text().splitlines()
-               if '"loss"' in line] for d in (single, tmp_path / "two")]
+    losses = [logged(d, "loss") for d in (single, tmp_path / "two")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)
     one, two = final_adapter(single), final_adapter(tmp_path / "two")
     for k in one:
@@ -408,8 +398,7 @@ def test_kto_trains_under_fsdp2(tmp_path, tiny_model):
                      fsdp={})
     res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
     assert "fsdp: FSDP2" in res.stderr
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "two" / "loss_history.jsonl").read_text().splitlines()
-              if '"loss"' in line]
+    losses = logged(tmp_path / "two", "loss")
     assert losses[-1] < losses[0]
     adapter = final_adapter(tmp_path / "two")
     base = {k: v for k, v in adapter.items() if "lora_A" in k}

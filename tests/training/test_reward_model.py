@@ -13,7 +13,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
-from conftest import NEEDS_SMOLLM2, refused_in_process, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import (
+    NEEDS_SMOLLM2,
+    history,
+    logged,
+    refused_in_process,
+    reverse_rows,
+    run_cli,
+    tiny_recipe,
+    write_jsonl,
+    write_recipe,
+)
 from tunekit.config import recipes
 from tunekit.config.methodsettings import RewardSpec
 from tunekit.core.errors import TunekitError
@@ -66,10 +76,7 @@ def test_training_lowers_the_loss_and_raises_held_out_pair_accuracy(trained):
     tok = loader.load_tokenizer(recipe.model)
     held = evaluator.held_out_records(recipe)
     before = rewardmodel.pair_scores(rewardmodel.scored_pairs(untrained, tok, recipe, held, None, 4))
-    history = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    losses = [h["loss"] for h in history if "loss" in h]
-    eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
-    accuracy = [h["eval_accuracy"] for h in history if "eval_accuracy" in h]
+    losses, eval_losses, accuracy = (logged(run_dir, key) for key in ("loss", "eval_loss", "eval_accuracy"))
     assert len(accuracy) == 2 and accuracy[-1] >= 0.75 > before["reward_accuracy"], (before, accuracy)
     assert abs(before["reward_margin"]) < 0.1 and eval_losses[-1] < math.log(2) - 0.2, (before, eval_losses)
     assert min(losses[-4:]) < losses[0] - 0.3, losses
@@ -155,7 +162,7 @@ def test_grpo_trains_on_the_reward_models_scores(trained, tiny_model, tmp_path):
     raw["eval"] = {"max_new_tokens": 6, "batch_size": 4, "during_training": False}
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
-    rows = [json.loads(line) for line in (tmp_path / "grpo" / "loss_history.jsonl").read_text().splitlines()]
+    rows = history(tmp_path / "grpo")
     means = [r["rewards/model/mean"] for r in rows if "rewards/model/mean" in r]
     assert len(means) == 2 and all(math.isfinite(m) for m in means), rows
     result = evaluator.end_of_training(recipe, tmp_path / "grpo")
@@ -224,8 +231,7 @@ def test_the_best_checkpoint_by_margin_is_the_one_kept(tiny_model, tmp_path):
     raw = reward_raw(tiny_model, tmp_path, metric_for_best="eval_margin", max_steps=8, eval_steps=4)
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
-    history = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
-    margins = {h["step"]: h["eval_margin"] for h in history if "eval_margin" in h}
+    margins = {h["step"]: h["eval_margin"] for h in history(tmp_path / "run", "eval_margin")}
     best = RunRecord.load(tmp_path / "run").best
     assert len(margins) == 2 and best["value"] == pytest.approx(max(margins.values())), (margins, best)
 
@@ -324,8 +330,7 @@ def test_full_and_qlora_reward_models_learn_and_reload(tmp_path, tiny_model, ada
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     result = evaluator.end_of_training(recipe, tmp_path / "run")
-    history = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
-    assert [h["eval_accuracy"] for h in history if "eval_accuracy" in h][-1] == result["scores"]["reward_accuracy"]
+    assert logged(tmp_path / "run", "eval_accuracy")[-1] == result["scores"]["reward_accuracy"]
     assert result["scores"]["reward_accuracy"] >= 0.75, result["scores"]
     saved = tmp_path / "run" / ("model" if "quantization" not in raw else "adapter")
     assert loader.saved_with_score_head(saved)
@@ -354,6 +359,5 @@ def test_real_model_reward_run_ranks_held_out_pairs_well_above_chance(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     scores = json.loads((run / "eval" / "metrics.json").read_text())["scores"]
     assert scores["examples"] == 40 and scores["reward_accuracy"] >= 0.9 and scores["reward_margin"] > 0.5, scores
-    history = [json.loads(line) for line in (run / "loss_history.jsonl").read_text().splitlines()]
-    logged = [(h["step"], h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
-    assert [s for s, _ in logged] == [4, 8] and logged[-1][1] >= 0.9, logged
+    accuracies = [(h["step"], h["eval_accuracy"]) for h in history(run, "eval_accuracy")]
+    assert [s for s, _ in accuracies] == [4, 8] and accuracies[-1][1] >= 0.9, accuracies

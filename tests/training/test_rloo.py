@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import history, run_cli, tiny_recipe, training_rows, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.models import loader
@@ -113,8 +113,7 @@ def test_a_run_logs_each_reward_and_leaves_the_base_untouched(tmp_path, tiny_mod
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
     assert "rewards: chrf x 1, vowels x 0.5" in res.stderr
     assert "reference: the base with the adapter switched off (no second copy)" in res.stderr
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "loss" in r and "eval_loss" not in r]
+    rows, train = history(run_dir), training_rows(run_dir)
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert {"rewards/chrf/mean", "rewards/vowels/mean", "reward", "kl"} <= r.keys()

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import history, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.training import runner
@@ -34,8 +34,7 @@ def tracked_run(tmp_path_factory, tiny_model):
         env.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
         env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 wants a database; the issue asks for file:
         runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
-    history = [json.loads(line) for line in (tmp_path / "tracked" / "loss_history.jsonl").read_text().splitlines()]
-    return tmp_path, history
+    return tmp_path, history(tmp_path / "tracked")
 
 
 def logged(history, key):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, logged, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision
@@ -24,11 +24,6 @@ def data_file(tmp_path):
     return write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
 
 
-def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
 def load(tmp_path, raw, *overrides):
     return recipes.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
 
@@ -40,7 +35,7 @@ def base_state(model_dir):
 def test_lora_lowers_loss_and_leaves_base_weights_unchanged(tmp_path, tiny_model, data_file):
     recipe = load(tmp_path, tiny_recipe(tiny_model, data_file, tmp_path / "run", training={"learning_rate": 1e-2}))
     result = runner.run(recipe)
-    history = losses(result.run_dir)
+    history = logged(result.run_dir, "loss")
     assert history[-1] < history[0] - 0.5, history
 
     before = base_state(tiny_model)
@@ -63,7 +58,7 @@ def test_lora_variants_train_keep_the_base_and_merge_to_the_adapter(variant, tmp
     res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)))
     assert res.returncode == 0, res.stderr[-2000:]
     run_dir = tmp_path / "run"
-    history = losses(run_dir)
+    history = logged(run_dir, "loss")
     assert history[-1] < history[0] - 0.3, history
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
@@ -93,7 +88,7 @@ def test_pissa_and_olora_adapters_are_saved_against_the_original_base(init, tmp_
     raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", lora={"init": init},
                       training={"learning_rate": 5e-3, "max_steps": 8, "save_steps": 8})
     result = runner.run(load(tmp_path, raw))
-    history = losses(result.run_dir)
+    history = logged(result.run_dir, "loss")
     assert history[-1] < history[0] - 0.3, history
     recipe = recipes.load(result.run_dir / "recipe.yaml")
     tok = loader.load_tokenizer(recipe.model, result.run_dir / "adapter")
@@ -124,7 +119,7 @@ def test_run_directory_contents_and_no_overwrite_without_force(tmp_path, tiny_mo
     assert info["command"][1:] == ["train", str(path)] and info["precision"]["name"] == "fp32"
     assert info["data"]["eval"]["examples"] == 8 and info["eval_loss"] is not None
     assert recipes.load(run_dir / "recipe.yaml").training.max_steps == 4
-    assert len(losses(run_dir)) >= 4
+    assert len(logged(run_dir, "loss")) >= 4
     assert (run_dir / "checkpoints" / "checkpoint-4").is_dir()
     assert "precision: fp32" in res.stderr and "= 8 examples per optimizer step" in res.stderr
     page = (run_dir / "report.html").read_text()  # written at the end of `tunekit train`
@@ -144,7 +139,7 @@ def test_full_finetuning_changes_base_weights(tmp_path, tiny_model, data_file):
     raw = tiny_recipe(tiny_model, data_file, tmp_path / "run", adapter="none", lora=None,
                       training={"max_steps": 10, "learning_rate": 1e-3})
     result = runner.run(load(tmp_path, raw))
-    history = losses(result.run_dir)
+    history = logged(result.run_dir, "loss")
     assert history[-1] < history[0] - 0.5, history
     before = base_state(tiny_model)
     after = load_file(str(result.run_dir / "model" / "model.safetensors"))
@@ -183,7 +178,7 @@ def test_qlora_still_learns_after_generate(tmp_path, tiny_model, tiny_tokenizer,
     # and through the Trainer, with an eval pass (no-grad forwards) before training steps
     result = runner.run(load(tmp_path, {**raw, "data": {**raw["data"], "eval_fraction": 0.25},
                                         "training": {**raw["training"], "eval_steps": 5, "learning_rate": 1e-2}}))
-    history = losses(result.run_dir)
+    history = logged(result.run_dir, "loss")
     assert history[-1] < history[0] - 0.5, history
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import history, launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
 from tunekit.training import runner
@@ -15,15 +15,10 @@ from tunekit.training import runner
 SCORES = ("bleu", "chrf", "rouge1", "rougeL", "exact_match")
 
 
-def eval_rows(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return [r for r in rows if "eval_loss" in r]
-
-
 def assert_last_eval_equals_end_of_training_eval(run_dir):
     """The in-training eval at the last step ran on the final weights: the end-of-training eval (one
     process, a fresh load of the saved adapter) must give the same scores."""
-    last = eval_rows(run_dir)[-1]
+    last = history(run_dir, "eval_loss")[-1]
     final = json.loads((run_dir / "eval" / "metrics.json").read_text())["scores"]
     assert last["eval_chrf"] > 0  # real text was generated and scored
     for key in SCORES:
@@ -41,7 +36,7 @@ def test_generation_metrics_are_logged_at_each_eval_and_match_an_eval_of_the_sam
     raw["data"]["eval"] = str(data)
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
-    rows = eval_rows(tmp_path / "run")
+    rows = history(tmp_path / "run", "eval_loss")
     assert [r["step"] for r in rows] == [6, 12]
     assert all(f"eval_{k}" in r for r in rows for k in SCORES)
     evaluator.end_of_training(recipe, tmp_path / "run")
@@ -55,7 +50,7 @@ def test_off_switch_logs_the_loss_only(tmp_path, tiny_model):
                       eval={"limit": 2, "max_new_tokens": 4, "during_training": False})
     raw["data"]["eval"] = str(data)
     runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
-    (row,) = eval_rows(tmp_path / "run")
+    (row,) = history(tmp_path / "run", "eval_loss")
     assert "eval_bleu" not in row
 
 
@@ -71,5 +66,5 @@ def test_every_zero3_process_generates_its_share_and_the_scores_equal_one_proces
     out = tmp_path / "run"
     launch(write_recipe(tmp_path / "r.yaml", raw), out, 2, "training.deepspeed=ds_configs/zero3.json",
            "training.micro_batch_size=4")
-    assert [r["step"] for r in eval_rows(out)] == [6, 12]
+    assert [r["step"] for r in history(out, "eval_loss")] == [6, 12]
     assert_last_eval_equals_end_of_training_eval(out)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import NEEDS_SMOLLM2, ROOT, colour_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
+from conftest import NEEDS_SMOLLM2, ROOT, colour_rows, logged, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.training import runner
 
@@ -23,8 +23,7 @@ def run(tmp_path, model, caplog, **sections):
     raw = tiny_recipe(model, data, tmp_path / "run", data={"format": "chat", "packing": True}, **sections)
     with caplog.at_level("INFO", logger="tunekit"):
         result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
-    history = [json.loads(line) for line in (result.run_dir / "loss_history.jsonl").read_text().splitlines()]
-    return result, [r["loss"] for r in history if "loss" in r]
+    return result, logged(result.run_dir, "loss")
 
 
 def changed(model_dir, state: dict, prefix: str) -> set[bool]:
