@@ -15,7 +15,7 @@ PACKAGE = ROOT / "src" / "tunekit"
 NAME = re.compile(r"\btunekit(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 # strings that look like dotted names but are keys and formats of files tunekit writes, not Python names
 NOT_PYTHON = {"tunekit.json": "the merged directory's record file", "tunekit.finetune": "a GGUF metadata key",
-              "tunekit.state": "the state files' format name"}
+              "tunekit.state": "the state files' format name", "tunekit.plugins": "the plugins' entry point group"}
 
 
 def docstrings(path: Path) -> list[tuple[int, str]]:

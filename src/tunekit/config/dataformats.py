@@ -23,3 +23,11 @@ DECLARED: dict[str, DataFormat] = {f.name: f for f in (
     DataFormat("unpaired_preference"),
     DataFormat("prompt"),
 )}
+
+
+def declare(spec: DataFormat) -> DataFormat:
+    """Declare one more data format (a plugin's declare(): tunekit.config.plugins)."""
+    if spec.name in DECLARED:
+        raise ValueError(f"data format {spec.name!r} is declared twice")
+    DECLARED[spec.name] = spec
+    return spec

@@ -44,6 +44,14 @@ DECLARED: dict[str, MetricSpec] = {m.name: m for m in (
 )}
 
 
+def declare(spec: MetricSpec) -> MetricSpec:
+    """Declare one more metric (a plugin's declare(): tunekit.config.plugins)."""
+    if spec.name in DECLARED:
+        raise ValueError(f"metric {spec.name!r} is declared twice")
+    DECLARED[spec.name] = spec
+    return spec
+
+
 def defaults() -> list[str]:
     """The metrics an eval section scores when it names none."""
     return [name for name, metric in DECLARED.items() if metric.default]

@@ -56,6 +56,14 @@ DECLARED: dict[str, RewardKind] = {k.name: k for k in (
 )}
 
 
+def declare(spec: RewardKind) -> RewardKind:
+    """Declare one more reward kind (a plugin's declare(): tunekit.config.plugins)."""
+    if spec.name in DECLARED:
+        raise ValueError(f"reward kind {spec.name!r} is declared twice")
+    DECLARED[spec.name] = spec
+    return spec
+
+
 SETTINGS = ("pattern", "target", "function", "run", "field")  # the spec keys only some kinds read
 
 

@@ -10,13 +10,14 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, create_model, field_serializer, field_validator, model_validator
 
-from tunekit.config import dataformats, methods, metrickinds, rules
+from tunekit.config import dataformats, methods, metrickinds, plugins, rules
 from tunekit.config.section import Section
 
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]  # as written; hardware.Precision is the resolved one
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # the names data.format and eval.metrics take (read inside annotations, where a field named metrics would hide
 # the module)
+plugins.run("declare")  # installed plugins' names, before the choices below are fixed
 FORMAT_NAMES = tuple(dataformats.DECLARED)
 METRIC_NAMES = tuple(metrickinds.DECLARED)
 

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tunekit.config import plugins
 from tunekit.config.dataformats import DECLARED
 from tunekit.core.errors import TunekitError
 from tunekit.data import images
@@ -241,3 +242,6 @@ def _prompt(record: Record, f, answers: str) -> list[dict]:
                                f"is the assistant's); the answers go in {answers}")
         return prompt
     return [{"role": "user", "content": text(record, f.prompt, "prompt")}]
+
+
+plugins.run("register_formats")  # installed plugins' implementations (config.plugins)

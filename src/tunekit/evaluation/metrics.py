@@ -14,6 +14,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Callable
 
+from tunekit.config import plugins
 from tunekit.config.metrickinds import DECLARED
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
@@ -224,3 +225,6 @@ def extra(predictions: list[str], references: list[str], names: list[str]) -> di
         result = metric.compute(predictions=predictions, references=references)
         out.update({f"{name}/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
     return out
+
+
+plugins.run("register_metrics")  # installed plugins' implementations (config.plugins)

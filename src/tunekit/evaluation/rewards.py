@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from tunekit.config import methods
+from tunekit.config import methods, plugins
 from tunekit.config.rewardkinds import DECLARED, label
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import metrics, rewardmodel
@@ -87,7 +87,8 @@ def _metric_kind(metric: metrics.Metric, key: str) -> None:
 for _metric in metrics.METRICS.values():
     if _metric.score is not None and _metric.name != "tool_calls":
         for _key, _ in _metric.rows:
-            _metric_kind(_metric, _key)
+            if _key in DECLARED:  # a plugin's metric is a reward kind only where the plugin declares one
+                _metric_kind(_metric, _key)
 
 
 @register("tool_calls")
@@ -299,3 +300,6 @@ def mean_scores(rewards: list[Reward], weights: list[float], samples: list[Sampl
     scores = {"reward": sum(row["reward"] for row in per) / n}
     scores.update({f"reward/{r.__name__}": sum(row[r.__name__] for row in per) / n for r in rewards})
     return scores, per
+
+
+plugins.run("register_rewards")  # installed plugins' implementations (config.plugins)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tunekit.config import plugins
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
@@ -199,6 +200,17 @@ def model_card(source: Source, model_dir: Path, dtype: str) -> str:
 
 
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (Gguf(), Safetensors())}
+
+
+def register(fmt: ExportFormat) -> ExportFormat:
+    """Add an export format (a plugin's register_exports(): tunekit.config.plugins)."""
+    if fmt.name in FORMATS:
+        raise ValueError(f"export format {fmt.name!r} is registered twice")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+plugins.run("register_exports")  # installed plugins' export formats
 
 
 def all_options() -> dict[str, Option]:

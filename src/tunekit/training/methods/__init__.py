@@ -13,6 +13,7 @@ docs/adding-a-method.md shows how to add one.
 
 from __future__ import annotations
 
+from tunekit.config import plugins
 from tunekit.config.methods import DEFAULT
 from tunekit.training.methods.base import METHODS, Method, TrainerInputs, get, names, of, register
 
@@ -21,5 +22,7 @@ from tunekit.training.methods.base import METHODS, Method, TrainerInputs, get, n
 # isort: off
 from tunekit.training.methods import sft, dpo, kto, orpo, reward, grpo, rloo, distill  # noqa: F401
 # isort: on
+
+plugins.run("register_methods")  # installed plugins' methods (config.plugins)
 
 __all__ = ["DEFAULT", "METHODS", "Method", "TrainerInputs", "get", "names", "of", "register"]
