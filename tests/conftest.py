@@ -254,6 +254,15 @@ def launch(recipe_file, out, nproc: int = 2, *overrides: str, launcher: str = "t
     return res
 
 
+def hidden_lines(text: str) -> list[str]:
+    """The lines of a command's output that an entry of quiet.HIDDEN or a bar of quiet.HIDDEN_BARS matches
+    (the demo test and the shipped-recipe launches assert there are none)."""
+    from tunekit.core import quiet
+
+    return [line for line in text.splitlines() if any(re.search(h.pattern, line) for h in quiet.HIDDEN)
+            or any(line.startswith(f"{b.title}:") for b in quiet.HIDDEN_BARS)]
+
+
 def history(run_dir: Path, having: str | None = None) -> list[dict]:
     """The run's logged lines (loss_history.jsonl) as tunekit's own reader gives them (tunekit.runs.history),
     only those that log `having` when given. A run without the file fails here rather than reading as empty."""

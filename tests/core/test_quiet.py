@@ -82,10 +82,3 @@ def test_deepspeed_note_hidden_unless_verbose():
     assert quiet_run.returncode == loud_run.returncode == 0, quiet_run.stderr
     assert "Setting accelerator to CPU" not in quiet_run.stdout + quiet_run.stderr
     assert "Setting accelerator to CPU" in loud_run.stdout + loud_run.stderr
-
-
-def hidden_lines(text: str) -> list[str]:
-    """The lines of a command's output that an entry of quiet.HIDDEN or a bar of quiet.HIDDEN_BARS matches
-    (the demo test and the shipped-recipe launches assert there are none)."""
-    return [line for line in text.splitlines() if any(re.search(h.pattern, line) for h in quiet.HIDDEN)
-            or any(line.startswith(f"{b.title}:") for b in quiet.HIDDEN_BARS)]

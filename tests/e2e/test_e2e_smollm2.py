@@ -13,9 +13,8 @@ import json
 import sys
 
 import pytest
-from test_quiet import hidden_lines
 
-from conftest import ROOT, history, logged, run_cli
+from conftest import ROOT, hidden_lines, history, logged, run_cli
 
 pytestmark = [
     pytest.mark.slow,

@@ -27,9 +27,8 @@ import sys
 
 import pytest
 import yaml
-from test_quiet import hidden_lines
 
-from conftest import NEEDS_SMOLLM2, ROOT, in_full, launch
+from conftest import NEEDS_SMOLLM2, ROOT, hidden_lines, in_full, launch
 
 STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
          "smollm2_orpo.yaml": 1, "smollm2_grpo.yaml": 1, "llama_grpo.yaml": 1,
