@@ -157,7 +157,8 @@ def test_export_merge_and_push_name_an_adapter_whose_files_were_deleted(tmp_path
         if name != gone:
             (run / "adapter" / name).write_text("{}")
     before = sorted(p.name for p in run.iterdir())
-    expected = f"{run / 'adapter'}: no adapter_config.json or adapter weights (safetensors); train the run again"
+    lacks = "no .safetensors file in adapter/" if gone.endswith("safetensors") else f"no {gone} in adapter/"
+    expected = f"{run}: a tunekit run whose weights are gone ({lacks}); train it again or point at another run"
     for argv in (["export", str(run)], ["merge", str(run)], ["push", str(run), "--repo", "me/model"]):
         res = run_cli(*argv)
         assert res.returncode == 2

@@ -48,10 +48,26 @@ def target_for(spec: str, recipe_path: str | None = None) -> Target:
                            "wrote, e.g. runs/NAME), a merged directory (`tunekit merge`) or a model (directory, "
                            "GGUF file or hub id)")
     target = resolve_target(spec, recipe_path, None if recipe_path else NO_DATA)
+    refuse_score_head(target)
     if target.kind == "base" and recipe_path is None:  # a stand-in recipe: its data is never read
         data = target.recipe.data.model_copy(update={"format": "prompt_completion"})
         target = Target("base", spec, target.recipe.model_copy(update={"data": data}))
     return target
+
+
+def refuse_score_head(target: Target) -> None:
+    """A reward model's run (or its merge) ends in a score head: one number per sequence, no next token to
+    generate. Said from its recipe, before anything loads, with what it is for and what to chat with instead."""
+    from tunekit.config import methods
+
+    if target.kind == "base" or not methods.of(target.recipe).score_head:
+        return
+    spec, method = target.spec, target.recipe.training.method
+    run = spec if target.kind == "run" else "RUN (the run it was merged from)"
+    raise TunekitError(f"{spec}: a reward model (training.method: {method}) scores text with one number and "
+                       f"generates none, so it cannot chat; use it as a model reward (grpo.rewards: [{{reward: "
+                       f"model, run: {run}}}]) or score pairs with `tunekit eval {spec}`; to chat, give its base "
+                       f"model ({target.recipe.model.name_or_path}) or an SFT run")
 
 
 def check_before_loading(target: Target) -> None:

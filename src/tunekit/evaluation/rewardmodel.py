@@ -107,7 +107,7 @@ def evaluate_pairs(model, tokenizer, recipe, records: list, cfg) -> tuple[dict, 
 def reward_run(spec: str, key: str = "run") -> Path:
     """The run directory of a finished reward model run, else one line naming the setting `key`;
     reads only run.json, so a bad recipe is refused before any weight loads."""
-    from tunekit.runs.layout import RunRecord, is_run, weights_dir
+    from tunekit.runs.layout import RunRecord, completed_run, is_run
 
     run_dir = Path(spec)
     if not is_run(run_dir):
@@ -117,10 +117,7 @@ def reward_run(spec: str, key: str = "run") -> Path:
     if record.training_method not in methods.DECLARED or not methods.DECLARED[record.training_method].score_head:
         raise TunekitError(f"{key}: {spec} is a training.method: {record.training_method} run, not a reward "
                            "model; train one with training.method: reward")
-    if record.status != "completed" or not weights_dir(run_dir).is_dir():
-        raise TunekitError(f"{key}: the reward model run {spec} did not complete (status {record.status!r}); "
-                           "finish it first (tunekit train RECIPE --resume)")
-    return run_dir
+    return completed_run(run_dir, key, "reward model run")[0]
 
 
 class ModelReward:

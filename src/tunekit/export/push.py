@@ -24,14 +24,15 @@ from tunekit.evaluation.table import baseline_scores
 from tunekit.export import card as cards
 from tunekit.runs import curves, history
 from tunekit.runs.layout import (
+    ADAPTER_DIR,
     MERGED_FIX,
     MERGED_MARKER,
     MODEL_DIR,
     RECIPE_FILE,
     RUN_FILE,
     RunRecord,
+    completed_run,
     is_run,
-    require_adapter_files,
 )
 
 log = logging.getLogger("tunekit")
@@ -112,15 +113,15 @@ def _from_run(path: Path, what: str | None) -> Upload:
     what = what or ("adapter" if lora else "merged")
     if what == "gguf":
         return Upload("gguf", path, path, _gguf_files(_one_gguf(path)))
+    completed_run(path, "push target")  # the weights pushed, or merged to push
     if not lora:
         if what == "adapter":
             raise TunekitError(f"{path}: a full fine-tuning run has no adapter; push --what merged (its weights in "
                                f"{MODEL_DIR}/) or --what gguf")
         return Upload("merged", path, path, _files(path / MODEL_DIR, {"README.md"}))
-    adapter = require_adapter_files(path)
     if what == "merged":
         return Upload("merged", path, path, merge_run=path)
-    return Upload("adapter", path, path, _files(adapter, {"README.md"}))  # PEFT's own card: ours replaces it
+    return Upload("adapter", path, path, _files(path / ADAPTER_DIR, {"README.md"}))  # PEFT's own card: ours replaces it
 
 
 def resolve(target: str, what: str | None) -> Upload:

@@ -67,10 +67,10 @@ def check_first(target: str) -> None:
     _require_exists(target)
     path = Path(target)
     if layout.is_run(path):
-        if (path / layout.ADAPTER_DIR).is_dir() and (path / layout.RECIPE_FILE).is_file() and \
-                layout.RunRecord.load(path).status == "completed":
-            layout.require_adapter_files(path)
-            precheck.check_model(load(path / layout.RECIPE_FILE).model)
+        if layout.RunRecord.load(path).status == "completed":
+            layout.completed_run(path, "export target")
+            if (path / layout.ADAPTER_DIR).is_dir() and (path / layout.RECIPE_FILE).is_file():
+                precheck.check_model(load(path / layout.RECIPE_FILE).model)
         return
     if (path / layout.MERGED_MARKER).is_file():
         return
@@ -91,7 +91,7 @@ def resolve(target: str) -> Source:
         from tunekit.models import loader
 
         return Source("base", Path(loader.materialize(target, key="export target")), None, Facts(path.stem, target))
-    t = layout.resolve_target(target)
+    t = layout.resolve_target(target, key="export target")
     if t.kind == "run":
         return Source("run", path, t.recipe, Facts(path.resolve().name, t.recipe.model.name_or_path, None,
                                                    _finetune(path, t.recipe)))

@@ -117,6 +117,49 @@ def weights_dir(run_dir: Path) -> Path:
     return run_dir / (MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else ADAPTER_DIR)
 
 
+# The files from_pretrained builds a tokenizer from (one suffices); a run saves its tokenizer beside its weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES) or any(directory.glob("*.tiktoken"))
+
+
+def weights_gone(run_dir: Path, record: RunRecord) -> str | None:
+    """What a completed run's output lacks (its adapter/ or model/, the config, the safetensors weights, the
+    tokenizer saved beside them: files deleted or never copied), in words; None when all are there."""
+    expected = record.output or (MODEL_DIR if record.adapter == "full" else ADAPTER_DIR)
+    found = [d for d in (expected, ADAPTER_DIR, MODEL_DIR) if (run_dir / d).is_dir()]
+    if not found:
+        return f"weights are gone (no {expected}/ in it)"
+    weights = run_dir / found[0]
+    config = "adapter_config.json" if weights.name == ADAPTER_DIR else "config.json"
+    if not (weights / config).is_file():
+        return f"weights are gone (no {config} in {weights.name}/)"
+    if not any(weights.glob("*.safetensors")):
+        return f"weights are gone (no .safetensors file in {weights.name}/)"
+    if not has_tokenizer(weights):
+        return f"tokenizer is gone (no tokenizer.json or tokenizer_config.json in {weights.name}/)"
+    return None
+
+
+def completed_run(spec, key: str | None = None, what: str = "run") -> tuple[Path, RunRecord]:
+    """A run given as an input (a teacher, a model reward, what chat, eval, export, merge or push takes): it
+    completed and its weights are all there, checked from files before anything loads; else one line naming
+    `key` (the setting or argument that gave it) and what to do. `what`: how a run of the kind wanted is called."""
+    run_dir = Path(spec)
+    where = f"{key}: {spec}" if key else str(spec)
+    record = RunRecord.load(run_dir)
+    if record.status != "completed":
+        raise TunekitError(f"{where}: the {what} did not complete (status {record.status!r}); finish it first "
+                           "(tunekit train RECIPE --resume)")
+    gone = weights_gone(run_dir, record)
+    if gone:
+        raise TunekitError(f"{where}: a tunekit run whose {gone}; train it again or point at another run")
+    return run_dir, record
+
+
 def adapter_run(spec: Path) -> tuple[Path, RunRecord]:
     """A completed LoRA/QLoRA run directory and its record, as `tunekit merge` takes it (imports no torch,
     so the command checks it first); otherwise one line saying what it is instead."""
@@ -124,12 +167,11 @@ def adapter_run(spec: Path) -> tuple[Path, RunRecord]:
     if not is_run(run_dir):
         raise TunekitError(f"{run_dir}: not a tunekit run directory (no {RUN_FILE})")
     record = RunRecord.load(run_dir)
-    if (run_dir / MODEL_DIR).is_dir():
+    if record.adapter == "full" or (run_dir / MODEL_DIR).is_dir():
         raise TunekitError(f"{run_dir}: a full fine-tuning run; its weights in {MODEL_DIR}/ are already merged")
-    if record.status != "completed" or not (run_dir / ADAPTER_DIR).is_dir():
+    if record.status != "completed":
         raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
-    require_adapter_files(run_dir)
-    return run_dir, record
+    return completed_run(run_dir)
 
 
 def ended_before_training(run_dir: Path) -> str | None:
@@ -157,14 +199,6 @@ def mark_ended(run_dir: Path, error: BaseException) -> None:
         record.fail(run_dir, error, record.global_step or 0)
 
 
-def require_adapter_files(run_dir: Path) -> Path:
-    """A completed LoRA run's adapter/ holds its config and its weights (merge, export and push read them)."""
-    adapter = run_dir / ADAPTER_DIR
-    if not (adapter / "adapter_config.json").is_file() or not any(adapter.glob("*.safetensors")):
-        raise TunekitError(f"{adapter}: no adapter_config.json or adapter weights (safetensors); train the run again")
-    return adapter
-
-
 @dataclass
 class StartingAdapter:
     path: Path  # the source run's adapter/
@@ -183,8 +217,10 @@ def starting_adapter(recipe: Recipe) -> StartingAdapter | None:
         raise TunekitError(f"{where}: not a tunekit run directory (no {RUN_FILE})")
     record = RunRecord.load(run_dir)
     adapter = run_dir / ADAPTER_DIR
-    if record.status != "completed" or not (adapter / "adapter_config.json").is_file():
-        raise TunekitError(f"{where}: not a completed LoRA/QLoRA run (status {record.status}); finish it first")
+    if record.status != "completed" or record.adapter == "full":
+        raise TunekitError(f"{where}: not a completed LoRA/QLoRA run (status {record.status}, adapter "
+                           f"{record.adapter}); finish it first or name a LoRA run")
+    completed_run(run_dir, "model.adapter_from")
     ours, theirs = recipe.model.name_or_path, record.base_model
     same = Path(ours).resolve() == Path(theirs).resolve() if Path(ours).exists() else ours == theirs
     if not same:
@@ -265,12 +301,13 @@ class Target:
         return self.location if self.kind == "merged" else weights_dir(self.location)
 
 
-def resolve_target(spec: str, recipe_path: str | None = None, data: str | None = None) -> Target:
+def resolve_target(spec: str, recipe_path: str | None = None, data: str | None = None,
+                   key: str | None = None) -> Target:
+    """A run (completed, its weights there), a merged directory or a base model; `key`: the setting that named
+    it, for the errors (a teacher's, a model reward's)."""
     path = Path(spec)
     if is_run(path):
-        record = RunRecord.load(path)
-        if record.status != "completed":
-            raise TunekitError(f"{spec}: the run did not complete (status {record.status!r}); nothing to evaluate")
+        completed_run(path, key)
         return Target("run", spec, load_recipe(path / RECIPE_FILE), path)
     if path.is_dir() and (path / MERGED_MARKER).is_file():
         return Target("merged", spec, load_recipe(path / RECIPE_FILE), path)

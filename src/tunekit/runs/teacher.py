@@ -13,7 +13,16 @@ from tunekit.config import methods
 from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core.errors import TunekitError
-from tunekit.runs.layout import MERGED_MARKER, RunRecord, Target, is_run, resolve_target, weights_dir
+from tunekit.runs.layout import (
+    MERGED_MARKER,
+    TOKENIZER_FILES,
+    RunRecord,
+    Target,
+    has_tokenizer,
+    is_run,
+    resolve_target,
+    weights_dir,
+)
 
 log = logging.getLogger("tunekit")
 KEY = "distill.teacher"
@@ -48,18 +57,29 @@ def resolve(recipe: Recipe) -> Teacher:
     path = Path(spec)
     if is_run(path):
         record = RunRecord.load(path)
-        if record.status != "completed" or not weights_dir(path).is_dir():
-            raise TunekitError(f"{KEY}: the run {spec} did not complete (status {record.status!r}); finish it "
-                               "first (tunekit train RECIPE --resume)")
         spec_of = methods.DECLARED.get(record.training_method)
         if spec_of is not None and spec_of.score_head:
             raise TunekitError(f"{KEY}: {spec} is a reward model (a score head), which predicts no next token; "
                                "name a run of a language model")
     if is_run(path) or (path.is_dir() and (path / MERGED_MARKER).is_file()):
-        target = resolve_target(spec)
+        target = resolve_target(spec, key=KEY)  # a run: completed, its weights and tokenizer there
+        require_tokenizer(spec, target.tokenizer_dir)
         return Teacher(spec, target.recipe.model, target)
-    resolve_model(spec, KEY)  # a missing local file or directory is named as such
+    source = resolve_model(spec, KEY)  # a missing local file or directory is named as such
+    if source.kind == "dir":
+        require_tokenizer(spec, Path(source.location))
     return Teacher(spec, ModelConfig(name_or_path=spec, trust_remote_code=recipe.model.trust_remote_code))
+
+
+def require_tokenizer(spec: str, directory: Path) -> None:
+    """The teacher's directory holds its tokenizer: its vocabulary is compared with the student's before any
+    weight loads, and its ids are what the divergence reads."""
+    if not has_tokenizer(directory):
+        where = "" if directory == Path(spec) or directory == Path(spec).resolve() else f" in {directory}"
+        raise TunekitError(f"{KEY}: {spec} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}{where}); "
+                           "distillation compares the teacher's next-token probabilities with the student's over "
+                           "one vocabulary: save the teacher's tokenizer there (tokenizer.save_pretrained) or name "
+                           "another teacher")
 
 
 def unavailable(teacher: Teacher, e) -> TunekitError:
