@@ -18,7 +18,7 @@ from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
-from tunekit.plan import estimate, report, sizes
+from tunekit.plan import estimate, fixes, report, sizes
 
 
 @pytest.fixture()
@@ -275,10 +275,10 @@ def test_suggestions_each_lower_the_planned_peak(make_recipe):
     recipe = make_recipe("training.micro_batch_size=8", "data.max_length=512")
     cfg, model = estimate.meta_model(recipe)
     p = estimate.make(recipe, estimate.Settings(world_size=2, micro_batch=8, seq_len=512, precision="fp32"), cfg, model)
-    fixes = estimate.suggestions(recipe, p, p.peak // 2, cfg, model)
-    labels = [label for label, _ in fixes]
+    found = fixes.suggestions(recipe, p, p.peak // 2, cfg, model)
+    labels = [label for label, _ in found]
     assert any("gradient_checkpointing" in x for x in labels) and any("micro_batch_size=4" in x for x in labels)
-    assert all(fp.peak < p.peak for _, fp in fixes)
+    assert all(fp.peak < p.peak for _, fp in found)
 
 
 @pytest.mark.slow
@@ -491,21 +491,21 @@ def test_suggestions_offer_fsdp2_beside_zero_only_where_it_lowers_the_peak(make_
     cfg, model = estimate.meta_model(recipe)
     s = estimate.settings_from(recipe, 2, "fp32")
     p = estimate.make(recipe, s, cfg, model)
-    fixes = dict(estimate.suggestions(recipe, p, p.peak // 2, cfg, model))
-    options = {label: st for label, _, st in estimate.sharding_options(recipe, s)}
+    found = dict(fixes.suggestions(recipe, p, p.peak // 2, cfg, model))
+    options = {label: st for label, _, st in fixes.sharding_options(recipe, s)}
     for label in ("training.fsdp: {}", "training.fsdp: {cpu_offload: true}"):
         lowers = estimate.make(recipe, options[label], cfg, model).peak < p.peak
-        assert (label in fixes) == lowers  # listed beside the ZeRO options exactly when it lowers the peak
-    assert all(fp.peak < p.peak for fp in fixes.values()) and any("fsdp" in label for label in fixes)
+        assert (label in found) == lowers  # listed beside the ZeRO options exactly when it lowers the peak
+    assert all(fp.peak < p.peak for fp in found.values()) and any("fsdp" in label for label in found)
     # beside a DeepSpeed config, FSDP2 replaces it; under FSDP2, ZeRO replaces that
-    zero2 = estimate.sharding_options(recipe, dataclasses.replace(s, zero_stage=2))
+    zero2 = fixes.sharding_options(recipe, dataclasses.replace(s, zero_stage=2))
     assert "training.fsdp: {} (in place of training.deepspeed)" in [label for label, _, _ in zero2]
-    fsdp = [label for label, _, _ in estimate.sharding_options(recipe, dataclasses.replace(s, fsdp=True))]
+    fsdp = [label for label, _, _ in fixes.sharding_options(recipe, dataclasses.replace(s, fsdp=True))]
     assert "deepspeed: ds_configs/zero3.json (in place of training.fsdp)" in fsdp
     assert "training.fsdp.cpu_offload=true" in fsdp and "training.fsdp: {}" not in fsdp
     assert all(not st.fsdp or (st.zero_stage == 0 and not st.offload_params)
-               for _, _, st in estimate.sharding_options(recipe, dataclasses.replace(s, zero_stage=3)))
-    alone = [label for label, _, _ in estimate.sharding_options(recipe, dataclasses.replace(s, world_size=1))]
+               for _, _, st in fixes.sharding_options(recipe, dataclasses.replace(s, zero_stage=3)))
+    alone = [label for label, _, _ in fixes.sharding_options(recipe, dataclasses.replace(s, world_size=1))]
     assert not any("fsdp" in label for label in alone)
 
 

@@ -71,7 +71,7 @@ def plan(recipe: RecipeLike, overrides: Overrides = None, world_size: int | None
                                    f"--model-config {model_config}")
     world_size = checks.world(loaded, world_size)  # as training refuses the processes it launched
     from tunekit.core.hardware import resolve_precision
-    from tunekit.plan import estimate
+    from tunekit.plan import estimate, fixes
 
     loaded = fit_max_length(loaded, shipped=True, given=given)
     precision = loaded.training.precision  # planned as written: a GPU's precision need not exist here
@@ -82,9 +82,9 @@ def plan(recipe: RecipeLike, overrides: Overrides = None, world_size: int | None
                                       memory_bandwidth=memory_bandwidth * 1e9 if memory_bandwidth else None)
     cfg, model = estimate.meta_model(loaded, given)
     result = estimate.make(loaded, settings, cfg, model)
-    fixes = (estimate.suggestions(loaded, result, gpu_memory, cfg, model)
-             if gpu_memory and result.peak > gpu_memory else [])
-    return PlanResult(result, loaded, gpu_memory, fixes)
+    suggested = (fixes.suggestions(loaded, result, gpu_memory, cfg, model)
+                 if gpu_memory and result.peak > gpu_memory else [])
+    return PlanResult(result, loaded, gpu_memory, suggested)
 
 
 @dataclass
