@@ -5,7 +5,7 @@ tunekit.train, tunekit.evaluate, tunekit.merge, tunekit.push, tunekit.validate; 
 tunekit.data and tunekit.export are subpackages, tunekit.make_plan, tunekit.preview_data and
 tunekit.export_model (tunekit.api.plan, .data and .export under the commands' own names)."""
 
-__version__ = "0.1.0"
+from tunekit.core.version import VERSION as __version__  # noqa: E402
 
 # name here -> name in tunekit.api
 API = {"train": "train", "evaluate": "evaluate", "merge": "merge", "push": "push", "validate": "validate",

@@ -21,8 +21,8 @@ PACKAGES = ["core", "config", "models", "data", "runs", "evaluation", "plan", "t
             "api", "cli"]
 OPTIONAL = {"api"}  # being written: tolerated while its folder does not exist yet
 ENTRY = "__main__"  # `python -m tunekit`: above every package
-# The package root (tunekit/__init__.py: __version__, and the API's names looked up on first use) is no node of the
-# graph: `from tunekit import __version__` reads a constant, and the root reaches tunekit.api only when asked.
+# The package root (tunekit/__init__.py: __version__ from core.version, and the API's names looked up on first use)
+# is no node of the graph, and no module imports it (test_no_module_imports_the_package_root).
 
 
 def modules() -> dict[str, Path]:
@@ -108,6 +108,15 @@ def test_every_module_sits_in_a_layered_package():
 def test_imports_flow_down_between_packages():
     wrong = back_arrows(graph())
     assert not wrong, wrong
+
+
+def test_no_module_imports_the_package_root():
+    """The root reaches tunekit.api on first use; a module importing it would be an arrow from below to the top."""
+    importers = sorted(m for m, p in modules().items()
+                       for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+                       if isinstance(node, ast.ImportFrom) and node.module == "tunekit" and not node.level
+                       and any(a.name != "api" for a in node.names))
+    assert not importers, f"modules importing from the package root (tunekit/__init__.py): {importers}"
 
 
 def test_no_import_cycle_between_modules():

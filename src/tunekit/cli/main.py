@@ -11,8 +11,8 @@ import logging
 import signal
 import sys
 
-from tunekit import __version__
 from tunekit.core.errors import TunekitError
+from tunekit.core.version import VERSION as __version__
 
 
 class Parser(argparse.ArgumentParser):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import yaml
 
-from tunekit import __version__
 from tunekit.config.methods import DECLARED as METHODS
 from tunekit.config.modelsource import looks_like_path, resolve_model
 from tunekit.config.recipes import load as load_recipe
@@ -20,6 +19,7 @@ from tunekit.config.recipes import to_yaml
 from tunekit.config.schema import DATA_SUFFIXES
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
+from tunekit.core.version import VERSION as __version__
 from tunekit.evaluation.table import table_rows
 from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RECIPE_FILE, RunRecord, is_run
 
