@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -77,7 +78,7 @@ class RunRecorder:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": git("rev-parse", "HEAD"),
             "uncommitted_changes_to_tracked_files": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "command": "pytest " + " ".join(self.config.invocation_params.args),
+            "command": "pytest " + shlex.join(self.config.invocation_params.args),  # as a shell runs it
             "outcome": "passed" if exitstatus == 0 else f"failed (pytest exit status {int(exitstatus)})",
             "counts": counts,
             "duration_s": round(seconds),
