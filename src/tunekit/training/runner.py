@@ -36,7 +36,17 @@ from tunekit.runs.layout import (
     SAMPLES_FILE,
     RunRecord,
 )
-from tunekit.training import arguments, checkpointing, losshistory, methods, preflight, progress, runrecord, trackers
+from tunekit.training import (
+    arguments,
+    checkpointing,
+    losshistory,
+    methods,
+    nonfinite,
+    preflight,
+    progress,
+    runrecord,
+    trackers,
+)
 
 log = logging.getLogger("tunekit")
 
@@ -270,7 +280,7 @@ def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: P
 def run_callbacks(recipe: Recipe, run_dir: Path) -> list:
     """Loss history, checkpoint marks, the non-finite stop, early stopping and the trackers."""
     return ([losshistory.LossHistory(run_dir / HISTORY_FILE), checkpointing.MarkComplete(),
-             checkpointing.StopOnNonFinite()]
+             nonfinite.StopOnNonFinite()]
             + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
                if recipe.training.early_stopping_patience else [])
             + trackers.callbacks(recipe.training.report_to, run_dir, recipe.model_dump(mode="json"))
