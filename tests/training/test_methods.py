@@ -197,3 +197,20 @@ def test_a_declaration_naming_an_undeclared_data_format_or_a_taken_section_fails
     with pytest.raises(ValueError, match="'sft' is declared twice"):
         declared.declare(declared.MethodSpec("sft", "again"))
     assert "toy" not in declared.DECLARED
+
+
+def test_the_method_page_names_every_declared_field_and_every_stage():
+    """docs/adding-a-method.md's two tables: every MethodSpec field and every stage a Method may override."""
+    import dataclasses
+
+    from conftest import ROOT
+    from tunekit.config.methods import MethodSpec
+    from tunekit.training.methods import Method
+
+    page = (ROOT / "docs" / "adding-a-method.md").read_text(encoding="utf-8")
+    declares = page.split("## What a method declares")[1].split("\n## ")[0]
+    implements = page.split("## What a method implements")[1].split("\n## ")[0]
+    missing = [f.name for f in dataclasses.fields(MethodSpec) if f"`{f.name}`" not in declares]
+    stages = [n for n, v in vars(Method).items() if callable(v) and not n.startswith("_")]
+    missing += [n for n in stages if f"`{n}(" not in implements]
+    assert not missing, f"docs/adding-a-method.md does not describe: {missing}"
