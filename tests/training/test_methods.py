@@ -26,11 +26,10 @@ PACKAGE = Path(tunekit.__file__).parent
 
 def test_the_allowed_methods_and_sections_are_the_registry():
     allowed = typing.get_args(schema.TrainingConfig.model_fields["method"].annotation)
-    assert allowed == tuple(declared.DECLARED) == tuple(methods.METHODS) == (
-        "sft", "dpo", "kto", "orpo", "reward", "grpo", "rloo", "distill")
+    assert allowed == tuple(declared.DECLARED) == tuple(methods.METHODS) and allowed[0] == declared.DEFAULT
     sections = {m.section for m in methods.METHODS.values() if m.section}
-    assert sections == {"dpo", "kto", "orpo", "reward", "grpo", "rloo", "distill"}
-    assert sections <= set(schema.Recipe.model_fields)
+    assert sections == {m.name for m in declared.DECLARED.values() if m.settings is not None}
+    assert sections <= set(schema.Recipe.model_fields) and "dpo" in sections and "sft" not in sections
     for m in methods.METHODS.values():
         assert m.name in schema.TrainingConfig.model_fields["method"].description
 
