@@ -1,12 +1,6 @@
 """`tunekit plan`'s model: memory per device and time per step, from the recipe and the model's config only (its page:
-plan.report).
-
-Parameters are counted exactly on a model built on the meta device (no weights are read); bytes
-follow what tunekit actually loads: fp32 master weights for full fine-tuning, the frozen base in
-the training precision for LoRA, 4-bit codes plus quantization constants for QLoRA (of the layers left
-unquantized, the embeddings and output head in the compute dtype and the norms and biases in fp32, as
-models.loader.prepare_quantized keeps them). Sharding (ZeRO, FSDP2) divides those parts; what FSDP2 and
-ZeRO-3 gather whole on a device, and when, is in plan.sharding. Time per step: plan.steptime."""
+plan.report). What FSDP2 and ZeRO-3 gather is in plan.sharding, the time per step in plan.steptime; how the bytes
+follow what tunekit loads: docs/plan.md, "How the plan counts"."""
 
 from __future__ import annotations
 

@@ -1,59 +1,8 @@
 """FSDP2 and ZeRO-3 in `tunekit plan`: the full parameters a device gathers, and when, and the gradient
-buffers before they are reduce-scattered.
+buffers before they are reduce-scattered, on top of the 1/world shards estimate.make divides.
 
-Both shard parameters, gradients and optimizer state 1/world at rest (estimate.make divides those parts);
-this module gives the transient terms on top, from the parameters of the model built on the meta device.
-Each term is live at one or more moments of the step (`Term.when`):
-
-  "forward": the end of the forward pass (the loss), with every layer's activations
-  "backward": a decoder layer's backward, the activations not yet freed
-  "end": the end of the backward pass, activations gone
-  "sampling": GRPO's generation before the step (TRL's), with its KV cache
-  "step": the whole step
-
-FSDP2, as accelerate's fsdp2_prepare_model (accelerate.utils.fsdp_utils) applies torch's fully_shard
-(torch.distributed.fsdp; read for accelerate 1.15 and torch 2.13; tests/plan/test_plan.py checks these terms
-against torch's FSDPMemTracker):
-- units: one per decoder layer (the model's _no_split_modules; NO_WRAP: every decoder layer in the root
-  unit), the input embeddings (reshard_after_forward as set), and [final norm, output head] (with tied
-  embeddings, those too) as one unit built with reshard_after_forward=False; the root unit resolves
-  reshard_after_forward to False as well.
-- sharded parameters keep their dtype: fp32 trained weights (accelerate upcasts trainable ones under mixed
-  precision), the frozen base in the training precision.
-- a unit is all-gathered in the compute dtype (MixedPrecisionPolicy.param_dtype casts before the
-  all-gather; fp32 without a policy); FSDP2 prefetches one unit ahead by default, implicitly in forward and
-  explicitly in backward (torch FSDP2 docs, "Prefetching"), so a layer and the next are live together;
-  reshard_after_forward=false keeps each layer's gathered parameters until its backward.
-- a unit's gradients are produced unsharded in the compute dtype and copied into a reduce-scatter input
-  in reduce_dtype (MixedPrecisionPolicy.reduce_dtype; torch's foreach_reduce); the sharded gradient is in
-  the parameter's own dtype.
-- with gradient accumulation the Trainer (transformers' training loop) runs every micro-batch but the last
-  under accelerate's no_sync,
-  which for FSDP2 is set_requires_gradient_sync(False): gradients accumulate unsharded, in reduce_dtype
-  (FSDPParam.to_accumulated_grad_if_needed), on every device.
-- quantized weights are sharded as any other parameter: under FSDP2, as under ZeRO-3, tunekit stores the
-  packed 4-bit codes in the compute dtype (bnb_4bit_quant_storage; models.loader.load_for_training), a
-  floating-point parameter (accelerate leaves uint8-stored ones out of sharding, whole on every device). The
-  storage dtype only reinterprets the packed bytes (the stored tensor has fewer elements), so a device holds
-  1/world of the codes and gathers a unit's codes in the same bytes (param_dtype is their own dtype: no
-  cast). Their quantization constants (quant_state) are no parameter: whole on every device.
-- CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in CPU memory; gathered
-  units are on the device.
-
-ZeRO-3, as DeepSpeed's PartitionedParameterCoordinator and stage-3 optimizer do (deepspeed.runtime.zero:
-partitioned_param_coordinator.py, stage3.py; read for deepspeed 0.19), with the
-values of its config (ds_configs/zero3.json: the bucket sizes "auto", filled from the hidden size as
-config.dsconfig.resolve does, and stage3_max_live_parameters = stage3_max_reuse_distance = 1e9):
-- parameters are fetched module by module; stage3_prefetch_bucket_size more are prefetched (at least the
-  next parameter, at most stage3_max_live_parameters). A checkpointed layer's recomputation fetches the
-  whole layer, which its backward uses at once: it stays gathered through that backward.
-- a module's parameters are not released after use when they are used again within
-  stage3_max_reuse_distance parameters of the step's trace: counting the rest of the forward pass and the
-  backward pass back to them (the recomputation too, with checkpointing), the last parameters of the
-  forward pass stay gathered into the backward pass.
-- parameters smaller than stage3_param_persistence_threshold are kept whole on every device.
-- with contiguous_gradients a reduce bucket of reduce_bucket_size elements in the compute dtype is
-  allocated once; a parameter's gradient is copied into it and the bucket reduce-scattered."""
+Each term is live at one or more moments of the step (`Term.when`). How the terms follow accelerate's,
+torch's and DeepSpeed's code, and which versions were read: docs/plan.md, "What FSDP2 and ZeRO-3 gather"."""
 
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
 """training.parallelism in `tunekit plan`: what tensor, sequence and context parallelism take off each device,
-and the bytes each device sends per optimizer step (config.parallelconfig has the engines; read for
-transformers 5.23, DeepSpeed 0.19.8 and torch 2.13).
-
-- tp (transformers' tensor-parallel plan, Llama-style): in each decoder layer q, k, v, gate and up are split
-  by output columns, o_proj and down_proj by input rows, and the output head by vocabulary; the embeddings and
-  the norms stay whole. A device holds 1/tp of those matrices' weights, gradients and optimizer state;
-  transformers' FSDP2 over dp_shard then divides all it holds. Inside attention and the MLP every activation is
-  per head or per column: 1/tp of it (each norm's fp32 input and output stay whole). Each layer all-reduces its
-  two row-split outputs in forward and their inputs' gradients in backward: 4 all-reduces of a token's hidden
-  state per layer (6 with a layer recomputed), each sending 2 (tp - 1)/tp of it (a ring).
-- sp (DeepSpeed's Ulysses): a device holds seq/sp positions of every row, so every activation and the loss
-  path are 1/sp; attention trades q, k, v and its output between sequence and head splits: 4 all-to-alls per
-  layer in forward and 4 in backward, each sending (sp - 1)/sp of the piece.
-- cp (torch's ring attention): a device holds seq/cp positions of every row (activations and loss path 1/cp);
-  per layer its keys and values go round the ring (cp - 1 hops) in forward, and keys, values and their
-  gradients in backward.
-- the data-parallel side: the trained weights' gradients all-reduced (DDP, ZeRO-1/2: a ring, 2 (n - 1)/n
-  of them), or under ZeRO-3/FSDP2 reduce-scattered after the parameters were gathered in forward and
-  backward (every micro-batch), over the n processes that hold the same weights (the world over tp); ZeRO-2
-  and 3 reduce every micro-batch's gradients, the others once a step.
-FLOPs per device divide by tp x sp x cp: each device computes its columns, or its positions (Ulysses computes
-attention for sp-th of the heads over whole rows: the same share)."""
+and the bytes each device sends per optimizer step (config.parallelconfig has the engines). How each engine
+splits the work, and which versions were read: docs/plan.md, "Tensor, sequence and context parallel: what each
+takes off a device"."""
 
 from __future__ import annotations
 

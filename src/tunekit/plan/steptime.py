@@ -1,43 +1,7 @@
-"""`tunekit plan`'s time per micro-batch, two ways.
-
-On a GPU (no memory bandwidth given, the default): the larger of the matmuls' FLOPs at the device's peak x
-utilization and the host's work, fitted to measured runs (plan.gpu_fit, written by bench/plan_time_fit.py). PyTorch
-runs eagerly: the host dispatches each operator and launches its kernels while the GPU runs those before it, so a
-step takes whichever is longer. The recorded GPU runs (LoRA on 1B-8B shapes, 1-2k tokens a micro-batch) are all
-bound by the host; the utilization is the plan's assumption for steps bound by their matmuls, not measured. The
-host's work per micro-batch:
-- operators: each decoder layer's forward and backward and each LoRA-adapted linear's, counted once with a
-  dispatch counter on a small Llama (bench/plan_time_fit.py), times the passes: a forward per forward pass (a
-  recomputed one with gradient checkpointing, a no-grad reference), a backward; a vision tower's layers forward
-  only. So the overhead grows with the layers and with the adapter's tensors (two per adapted linear).
-- QLoRA: each use of a 4-bit weight (dequantized in every forward pass and again for its input's gradient);
-- ZeRO-3: each parameter gathered in every forward pass and the backward; FSDP2: each unit (the decoder layers,
-  the embeddings, the head) gathered in forward and, resharded after it, again in backward.
-Rows of natural length (packed short chat rows) took a further fixed time per micro-batch in the runs; the plan
-assumes full-length rows and only names it. Communication between devices is not counted.
-
-FLOPs per device and micro-batch:
-- each weight matrix: 2 per weight and token forward; backward 2 for the input's gradient and, for what
-  trains, 2 for the weight's gradient. Input embeddings are a lookup (their gradient a scatter), no matmul:
-  untied ones are left out; tied, the matrix is the output head's and counts once, as the head.
-- attention's score and value products (QK^T, PV): 4 x seq x d per token forward (d = query heads x head
-  dimension), halved under the causal mask where the kernel skips the masked half (sdpa and flash attention
-  do; eager multiplies the whole square); backward twice the forward. On Llama-3.2-1B they are 2% of a
-  step's FLOPs at 512 tokens, a quarter at 8,192.
-- gradient checkpointing runs the forward twice; a no-grad forward (a reference model) is one forward.
-- a vision-language model's tower and projector run on image patches, not on the text's tokens: 2 per weight
-  and patch forward (models.vision.image_work: one image per example), and 4 more for those that train; a frozen
-  tower takes no backward (its input, the pixels, needs no gradient).
-
-With a memory bandwidth (a CPU, calibrated as bench/real_size.py does): the matmuls at peak x utilization plus
-the bytes the elementwise work moves at that bandwidth, no host term. Elementwise bytes: the decoder layers'
-activations (estimate's bytes per token and layer) written and read in forward and their gradients written and
-read in backward, 4 passes (a recomputed forward 2 more, a no-grad forward 1); the logits likewise, in fp32 (a
-score head: 1 per position); and the optimizer's pass over the trained weights (weight, gradient and state read,
-weight and state written). QLoRA's dequantization of its 4-bit weights is not counted. On a CPU this work
-(dropout masks, casts, norms, rotary, SiLU) took more than half of a LoRA step of a 1B model (bench/RESULTS.md),
-and no one utilization of the matmul peak describes it across model sizes: its share falls as the hidden size
-grows."""
+"""`tunekit plan`'s time per micro-batch, two ways: on a GPU, the larger of the matmuls' FLOPs at peak x
+utilization and the host's work fitted to measured runs (plan.gpu_fit); with a memory bandwidth (a CPU), the
+matmuls plus the bytes the elementwise work moves. What is counted and how it was measured: docs/plan.md,
+"Time per micro-batch"."""
 
 from __future__ import annotations
 
