@@ -267,11 +267,11 @@ def hidden_lines(text: str) -> list[str]:
 def history(run_dir: Path, having: str | None = None) -> list[dict]:
     """The run's logged lines (loss_history.jsonl) as tunekit's own reader gives them (tunekit.runs.history),
     only those that log `having` when given. A run without the file fails here rather than reading as empty."""
-    from tunekit.runs import history as logged
+    from tunekit.runs import history as run_history
     from tunekit.runs.layout import HISTORY_FILE
 
     assert (run_dir / HISTORY_FILE).is_file(), f"{run_dir}: no {HISTORY_FILE}"
-    return [r for r in logged.rows(run_dir) if having is None or having in r]
+    return [r for r in run_history.rows(run_dir) if having is None or having in r]
 
 
 def logged(run_dir: Path, key: str) -> list:

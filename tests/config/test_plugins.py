@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, reverse_rows, tiny_recipe, training_rows, write_jsonl, write_recipe
 from tunekit.config import plugins
 
 pytestmark = pytest.mark.slow
@@ -80,8 +80,7 @@ def test_the_documented_plugin_adds_one_of_each_kind_and_a_run_uses_them(tmp_pat
     assert "eval_loss" in out["scores"] or "loss" in out["scores"], out
     assert Path(out["exported"]).read_text() == (tmp_path / "run" / "recipe.yaml").read_text()
     assert out["rewards"] == [1.0, 0.0]
-    history = [json.loads(line) for line in (tmp_path / "run" / "loss_history.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in history if "loss" in r and "eval_loss" not in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in training_rows(tmp_path / "run")] == [1, 2, 3, 4]
 
 
 BROKEN = {
