@@ -1,17 +1,6 @@
-"""Training data prepared as Arrow tables and cached.
-
-Records are streamed into an Arrow file (raw JSON text and where each came from), rendered and
-tokenized by `datasets.map` in batches (in `num_proc` processes for large sets), and saved under
-TUNEKIT_CACHE/data/<fingerprint>, the fingerprint covering the data files' bytes, the tokenizer, the
-data settings, the seed and this code. A second run with the same inputs reads the memory-mapped
-tables. The first process to take the cache entry's lock prepares it; the other ranks of a
-multi-process run wait for it and read it. Memory stays flat as the data set grows: rows pass
-through in batches and the tables are memory-mapped.
-
-Why not `datasets.load_dataset("json")` + `map` alone: Arrow's JSON reader names neither the line nor
-the field of a bad row and infers one schema for all rows (mixed chat layouts fail), and `datasets`'
-own cache is keyed on the file path and function hash, not the tokenizer's or the file's content.
-"""
+"""Training data prepared as Arrow tables and cached under TUNEKIT_CACHE/data/<fingerprint>: records streamed,
+rendered and tokenized by `datasets.map` in batches, the tables memory-mapped. How, and why not
+`datasets.load_dataset("json")` alone: docs/data.md, "Arrow tables"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
 """Conversations rendered by the tokenizer's own chat template, and the character spans that train.
 
-The template decides the text; tunekit only decides which characters carry loss. Assistant message i
-trains the characters its template writes after the generation prompt for it (`before`) up to the
-end of the conversation rendered through i (`through`), less:
-  - a prelude the template writes before the message's own text when the message has no reasoning
-    (Qwen3's empty `<think>\\n\\n</think>\\n\\n`), found by rendering the message with other contents;
-  - the reasoning, when data.train_reasoning is false;
-  - whitespace after the end-of-turn marker (a newline the model never generates).
-A template that rewrites earlier turns (Qwen3 drops or adds reasoning depending on what follows)
-cannot hold every turn in one text as it was generated: the conversation is then split where it
-does, each piece ending at the assistant turn(s) it trains, so every trained turn is seen exactly as
-the template renders it for generation.
-
-Templates that cannot render tools, tool calls, tool results or reasoning get one documented
-default rendering (DEFAULTS), noted once in the run output, never a silent drop. Templates that read only
-content parts (the vision-language templates of Idefics3, SmolVLM, LLaVA-NeXT) get each text as a text part and
-each image marker as an image part.
-"""
+The template decides the text; tunekit only decides which characters carry loss. Templates that cannot render
+tools, tool calls, tool results or reasoning get one documented default rendering (DEFAULTS). Which characters
+train, and how templates that rewrite earlier turns are split: docs/data.md, "Which characters of a chat train"."""
 
 from __future__ import annotations
 

@@ -1,42 +1,10 @@
 """Data contamination: duplicates inside the training data, and overlap between training and held-out data.
+Torch-free; each example is a (prompt, answer) pair of strings (`texts` makes them from records).
 
-Torch-free. Each example is a (prompt, answer) pair of strings: prompt is "" for raw text; for chat data
-the user and tool turns are the prompt and the assistant turns the answer (`texts`, which leaves system
-turns out and adds what else makes a training example itself: a pair's rejected answer, a label).
-
-    from tunekit.data import contamination
     found = contamination.check(train_pairs, eval_pairs, n=13, dedup=False, decontaminate=False)
-    found.line()        # one line for the log and the report page
-    found.to_json()     # counts and a few locations, for run.json
-    found.dropped       # training indices to drop under the dedup/decontaminate flags (sorted)
+    found.line(); found.to_json(); found.dropped   # the log line, run.json's counts, indices to drop
 
-Indices are positions in the order the pairs were given; the caller drops `dropped` from the same
-sequence it passed as `train`.
-
-`check(train, held_out, n=13, *, dedup=False, decontaminate=False) -> Contamination`
-    train: any iterable of pairs, read once (it may stream); held_out: an iterable of pairs, held in
-    memory (the small side). dedup and decontaminate only say what the caller does with the result: they
-    appear in line(), to_json() and `dropped`; nothing is changed here, and the eval set never is.
-
-What is measured, all on normalised text (`normalize`: Unicode NFKC, casefold, whitespace runs collapsed
-to one space, stripped):
-- duplicates: training examples whose normalised prompt and answer, taken as a whole, equal an earlier
-  example's; `Contamination.duplicates` holds the copies after the first (what dedup drops).
-- eval_exact: eval examples whose prompt occurs exactly as a training prompt, or whose answer occurs as
-  a training answer. Empty texts never match.
-- eval_ngram: eval examples whose prompt or answer shares an n-word span (default 13, the span GPT-3's
-  and Llama 2's decontamination studies use) with any training prompt or answer. Counted independently
-  of eval_exact: an exact match of a text of n words or more is in both, a shorter one only in
-  eval_exact (a text shorter than n words can only match exactly).
-- overlapping: training examples that match some eval example either way (what decontaminate drops).
-
-Words (`words`) are Unicode \\w+ runs, except that each Chinese or Japanese character (Han, kana) is a
-word of its own, so "café" and CJK text are covered; other scripts written without spaces (Thai, ...)
-count a whole run as one word. N-grams and texts are compared by 64-bit blake2b digests (stable across
-processes): the eval side's n-grams go into one table and the training side streams against it, so
-memory grows with the eval set and with one digest per distinct training example (for duplicates), not
-with the training n-grams.
-"""
+What is measured and how: docs/data.md, "Contamination"."""
 
 from __future__ import annotations
 
@@ -169,9 +137,12 @@ class _EvalIndex:
 
 def check(train: Iterable[tuple[str, ...]], held_out: Iterable[tuple[str, str]], n: int = DEFAULT_N, *,
           dedup: bool = False, decontaminate: bool = False) -> Contamination:
-    """Duplicates in `train` and its overlap with `held_out` (see the module's docstring). A training item
+    """Duplicates in `train` and its overlap with `held_out` (what is measured: docs/data.md, "Contamination").
+    `train` is read once (it may stream); `held_out` is held in memory (the small side). A training item
     may carry a third string that is part of what makes it the same example (a preference pair's rejected
-    answer, an unpaired completion's label) without taking part in the overlap."""
+    answer, an unpaired completion's label) without taking part in the overlap. dedup and decontaminate only
+    say what the caller does with the result: they appear in line(), to_json() and `dropped` (training
+    indices, positions in the order given, sorted); nothing is changed here, and the eval set never is."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     index = _EvalIndex(held_out, n)

@@ -1,13 +1,7 @@
-"""Images in chat records (data.format: chat), read and checked: OpenAI-style content parts
-(`{"type": "image_url", "image_url": {"url": ...}}`, `{"type": "image", "image" | "url" | "path": ...}`) and the
-LLaVA shape (a record field `images`, data.fields.images, with one `<image>` placeholder in the text per image).
-
-A message's text marks each image with PLACEHOLDER where it stands; the record's images come in that order as
-Image values. Where an image comes from: a local path (absolute, or relative to the working directory as data
-paths are), an http(s) URL (fetched where reachable), or base64 (a `data:image/...;base64,` URL). Each is checked
-when the record is parsed, which every command does before weights load: a missing or empty file, bytes Pillow
-cannot read as an image, a URL that cannot be fetched, a placeholder count that does not match the images, each
-one line naming the file, line and message."""
+"""Images in chat records (data.format: chat), read and checked: OpenAI-style content parts and the LLaVA shape
+(a record field `images` with one `<image>` placeholder per image). A message's text marks each image with
+PLACEHOLDER where it stands; the record's images come in that order as Image values. The shapes, sources and
+checks: docs/data.md, "Images in chat records"."""
 
 from __future__ import annotations
 

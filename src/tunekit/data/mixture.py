@@ -1,23 +1,8 @@
 """Mixtures: data.train (or data.eval) given as a list of sources, each with its own format and fields, and
 for training a weight (a share of each epoch's examples) or a count (a fixed number of examples).
-
-    from tunekit.data import mixture
-    mixture.train_sources(cfg)     # [Source]: a plain data.train is one source, as it always was
-    mixture.Renderers(cfg, tok)    # renders a record with its own source's format and fields
-    mixture.draw(available, read, cfg, seed) -> (positions, facts)   # the epoch's examples
-
-Which records train and which are held out is decided in data.split, before the mix is drawn: a source's
-held-out records (data.eval_fraction, per source) never reach `draw`. The targets (`targets`):
-- count: that many examples; neither weight nor count: all of the source's training records;
-- weights, when every source has one: relative (normalised to sum 1) over an epoch as large as the
-  sources' training records together;
-- weights beside sources of a fixed size: each a share of the whole epoch (they sum to less than 1; the
-  schema checks it), the fixed sources taking the rest.
-Targets are rounded by largest remainder so they add up. A source gives its records without repetition
-while it has enough (a seeded sample, kept in file order); a target beyond its records takes every record
-as many whole times as fit and a seeded sample for the rest. Seeded by training.seed and the source's
-index, so every rank of a multi-process run draws the same mix, and another seed another sample.
-"""
+`train_sources` lists them (a plain data.train is one), `Renderers` renders a record with its own source's
+format and fields, and `draw` draws the epoch's examples. How the targets are set and drawn: docs/data.md,
+"The split and the mix"."""
 
 from __future__ import annotations
 
@@ -153,7 +138,7 @@ def _rounded(exact: list[float]) -> list[int]:
 
 
 def targets(given: Sequence[Source], available: Sequence[int]) -> list[int]:
-    """Examples per epoch from each source (see the module's docstring)."""
+    """Examples per epoch from each source (how: docs/data.md, "The split and the mix")."""
     fixed = [s.count if s.count is not None else (n if s.weight is None else 0) for s, n in zip(given, available)]
     weighted = [i for i, s in enumerate(given) if s.weight is not None]
     if not weighted:

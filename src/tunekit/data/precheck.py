@@ -1,18 +1,7 @@
-"""The first answer: what a command reads, checked before anything heavy is imported (torch,
-transformers, peft, TRL, DeepSpeed, datasets, bitsandbytes take about ten seconds to import), so that
-a bad data line, a missing file or a model that cannot be had here is one line within a second or two.
-train, validate, eval and plan run this first; the steps after it keep their own checks.
-
-Data files: read by data.reading, the reader of their file type that data preparation reads them with
-(JSON and JSON lines streamed with line numbers, CSV with the standard library's reader, Parquet with
-pyarrow; none imports `datasets`); each record is parsed under data.format and data.fields. A hub data set
-is asked about once (models.hub), not read.
-
-Big files: parsing a record (JSON and the format's field checks) takes about 15 us on a loaded 2-core
-machine, so the 200,000 lines of a 40 MB JSON lines file take about 3 s, more than the whole budget
-(bench/RESULTS.md). A file's first CHECKED records are parsed here (about 0.3 s), and a line says so;
-every record, those after them included, is parsed again with the same one-line errors when data is
-prepared, before the model is loaded or anything is written."""
+"""The first answer: what a command reads, checked before anything heavy (torch, transformers, datasets, ...) is
+imported, so that a bad data line, a missing file or a model that cannot be had here is one line within a second
+or two. train, validate, eval and plan run this first; a file's first CHECKED records are parsed here, and every
+record again when data is prepared. Why, and what it costs: docs/data.md, "Reading records and the first check"."""
 
 from __future__ import annotations
 

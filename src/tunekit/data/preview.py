@@ -1,17 +1,7 @@
 """What training will see of a recipe's data, before any model weight loads: the counts data preparation
 makes (examples, tokens, trained tokens, truncated, dropped with no trained token), tokens per role
 (trained and not), a length histogram, and examples as segments of trained and untrained tokens.
-
-Labels come from data.tokenizing.tokenize_batch, the call preparation makes, so a token shown as trained is
-one whose label is not -100, at the position the loss reads it: the first token of an example is never a
-target (labels are shifted inside the model) and is shown untrained, as tokenizing.trained_count counts it.
-Each token's text is the stretch of the rendered text up to its end (so whitespace a tokenizer leaves out
-of offsets still shows); a special token the tokenizer adds (BOS, EOS) shows as its token string.
-
-A token's role is the message its first character lies in (Rendered.roles: system, user, assistant, tool;
-"template" for text no message owns); an image's tokens (a vision-language model's) have the role "image", shown as
-one placeholder naming the image and its token count. An example not chat-rendered (alpaca, raw text) has two:
-"answer" for its trained spans and "prompt" for the rest."""
+How labels, token texts and roles are found: docs/data.md, "What `tunekit data` shows"."""
 
 from __future__ import annotations
 

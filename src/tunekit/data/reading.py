@@ -1,13 +1,7 @@
 """Reading records: the rows of a data file or a hub data set, in order, each with where it came from
-(file and line or row), before any format, template or tokenizer is applied.
-
-One reader per file type (config.schema.DATA_SUFFIXES), used both by the pre-check (data.precheck) and by
-data preparation, so the two read the same records with the same one-line errors:
-- JSON lines and JSON: parsed here rather than by `datasets` (its Arrow errors name neither the line nor
-  the field); JSON lines are streamed (memory does not grow with the file), a JSON list is read whole;
-- CSV: the standard library's reader, every cell text ("4" stays "4"), blank lines skipped;
-- Parquet: pyarrow, in batches.
-None of them imports `datasets`; a hub data set is loaded with it."""
+(file and line or row), before any format, template or tokenizer is applied. One reader per file type
+(config.schema.DATA_SUFFIXES), shared by the pre-check (data.precheck) and data preparation, none importing
+`datasets`: docs/data.md, "Reading records and the first check"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """The held-out split, decided here and nowhere else: which records train and which are held out.
 
-`data.max_examples` takes the first N records of `data.train`; `data.eval_fraction` then holds out a
-seeded fraction of those N. A `data.eval` source is held out as it stands (max_examples caps training
-only). Every path that trains or scores takes its records from here: the prepared train/eval sets (SFT),
-the preference pairs, generation metrics during training, the end-of-training eval, `tunekit eval RUN`
-and merge's parity prompts; every rank of a multi-process run computes the same split from the seed.
-
-A mixture (data.train as a list of sources) is split source by source: max_examples takes each source's
-first N records and eval_fraction holds out its share of each (seeded by training.seed plus the source's
-index; the first source's split is the one a plain data.train would have). The epoch's examples are then
-drawn from the training records left (data.mixture.draw, after the contamination screen): held-out
-records never reach it. A data.eval list is held out whole, its sources one after another.
-"""
+`data.max_examples` takes the first N records of `data.train`; `data.eval_fraction` then holds out a seeded
+fraction of those N; a `data.eval` source is held out as it stands. Who reads it, and how mixtures are split:
+docs/data.md, "Held-out data" and "The split and the mix"."""
 
 from __future__ import annotations
 

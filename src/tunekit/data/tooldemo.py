@@ -1,16 +1,8 @@
-"""The tool-use task, generated deterministically: four functions with typed arguments (text, an enum,
-numbers, integers, an optional argument), OpenAI-style chat records with the tool schemas, assistant tool
-calls, tool results and final answers, and reasoning where the request needs a step of thought (an
-indirect question, hours to minutes, an afternoon time to 24 hours). A small instruct model does not
-know the call format; a few minutes of LoRA on CPU teach it, and the tool-call metric shows the gap.
+"""The tool-use task, generated deterministically: OpenAI-style chat records calling four functions with typed
+arguments, with tool results, final answers and some reasoning. What it generates: docs/data.md, "The tool-use
+data".
 
-Training records are whole chains (ask, call, result, answer), a few are small talk or a request no tool
-serves (answered without a call). Eval records end where the scored answer is: most at the assistant's
-tool call, some at the final answer after the result or at an answer that needs no call. Eval requests
-never appear in training, and some of their cities, restaurants and errands are ones training never saw.
-
-    python -m tunekit.data.tooldemo OUT_DIR   # writes tools_train.jsonl and tools_eval.jsonl
-"""
+    python -m tunekit.data.tooldemo OUT_DIR   # writes tools_train.jsonl and tools_eval.jsonl"""
 
 from __future__ import annotations
 
