@@ -87,7 +87,7 @@ def by_layer(ps: list[Param], size) -> list[float]:
 
 
 def fsdp_terms(ps: list[Param], s, elem: int, quant_bits: int) -> list[Term]:
-    """FSDP2's gathered units and unsharded gradients per device (see the module's docstring)."""
+    """FSDP2's gathered units and unsharded gradients per device (how: docs/plan.md, "What FSDP2 and ZeRO-3 gather")."""
     reduce = 4 if (s.fsdp_reduce_dtype == "float32" or elem == 4) else elem
     gathered = by_layer(ps, lambda p: gathered_bytes(p, elem, quant_bits))
     trained = by_layer(ps, lambda p: p.numel if p.kind == "trainable" else 0)

@@ -14,7 +14,7 @@ from tunekit.plan import gpu_fit, shapes, sharding
 
 @dataclass
 class HostWork:
-    """The host's work per micro-batch in a GPU plan (the module's docstring), counted from the model."""
+    """The host's work per micro-batch in a GPU plan (docs/plan.md, "Time per micro-batch"), counted from the model."""
 
     layer_forwards: int  # decoder layers run forward over all forward passes, a vision tower's layers included
     layer_backwards: int
@@ -77,7 +77,7 @@ def step_flops(cfg, model, s, recipe, c) -> float:
 
 
 def elementwise_bytes(cfg, s, c, per_token_layer: float, optimizer_state: float, head_width: int) -> float:
-    """Bytes moved by the step's elementwise work (see the module's docstring); `head_width`: the outputs per
+    """Bytes moved by the step's elementwise work (docs/plan.md, "Time per micro-batch"); `head_width`: the outputs per
     position (the vocabulary, or 1 for a reward model's score head)."""
     tokens = s.micro_batch * s.sequences * s.seq_len
     passes = 4 + (2 if s.gradient_checkpointing else 0)
@@ -89,7 +89,8 @@ def elementwise_bytes(cfg, s, c, per_token_layer: float, optimizer_state: float,
 
 
 def host_work(cfg, model, s, recipe) -> HostWork:
-    """What the host does per micro-batch (the module's docstring), with the operators and seconds of plan.gpu_fit."""
+    """What the host does per micro-batch (docs/plan.md, "Time per micro-batch"), with the operators and seconds
+    of plan.gpu_fit."""
     forwards = 1 + int(s.gradient_checkpointing) + s.extra_forwards
     adapted = sum(1 for name, _ in model.named_parameters() if "lora_A." in name)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
