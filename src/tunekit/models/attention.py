@@ -1,20 +1,7 @@
-"""Which attention a training run uses, and attention over packed batches that reads their boundaries.
-
-Packed (padding-free) batches on SDPA are slow by construction in transformers 5.23: every forward infers the
-packed sequences from position_ids (`masking_utils.find_packed_sequence_indices`, a host sync) and builds a
-block-causal [length, length] mask, over which SDPA computes every block of the row. `varlen` is registered with
-transformers' attention interface instead: the collator builds the sequences' boundaries once per batch on the host
-(DataCollatorWithFlattening's `cu_seq_lens_*` / `max_length_*`), they reach every layer as keyword arguments, no
-forward infers them or builds a mask, and each sequence attends only within itself:
-- on a CUDA GPU, torch's variable-length flash kernel (`torch.nn.attention.varlen.varlen_attn`, torch 2.10 on);
-- on a CPU, each sequence alone: short ones through a few batched matmuls (`_Short`), long ones through SDPA's
-  flash kernel (bench/RESULTS.md, "Attention over packed rows on a CPU").
-Padded batches and generation under the same name get SDPA's own masks and SDPA.
-
-`choose` makes it the default where it applies (packed batches; on a GPU, compute capability 8.0 or more, 16-bit
-compute and a head size the flash kernel takes; no sliding window or attention dropout); everywhere else the model
-keeps the attention it loaded with.
-"""
+"""Which attention a training run uses, and `varlen`: attention over packed batches that reads their boundaries
+from the collator instead of building a mask (torch's variable-length flash kernel on a CUDA GPU, each sequence
+alone on a CPU). `choose` makes it the default where it applies. Why and how: docs/precision-and-speed.md,
+"`varlen` attention"."""
 
 from __future__ import annotations
 

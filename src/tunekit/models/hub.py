@@ -1,12 +1,7 @@
-"""The Hugging Face Hub, asked once per model before anything is loaded, so that each way it can
-fail is one line naming the model and the fix, and fails at once.
-
-Why a probe of our own: transformers and huggingface_hub retry an unreachable Hub five times
-(about 35 seconds per file) and then raise a generic OSError whose first line does not say which
-of "offline", "gated", "no such repository" or "no such revision" happened. One HEAD request for
-config.json, without retries, tells them apart. When it shows that the Hub cannot be reached but
-the model is in the local cache, the process switches to offline mode, so every later load reads
-the cache at once instead of retrying."""
+"""The Hugging Face Hub, asked once per model before anything is loaded (one HEAD request for config.json, without
+retries), so that each way it can fail is one line naming the model and the fix, and fails at once; a model in the
+local cache behind an unreachable Hub switches the process to offline mode. Why: docs/troubleshooting.md, "Models
+from the Hugging Face Hub, with or without network"."""
 
 from __future__ import annotations
 

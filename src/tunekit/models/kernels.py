@@ -1,16 +1,7 @@
-"""training.kernels: fused GPU kernels in place of tunekit's own loss path (models.losspath).
-
-- liger: Liger Kernel's fused linear cross-entropy (no logits tensor in training), RMSNorm, RoPE and SwiGLU,
-  patched into the loaded model through Liger's own per-family table (its model-instance API, as the
-  Trainer's use_liger_kernel does); the model's forward then returns the loss, so the chunked head is off.
-- cut_cross_entropy: Cut Cross-Entropy's linear cross-entropy (Apple), computed by tunekit's trained-positions
-  head in place of its chunked loop, so it serves every model the chunked path serves, with no per-family
-  patch. The package on PyPI (25.1.1) has no `cut_cross_entropy.transformers` (cce_patch lives only in the
-  git repository), and its function takes no bias.
-
-Both are Triton kernels: a CUDA GPU only. `require` refuses the setting before any weight loads; `apply` patches
+"""training.kernels: fused GPU kernels (liger, cut_cross_entropy) in place of tunekit's own loss path
+(models.losspath). `require` refuses the setting before any weight loads where no CUDA GPU is; `apply` patches
 the loaded model and marks it for the Trainer (training.trainer), which picks the loss path from the mark.
-"""
+How each is applied: docs/precision-and-speed.md, "Fused kernels"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""LoRA layers whose forward adds the adapter's product in one fused multiply-add.
-
-peft's LoRA forward (0.21) computes `result + lora_B(lora_A(dropout(x))) * scaling`: three module calls, a multiply
-and an add over the layer's whole output, and, for an fp32 adapter on 16-bit activations, a cast of the input to
-fp32 that autocast casts straight back. Here the same sum is one `addmm(result, A x, B^T, alpha=scaling)`: the
-scaling and the add ride in the matmul, no input is cast, and the product rounds once instead of three times. On
-a CPU it made a LoRA step of SmolLM2-135M 10-17% faster (bench/RESULTS.md); on a GPU it is two kernels and three
-module calls fewer per adapted linear, where steps are bound by the host.
-
-`fuse` installs it on every LoRA linear layer (plain, 4-bit and 8-bit bases) as an instance `forward`; whatever
-it does not cover goes through peft's own forward unchanged: disabled or merged adapters, several active ones,
-variants (DoRA...), a bias on B, mixed dtypes without autocast, and weights that ZeRO-3 partitions or that are
-DTensors (those are gathered by hooks on the submodule calls this path skips).
-"""
+"""LoRA layers whose forward adds the adapter's product in one fused multiply-add (`addmm`). `fuse` installs it on
+every LoRA linear layer; what it does not cover goes through peft's own forward unchanged. What it saves and
+what it leaves to peft: docs/precision-and-speed.md, "The fused LoRA product"."""
 
 from __future__ import annotations
 

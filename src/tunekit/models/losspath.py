@@ -1,17 +1,7 @@
-"""The causal-LM loss computed only where it is trained, in chunks.
-
-The stock path runs the language-model head over every position (prompt, padding and packing
-boundaries included), materializes the whole [batch, length, vocab] logits tensor, upcasts it to fp32
-and then ignores the masked positions. Here the head's forward is replaced, for training and eval-loss
-batches only, by one that picks the positions whose next token carries a label and runs head +
-cross-entropy on them a chunk at a time, computing the gradient inside the same loop (as Liger's
-fused linear cross-entropy does), so no logits tensor larger than one chunk ever exists.
-
-Why our own code: transformers' `logits_to_keep` keeps one set of positions for the whole batch, not
-per row, and Liger's kernels need Triton (GPU) and a per-architecture patch. Replacing the head's
-forward keeps every wrapper in place (DDP, DeepSpeed's ZeRO-3 parameter gathering, PEFT, gradient
-checkpointing), because the model is still called as a whole.
-"""
+"""The causal-LM loss computed only where it is trained, in chunks: the head's forward is replaced, for training
+and eval-loss batches, by one that runs head + cross-entropy on the labelled positions a chunk at a time, so no
+logits tensor larger than one chunk exists. Why our own: docs/precision-and-speed.md, "The loss on trained
+positions"."""
 
 from __future__ import annotations
 
