@@ -1,12 +1,6 @@
 """`tunekit launch [torchrun options] COMMAND ...`: torchrun for tunekit commands, on one node or several,
-with launch failures said in one line.
-
-torch's launcher (torch.distributed.run) is used as it is: same options, same rendezvous, same elastic agent.
-What it does not do, this adds: a rendezvous port already taken on the rendezvous host is found before the
-launch (torch's c10d rendezvous would connect to whatever listens there and wait until killed); every option
-torchrun takes on trust (node and process counts, the node's rank, the endpoint) and the tunekit command itself
-are checked before anything starts, so a node that could never take part says so at once; a node that never
-joins, and a rank that fails, end in one line instead of torch's tracebacks."""
+with launch failures said in one line. torch's launcher (torch.distributed.run) is used as it is; what this adds
+(options checked before anything starts, a taken rendezvous port found first): docs/multi-gpu.md, "Several nodes"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """`tunekit chat`: talk to a trained run, a merged directory or a base model, as `tunekit eval` generates.
 
-The target is resolved and loaded as eval does (runs.layout.resolve_target, runs.trained.load_trained, eval's
-dtype), prompts are rendered by the run's own renderer (data.template, data.system_prompt, the tokenizer's chat
-template, default renderings for what a template lacks), and answers come from eval's decoding
-(evaluation.evaluator.generate_batch: greedy, `eval.max_new_tokens`, special tokens dropped, stripped). So an answer
-to one prompt is the one `tunekit eval` writes in predictions.jsonl for a held-out example with that prompt.
-
-History: with a chat template the whole conversation is rendered by the template, ending in its generation
-prompt. Without one (data.template raw or alpaca) each turn is rendered as training rendered a single turn
-(the bare prompt, or the Alpaca prompt) and earlier turns go before it as they trained: prompt, answer, EOS.
-Where the conversation outgrows the model's context, its oldest turns are left out (and said so).
-"""
+The target is loaded as eval does (runs.layout.resolve_target, runs.trained.load_trained), prompts rendered by the
+run's own renderer and answers decoded as eval decodes (evaluation.evaluator.generate_batch), so an answer is the
+one `tunekit eval` writes for that prompt. How the conversation is kept: docs/evaluation.md, "`tunekit chat`"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """Episodes that act: the model answers, calls tools, gets their results back as tool messages and goes on, up to
 max_turns. GRPO and RLOO sample them (training.methods.rollouts), `tunekit eval` runs them greedily on held-out
-prompts; both through `run`, with their own token picker.
-
-Tools are Python functions (grpo.tools) or the methods of an environment (grpo.environment: one instance per
-episode, reset from its record, TRL's environment_factory). Their JSON schemas, shown to the model, come from
-their type hints and docstrings (transformers.utils.get_json_schema, as chat templates take tools). Calls are
-read from the model's text as the tool_calls metric reads them (evaluation.metrics.tool_calls_in: <tool_call>
-tags, bare JSON, ...). Each call runs in a thread with a timeout and its result cut at an output cap; a call that
-raises, times out, names a tool the episode lacks or passes arguments its signature does not take gets an error
-result, which the model sees and the episode counts: never a crash. The text between two model turns is the
-chat template's own (data.chat's default rendering where it has no tool role): what it writes after an
-assistant turn, then the results, then the next generation prompt. Tool-result tokens carry no loss (`mask`).
-"""
+prompts; both through `run`, with their own token picker. A failing call is an error result the model sees, never
+a crash; tool-result tokens carry no loss (`mask`). Tools, calls and the text between turns: docs/methods.md, "GRPO
+with tools: episodes that act"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
-"""Rewards a program checks, for GRPO (training.method: grpo), as a registry: each scores one completion.
-
-A recipe names them in grpo.rewards, each with a weight; the run logs each one's mean and spread, and
-`tunekit eval` scores held-out generations with them. Kinds:
-- every metric of the metrics registry by its score key (exact_match, bleu, chrf, rouge1/rouge2/rougeL/rougeLsum),
-  scored against the record's reference answer and divided by 100 (so 0..1);
-- tool_calls: the tool_calls metric on one completion (0..1; see `tool_calls` below);
-- regex: 1 when the whole completion (stripped) matches `pattern`, else 0;
-- json: 1 when the completion (stripped, a ``` fence removed) is one JSON value, else 0;
-- length: 0 up to `target` completion tokens, falling linearly to -1 at grpo.max_completion_length;
-- function: a Python function `module:function` (only with grpo.trust_local_code), called with keywords prompt,
-  completion, reference, record (the raw record as a dict), tokens and, if it takes it, episode (the transcript of
-  an episode with tools); it returns a number;
-- episodes with tools (evaluation.episodes; the completion a reward sees is the episode's final answer):
-  task_success (the expected answer, a record `field` or the reference, found in the final answer), tool_success
-  (the share of calls that returned a result), turns (turns taken / max_turns), environment (its get_reward());
-- model: the score a reward model (a finished run of training.method: reward, `run`) gives prompt + completion
-  (evaluation.rewardmodel; the run is checked when the reward is made, its weights load at its first score).
-
-Each kind is declared in tunekit.config.rewardkinds (its name, the keys it needs, the recipe checks) and its scoring
-registered here under that name. No model code: called during training and eval.
-"""
+"""Rewards a program checks, for GRPO and RLOO, as a registry: each scores one completion. A recipe names them in
+grpo.rewards, each with a weight; the run logs each one's mean and spread, and `tunekit eval` scores held-out
+generations with them. Each kind is declared in tunekit.config.rewardkinds (its name, the keys it needs, the
+recipe checks) and its scoring registered here under that name. No model code. The kinds: docs/methods.md, "GRPO:
+rewards a program checks"."""
 
 from __future__ import annotations
 

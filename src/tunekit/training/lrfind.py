@@ -1,12 +1,7 @@
-"""`training.learning_rate: auto`: a learning-rate range test on the run's own training data (Smith, "Cyclical
-Learning Rates for Training Neural Networks", 2017, section 3.3; fastai's lr_find). For
-`training.lr_range_test_steps` optimizer steps the rate rises geometrically from LOW to HIGH while each step's
-training loss is recorded, until the loss diverges; the chosen rate is the one at which it diverged divided by
-DIVISOR (the rule bench/quality.py measured: on small batches the lowest loss is mostly noise, divergence is
-not). The test trains a throwaway copy of the model with its own optimizer through the
-recipe's own method, launcher and sharding; training then starts from a freshly loaded model and optimizer, so
-nothing the test did remains. Every process sees the same losses (the Trainer averages them over processes)
-and takes rank 0's rate."""
+"""`training.learning_rate: auto`: a learning-rate range test on the run's own training data (Smith 2017; fastai's
+lr_find): the rate rises geometrically from LOW to HIGH until the loss diverges, and the rate chosen is the one at
+which it diverged divided by DIVISOR. The test trains a throwaway copy; training then starts fresh. The rule and
+how it runs: docs/recipes.md, "The learning rate: `auto`"."""
 
 from __future__ import annotations
 

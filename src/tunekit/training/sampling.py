@@ -1,14 +1,7 @@
 """Seeded sampling for GRPO, RLOO and on-policy distillation: each sampled token is a pure function of
 (training.seed, step, the sequence's place in the step's batch of completions or in the data, its position),
-whatever the number of processes or the micro-batch.
-
-TRL samples with transformers' generate(do_sample=True), which draws from the process's global random stream:
-the completions then depend on how the batch is split over processes and on everything that drew from the
-stream before, so a 2-process run cannot match a 1-process run, and a resumed run matches only if every draw
-is replayed. Here the logits go through the same temperature / top-k / top-p warpers, and the token is picked
-by the Gumbel-max trick (argmax of logits + Gumbel noise samples exactly from the softmax) with the noise drawn
-from a generator seeded per sequence and position; generate then runs greedy over those scores.
-"""
+whatever the number of processes or the micro-batch: the token is picked by the Gumbel-max trick with noise from a
+generator seeded per sequence and position. Why not TRL's sampling: docs/methods.md, "How the methods are built"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""The training methods' implementations (`training.method`): one module per method, registered here by name.
-
-A method is declared in tunekit.config.methods (its recipe section, the data formats it trains on, the
-settings that apply to it: what the recipe schema and its rules read) and implemented in a module of this
-package: its dataset builder, its trainer and TRL config, its reference model, the shape of its training step
-for `tunekit plan`, and its evaluation measures. `tunekit train`, `tunekit plan` and `tunekit eval` read all
-of it from here, so no other module compares method names.
-
-At their top level method modules import only the standard library and tunekit's config and core; torch, TRL
-and tunekit's data, model and trainer modules are imported inside the functions that run a training.
-docs/adding-a-method.md shows how to add one.
-"""
+"""The training methods' implementations (`training.method`): one module per method, registered here by name, each
+declared in tunekit.config.methods; `tunekit train`, `plan` and `eval` read all of a method from here, so no other
+module compares method names. At their top level method modules import only the standard library and tunekit's
+config and core; torch, TRL and the rest load inside the functions that run a training. docs/adding-a-method.md
+shows how to add one."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """training.method: distill -- the student (the recipe's model, its adapter or all its weights) trained to match a
-teacher's next-token distributions (distill.teacher: runs.teacher); its `distill:` section is declared in
-tunekit.config.methodsettings.
-
-Off-policy, the divergence is taken at the data's answer tokens (teacher-forced, as SFT trains them); on-policy,
-the student first samples its own answer to each prompt and the divergence is taken at the sampled tokens, where
-the teacher says what it would have written instead (GKD, Agarwal et al. 2024); mixed draws each example one way or
-the other (seeded by the example). Samples are drawn with tunekit's seeded sampling (training.sampling), keyed by
-the step and the example's place in the data, so a resumed run and two processes sample what one uninterrupted
-process samples. An optional SFT loss on the data's answers is added with distill.sft_weight. The loss is the
-mean over a micro-batch's trained tokens.
-
-TRL's DistillationTrainer is not used: it is on-policy only, draws its samples from the global random stream (no
-resume or multi-process equality), and has no SFT term nor a kept top-k of the teacher's distribution."""
+teacher's next-token distributions (distill.teacher: runs.teacher), off-policy, on-policy (GKD) or mixed, with
+tunekit's seeded sampling (training.sampling); its `distill:` section is declared in
+tunekit.config.methodsettings. The modes, and why not TRL's DistillationTrainer: docs/methods.md, "Distillation: a
+teacher's knowledge into a student"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """training.method: grpo -- group relative policy optimization from rewards a program checks, with TRL's
 GRPOTrainer; its `grpo:` recipe section is declared in tunekit.config.methodsettings, its rewards in
 tunekit.config.rewardkinds and scored by tunekit.evaluation.rewards, its trainer is training.trainers.grpo.
-
-Each prompt is answered `completions` times by sampling; every completion is scored by the recipe's rewards
-(weighted sum), and the policy moves toward the completions that beat their group's mean. Prompts come from
-any record with a prompt: data.format prompt (a prompt, an optional reference answer), prompt_completion,
-alpaca or chat (the conversation up to its last assistant turn, which becomes the reference). They are rendered
-by tunekit's renderer exactly as `tunekit eval` renders them, so what GRPO samples from is what eval generates
-from (training.methods.rollouts, shared with rloo). The reference model (grpo.beta > 0): the base with the
-adapter switched off under LoRA/QLoRA (TRL's own path, no second copy), a frozen copy of the base under full
-fine-tuning.
-"""
+Prompts are rendered as `tunekit eval` renders them (training.methods.rollouts, shared with rloo). How it trains:
+docs/methods.md, "GRPO: rewards a program checks"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""What the preference methods (dpo, kto, orpo) share: their data tokenized by tunekit's SFT code, the
-reference model and the TRL trainer path (the measures on held-out pairs: evaluation.preference).
-
-Pairs are rendered and tokenized by tunekit's own SFT code (data.rendering.Renderer,
-data.tokenizing.tokenize), so a DPO run sees exactly the prompts an SFT run on the same model sees, and the
-tokens that carry the loss are
-exactly the ones SFT would train: the chosen or rejected answer with its end-of-turn marker. TRL's own
-tokenization (which re-renders with its chat-template call) is bypassed by handing it the token ids.
-The trainers keep tunekit's pickle-free checkpoints (trainer.SafeState). The reference model: with a fresh
-LoRA adapter, the base with the adapter switched off (no second copy); with an adapter carried over from
-an earlier run (model.adapter_from), a frozen copy of that adapter; with full fine-tuning, a frozen copy
-of the base. Cheap to import: torch, TRL and tunekit's data and model modules load inside the functions.
-"""
+"""What the preference methods (dpo, kto, orpo) share: their data tokenized by tunekit's SFT code
+(data.rendering.Renderer, data.tokenizing.tokenize) and handed to TRL as token ids, the reference model and the
+TRL trainer path (the measures on held-out pairs: evaluation.preference). Cheap to import: torch, TRL and tunekit's
+data and model modules load inside the functions. Which reference, and why: docs/methods.md, "How the methods are
+built"."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """training.method: reward -- a reward model: the base with a one-number score head (LoRA, QLoRA or full), trained
 on (prompt, chosen, rejected) pairs to score the chosen answer above the rejected one, with TRL's RewardTrainer;
-its `reward:` recipe section is declared in tunekit.config.methodsettings.
-
-The pairs are rendered and tokenized by tunekit's own code, as for dpo (training.methods.pairs), and handed to TRL as
-the two whole sequences it scores (evaluation.rewardmodel.whole_pair). The model loads with its score head
-(models.loader: AutoModelForSequenceClassification, num_labels 1; with LoRA the head is trained in full beside the
-adapter and saved with it). Each evaluation during training logs the held-out pair accuracy as eval_accuracy and
-the mean margin (chosen minus rejected score) as eval_margin, both measures training.metric_for_best may name
-(its MethodSpec's eval_measures); `tunekit eval RUN` reports them as reward_accuracy and reward_margin
-(evaluation.rewardmodel)."""
+its `reward:` recipe section is declared in tunekit.config.methodsettings. Pairs are tokenized as for dpo
+(training.methods.pairs) and handed to TRL whole (evaluation.rewardmodel.whole_pair); its measures: docs/methods.md,
+"Reward models"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """training.method: rloo -- REINFORCE leave-one-out from the same rewards as grpo, with TRL's RLOOTrainer; its
-`rloo:` recipe section is declared in tunekit.config.methodsettings (grpo's sampling, reward and tool settings,
-less loss_type and scale_rewards, plus normalize_advantages).
-
-Each prompt is answered `completions` times; a completion's advantage is its reward minus the mean reward of the
-other completions of its group (the leave-one-out baseline), with the KL to the reference (rloo.beta > 0) taken
-off the reward. Prompts, rewards, seeded sampling and held-out rewards are grpo's (training.methods.rollouts).
-The trainer is training.trainers.rloo. The reference: the base with the adapter switched off under LoRA/QLoRA
-(TRL's RLOOTrainer keeps no copy of a starting adapter), a frozen copy of the base under full fine-tuning.
-"""
+`rloo:` recipe section is declared in tunekit.config.methodsettings. Prompts, rewards, seeded sampling and held-out
+rewards are grpo's (training.methods.rollouts); the trainer is training.trainers.rloo. How it differs from grpo:
+docs/methods.md, "RLOO: the same rewards, a leave-one-out baseline"."""
 
 from __future__ import annotations
 
