@@ -35,6 +35,8 @@ THROUGH = {
                                "tolerance",
     "tunekit.export.modelfile": "tests/export/test_push.py::test_a_gguf_file_arrives_with_its_modelfile",
     "tunekit.models.ggufread": "tests/e2e/test_e2e_smollm2.py::test_demo_pipeline_shows_a_clear_gain",
+    "tunekit.models.hubclient": "tests/export/test_push.py::test_an_adapter_arrives_whole_in_one_commit_with_its_card_"
+                                "and_curves",
     "tunekit.plan.sharding": "tests/plan/test_plan.py::test_fsdp2_terms_match_torchs_memory_tracker",
     "tunekit.reporting.listing": "tests/reporting/test_runlist.py::test_lists_every_run_with_status_steps_scores_wall_"
                                  "time_and_output",
