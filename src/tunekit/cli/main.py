@@ -225,8 +225,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=positive_float, default=989.0,
                    help="peak TFLOP/s per device (default: H100 bf16)")
     p.add_argument("--utilization", type=fraction, default=0.4,
-                   help="fraction of peak the matmuls reach (default 0.4; an assumption: the measured GPU runs were "
-                        "bound by the host's work, which the plan times from them)")
+                   help="fraction of peak the matmuls reach (default 0.4, an assumption for steps bound by their "
+                        "matmuls; see docs/plan.md, Step time)")
     p.add_argument("--memory-bandwidth", type=positive_float, metavar="GB_PER_S",
                    help="GB/s the elementwise work (activations, casts, dropout, the optimizer) reaches, for a CPU: "
                         "the step is then the matmuls plus that work (default: a GPU's step, the longer of the "

@@ -60,8 +60,8 @@ class LoraConfig(Section):
                            "(better at low rank, slower steps; merges like LoRA).")
     use_rslora: bool = Field(False, description="rsLoRA: scale by alpha/sqrt(r) instead of alpha/r, so that higher "
                              "ranks keep learning (4x the update at r16: a rate set for alpha/r is then too strong); "
-                             "false: peft's alpha/r, the default by bench/quality.py's rule (docs/recipes.md, Which "
-                             "defaults, measured).")
+                             "false: peft's alpha/r. How the default was chosen: docs/recipes.md, Which defaults, "
+                             "measured.")
     init: Literal["default", "pissa", "olora"] = Field(
         "default", description="Adapter initialisation: default (B = 0), pissa (the weights' principal singular "
         "vectors, fast SVD) or olora (QR). pissa and olora move part of each base weight into the adapter; the "
