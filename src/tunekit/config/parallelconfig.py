@@ -1,11 +1,8 @@
 """training.parallelism -> accelerate's ParallelismConfig (and, for tp, transformers' DistributedConfig, which
 splits the model as it loads), and every rule that refuses a layout before weights load: the recipe's own
 (`check_recipe`, run with the recipe rules), the model's shape (`check_model`, from its config.json) and the
-launch's world size (`layout`, when training starts).
-
-The engines are accelerate 1.15's: tp is transformers' tensor-parallel plan (DTensor), composed with its own
-FSDP2 over dp_shard; sp is DeepSpeed's Ulysses (ALST), under training.deepspeed; cp is torch's context
-parallel (ring attention over SDPA), under training.fsdp. Each rule below names the engine's reason."""
+launch's world size (`layout`, when training starts). Each rule names the engine's reason; the engines:
+docs/multi-gpu.md, "Past data parallelism: tensor, sequence and context parallel"."""
 
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def prepare(deepspeed: bool, fsdp: bool = False) -> dict:
 
     Without a GPU, accelerate and DeepSpeed assume one process when they fill "auto" batch sizes and
     ZeRO-3 init fails; creating the gloo process group ourselves and telling the Trainer to use that
-    state fixes both (measured on CPU, see the README's multi-process section). DeepSpeed and FSDP
+    state fixes both (measured on CPU; docs/multi-gpu.md). DeepSpeed and FSDP
     always want a process group, even for a single process."""
     launch = current()
     extra: dict = {}
