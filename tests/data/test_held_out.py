@@ -14,6 +14,7 @@ from tunekit.config import recipes
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import arrow, split
+from tunekit.runs.layout import RunRecord
 
 pytestmark = pytest.mark.slow  # each test prepares data sets, trains or generates: seconds
 
@@ -99,7 +100,7 @@ def test_training_evaluation_and_eval_of_the_run_score_the_same_held_out_records
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     evaluator.end_of_training(recipe, tmp_path / "run")
-    record = json.loads((tmp_path / "run" / "run.json").read_text())["data"]
+    record = RunRecord.load(tmp_path / "run").data
     assert record["split"]["held_out"] == record["eval"]["examples"] == 5 and record["train"]["examples"] == 15
     assert record["contamination"]["eval_examples"] == 5 and record["contamination"]["line"].startswith("contamination")
     expected = [r.where for r in split.held_out(recipe.data, recipe.training.seed)]

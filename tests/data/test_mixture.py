@@ -14,6 +14,7 @@ from tunekit.config import recipes
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import arrow, mixture, split
+from tunekit.runs.layout import RunRecord
 
 
 @pytest.fixture(autouse=True)
@@ -189,10 +190,10 @@ def test_training_on_a_packed_mixture_records_the_mix(tmp_path, tiny_model, file
                       training={"max_steps": 3})
     res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)))
     assert res.returncode == 0, res.stderr[-3000:]
-    record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert record["data"]["packed"] is True
-    assert [(m["source"], m["used"]) for m in record["data"]["mix"]] == [("data.train[0]", 10), ("data.train[1]", 30)]
-    assert record["data"]["split"]["held_out"] == 8 + 2 and "mix" not in record["data"]["split"]
+    record = RunRecord.load(tmp_path / "run")
+    assert record.data["packed"] is True
+    assert [(m["source"], m["used"]) for m in record.data["mix"]] == [("data.train[0]", 10), ("data.train[1]", 30)]
+    assert record.data["split"]["held_out"] == 8 + 2 and "mix" not in record.data["split"]
     assert "data mix: 40 training examples per epoch" in res.stderr + res.stdout
     from tunekit.export import source  # what export records of the run's data: the sources, as JSON
 
@@ -208,8 +209,8 @@ def test_two_processes_draw_the_same_mixture(tmp_path, tiny_model, files):
     raw = tiny_recipe(tiny_model, files["a"], tmp_path / "unused", data={"train": train},
                       training={"max_steps": 2, "micro_batch_size": 4})
     res = launch(write_recipe(tmp_path / "r.yaml", raw), tmp_path / "run", 2)
-    record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert [m["used"] for m in record["data"]["mix"]] == [12, 12] and record["world_size"] == 2
+    record = RunRecord.load(tmp_path / "run")
+    assert [m["used"] for m in record.data["mix"]] == [12, 12] and record.world_size == 2
     assert "data mix: 24 training examples per epoch" in res.stdout + res.stderr
 
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from conftest import ROOT, hidden_lines, history, logged, run_cli
+from tunekit.runs.layout import RunRecord
 
 pytestmark = [
     pytest.mark.slow,
@@ -84,8 +85,8 @@ def test_qlora_recipe_learns_on_cpu_across_eval_passes(tmp_path):
     assert len(eval_losses) >= 3
     assert eval_losses[-1] < 0.5 * eval_losses[0], eval_losses
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
-    info = json.loads((run_dir / "run.json").read_text())
-    assert info["adapter"] == "qlora" and info["status"] == "completed"
+    info = RunRecord.load(run_dir)
+    assert info.adapter == "qlora" and info.status == "completed"
 
 
 def test_full_finetuning_recipe_runs_and_saves_loadable_weights(tmp_path):

@@ -36,6 +36,7 @@ from tunekit.core import statefile
 from tunekit.core.errors import TunekitError
 from tunekit.models import loader
 from tunekit.runs import checkpoints
+from tunekit.runs.layout import RunRecord
 from tunekit.training import preflight, runner
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
@@ -84,9 +85,9 @@ def test_sigterm_ends_training_as_an_error_does(resume_recipe, tmp_path):
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) != 0
-    record = json.loads((out / "run.json").read_text())
-    assert record["status"] == "failed" and record["error"] == "stopped by signal SIGTERM", record
-    assert record["failed_at_step"] >= 2
+    record = RunRecord.load(out)
+    assert record.status == "failed" and record.error == "stopped by signal SIGTERM", record
+    assert record.failed_at_step >= 2
 
 
 # make test kills after the first checkpoint and while the last one is written; the kill points between are `full`
@@ -98,13 +99,13 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(resume_recipe, uninte
     """The last point kills as soon as checkpoint-6 appears, while its files are being written."""
     out = tmp_path / "run"
     start_and_kill(resume_recipe, out, out / "checkpoints" / kill_point)
-    assert json.loads((out / "run.json").read_text())["status"] == "running"
+    assert RunRecord.load(out).status == "running"
     assert not (out / "adapter").exists()
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
     assert re.search(r"resuming from checkpoint-[246]\b", res.stderr)
-    info = json.loads((out / "run.json").read_text())
-    assert info["status"] == "completed" and info["global_step"] == 8
+    info = RunRecord.load(out)
+    assert info.status == "completed" and info.global_step == 8
     # exactly the same: data order, optimizer, scheduler and RNG state all restored
     assert logged(out, "loss") == logged(uninterrupted, "loss")
     a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
@@ -200,8 +201,8 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tm
     with pytest.raises(TunekitError, match=r"at step 5"):
         runner.run(recipe)
     run_dir = tmp_path / "run"
-    info = json.loads((run_dir / "run.json").read_text())
-    assert info["status"] == "failed" and "step 5" in info["error"]
+    info = RunRecord.load(run_dir)
+    assert info.status == "failed" and "step 5" in info.error
     assert checkpoints.newest_complete(run_dir / "checkpoints").name == "checkpoint-4"
     good = load_file(str(run_dir / "checkpoints" / "checkpoint-4" / "adapter_model.safetensors"))
     assert all(v.isfinite().all() for v in good.values())
@@ -244,7 +245,7 @@ def test_kill_during_end_of_training_eval_then_resume_finishes_only_the_eval(res
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *EVAL_ARGS, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "completed before; only its end-of-training eval is left" in res.stderr
-    assert json.loads((out / "run.json").read_text())["eval"] == "completed"
+    assert RunRecord.load(out).eval == "completed"
     assert json.loads((out / "eval" / "metrics.json").read_text())["scores"]["examples"] == 16
     # the training was not run again
     assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == trained
@@ -316,8 +317,8 @@ def test_full_disk_while_checkpointing_ends_clearly_and_resumes(resume_recipe, u
     assert re.match(r"tunekit: error: out of disk space in \S+ at step \d+ \(File too large\); free space, then add "
                     r"--resume to continue from checkpoint-\d+$", last), last
     assert "Traceback" not in stderr
-    info = json.loads((out / "run.json").read_text())
-    assert info["status"] == "failed" and not (out / "adapter").exists()
+    info = RunRecord.load(out)
+    assert info.status == "failed" and not (out / "adapter").exists()
     kept = checkpoints.newest_complete(out / "checkpoints")
     assert kept.name == last.rsplit(" ", 1)[1]
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS, "--resume")

@@ -7,7 +7,6 @@ On one host both nodes could serve the rendezvous, so node 0 is started first an
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -21,6 +20,7 @@ import pytest
 from test_multiprocess import assert_same_run
 
 from conftest import ROOT, in_full, launch, logged, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from tunekit.runs.layout import RunRecord
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_two_nodes_train_as_one_node_with_two_processes(recipe_file, one_node, t
     out = tmp_path / "run"
     results = two_nodes(launcher, recipe_file, out, [SHARDING[sharding], *SAVE])
     assert all(code == 0 for code, _ in results), [err[-3000:] for _, err in results]
-    assert json.loads((out / "run.json").read_text())["world_size"] == 2
+    assert RunRecord.load(out).world_size == 2
     assert_same_run(one_node[sharding], out)
 
 
@@ -166,7 +166,7 @@ def test_the_slurm_batch_script_trains_fsdp2_on_two_nodes(recipe_file, one_node,
                                                                                                       *SAVE])],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "fsdp: FSDP2" in res.stderr and json.loads((out / "run.json").read_text())["world_size"] == 2
+    assert "fsdp: FSDP2" in res.stderr and RunRecord.load(out).world_size == 2
     assert_same_run(one_node["fsdp2"], out)
 
 
@@ -192,7 +192,7 @@ def test_a_killed_node_stops_the_other_in_bounded_time_and_the_run_resumes(recip
     assert code != 0
     assert "lost contact with another process at step" in stderr and "relaunch every node with --resume" in stderr
     assert "rank 0 on this node" in stderr and "Traceback" not in stderr
-    assert not (out / "adapter").exists() and json.loads((out / "run.json").read_text())["status"] == "failed"
+    assert not (out / "adapter").exists() and RunRecord.load(out).status == "failed"
 
     results = two_nodes("tunekit", recipe_file, out, overrides, flags=["--resume"])
     assert all(code == 0 for code, _ in results), [err[-3000:] for _, err in results]

@@ -22,6 +22,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
+from tunekit.runs.layout import RunRecord
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +72,7 @@ def ddp(recipe_file, tmp_path_factory):
 
 
 def test_two_process_ddp_equals_one_process_with_the_same_effective_batch(single, ddp):
-    assert json.loads((ddp / "run.json").read_text())["world_size"] == 2
+    assert RunRecord.load(ddp).world_size == 2
     losses = logged(ddp, "loss")
     assert losses[-1] < losses[0] - 0.2
     assert_same_run(single, ddp)
@@ -100,7 +101,7 @@ def test_zero2_equals_ddp(zero2, ddp):
 def test_accelerate_launch_runs_two_processes(recipe_file, ddp, tmp_path):
     out = tmp_path / "run"
     launch(recipe_file, out, 2, launcher="accelerate")
-    assert json.loads((out / "run.json").read_text())["world_size"] == 2
+    assert RunRecord.load(out).world_size == 2
     assert_same_run(ddp, out)
 
 
@@ -160,8 +161,8 @@ def test_qlora_under_zero3_and_fsdp2_equals_qlora_under_ddp(recipe_file, qlora_d
     values, and so the training, are the same as with DDP's uint8 storage."""
     runs = {"ddp": qlora_ddp, "sharded": tmp_path / "sharded"}
     launch(recipe_file, runs["sharded"], 2, "adapter=qlora", sharding, "training.max_steps=4")
-    info = json.loads((runs["sharded"] / "run.json").read_text())
-    assert info["parameters"] == json.loads((runs["ddp"] / "run.json").read_text())["parameters"]
+    info = RunRecord.load(runs["sharded"])
+    assert info.parameters == RunRecord.load(runs["ddp"]).parameters
     assert logged(runs["sharded"], "loss")[-1] < logged(runs["sharded"], "loss")[0]
     assert_same_run(runs["ddp"], runs["sharded"])
 
@@ -210,8 +211,8 @@ def test_zero3_run_merges_and_evaluates(recipe_file, tmp_path):
     merged = run_cli("merge", str(out))
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert json.loads((out / "merged" / "tunekit.json").read_text())["parity"]["max_abs_diff"] < 1e-4
-    data = json.loads((out / "run.json").read_text())
-    assert data["status"] == "completed" and data["data"]["split"]["held_out"] == data["data"]["eval"]["examples"] == 6
+    record = RunRecord.load(out)
+    assert record.status == "completed" and record.data["split"]["held_out"] == record.data["eval"]["examples"] == 6
     recipe = recipes.load(out / "recipe.yaml")
     held = [r.where for r in split.held_out(recipe.data, recipe.training.seed)]
     predictions = [json.loads(x) for x in (out / "eval" / "predictions.jsonl").read_text().splitlines()]
@@ -241,7 +242,7 @@ def test_fsdp2_equals_one_process_and_writes_no_pickles(fsdp2, single):
     assert "fsdp: FSDP2, parameters, gradients and optimizer state sharded, one unit per decoder layer" in stderr
     units = int(re.search(r"fsdp: (\d+) units sharded over 2 processes", stderr).group(1))
     assert units >= 3  # at least the 2 decoder layers and the root: FSDP ran
-    assert json.loads((out / "run.json").read_text())["world_size"] == 2
+    assert RunRecord.load(out).world_size == 2
     assert logged(out, "loss")[-1] < logged(out, "loss")[0] - 0.2
     assert_same_run(single, out)
     saved = {p.name for p in assert_no_pickles(out)}

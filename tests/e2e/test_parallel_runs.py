@@ -5,8 +5,6 @@ has its refusal."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from test_multiprocess import assert_same_run
 
@@ -21,6 +19,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
+from tunekit.runs.layout import RunRecord
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +62,7 @@ def test_sequence_parallel_equals_one_process_and_writes_no_pickles(sequence_par
     assert_same_run(single, out)
     assert logged(out, "grad_norm") == pytest.approx(logged(single, "grad_norm"), rel=1e-4)
     assert_no_pickles(out)
-    assert json.loads((out / "run.json").read_text())["effective_batch"] == 8
+    assert RunRecord.load(out).effective_batch == 8
 
 
 @pytest.mark.parametrize("step", [2, 6])

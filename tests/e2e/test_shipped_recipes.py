@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from conftest import NEEDS_SMOLLM2, ROOT, hidden_lines, in_full, launch
+from tunekit.runs.layout import RunRecord
 
 STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
          "smollm2_orpo.yaml": 1, "smollm2_grpo.yaml": 1, "llama_grpo.yaml": 1,
@@ -135,9 +136,9 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
     processes = PROCESSES.get(recipe, 2)
     res = launch(ROOT / "recipes" / recipe, out, processes, *offline, *LAUNCHERS[launcher],
                  f"training.max_steps={steps}", f"data.eval={four}", "eval.limit=4")
-    info = json.loads((out / "run.json").read_text())
-    assert info["status"] == "completed" and info["world_size"] == processes and info["global_step"] == steps
-    weights = out / ("model/model.safetensors" if info["adapter"] == "full" else "adapter/adapter_model.safetensors")
+    info = RunRecord.load(out)
+    assert info.status == "completed" and info.world_size == processes and info.global_step == steps
+    weights = out / ("model/model.safetensors" if info.adapter == "full" else "adapter/adapter_model.safetensors")
     assert weights.is_file()
     metrics = json.loads((out / "eval" / "metrics.json").read_text())
     assert metrics["scores"]["examples"] == 4 and score_key(recipe) in metrics["scores"]

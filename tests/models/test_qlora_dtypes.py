@@ -17,6 +17,7 @@ from tunekit.core.hardware import DTYPES, Precision
 from tunekit.data import arrow
 from tunekit.data.collating import collator
 from tunekit.models import loader, losspath
+from tunekit.runs.layout import RunRecord
 
 
 def _recipe(tiny_model, tmp_path, precision, **sections):
@@ -151,10 +152,10 @@ def test_smollm2_qlora_recipe_held_out_loss_equals_peft_upcasting(tmp_path, monk
                               [f"output_dir={tmp_path / name.replace(' ', '-')}", "eval=null",
                                "training.logging_steps=1", "training.eval_steps=40"])
         result = runner.run(recipe)
-        info = json.loads((result.run_dir / "run.json").read_text())
+        info = RunRecord.load(result.run_dir)
         model = result.trainer.model
-        found[name] = {"eval_loss": info["eval_loss"], "first_loss": info["first_logged_loss"],
-                       "last_loss": info["last_logged_loss"], "precision": info["precision"]["name"],
+        found[name] = {"eval_loss": info.eval_loss, "first_loss": info.first_logged_loss,
+                       "last_loss": info.last_logged_loss, "precision": info.precision["name"],
                        "embedding": str(model.get_input_embeddings().weight.dtype),
                        "unquantized_frozen_mb": round(_unquantized_bytes(model) / 2**20, 1)}
         del result, model

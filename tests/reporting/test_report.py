@@ -15,6 +15,7 @@ from conftest import history, reverse_rows, run_cli, tiny_recipe, write_jsonl, w
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
 from tunekit.reporting import report
+from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
 
 BASELINE = {"bleu": 1.25, "chrf": 10.5, "rougeL": 3.0, "exact_match": 0.0, "examples": 6}
@@ -63,7 +64,7 @@ def test_page_holds_both_runs_curves_scores_and_the_before_after_table(two_runs)
         assert [p[0] for p in run["series"]["eval_loss"]] == [4, 8]
         assert [p[0] for p in run["series"]["eval_chrf"]] == [4, 8]
         assert all(p[1] > 0 for p in run["series"]["examples_per_s"])
-        best = json.loads((root / run["name"] / "run.json").read_text())["best"]
+        best = RunRecord.load(root / run["name"]).best
         assert run["best"] == best["step"]
     keys = [k for k, _ in data["curves"]]
     assert keys[:5] == ["loss", "eval_loss", "learning_rate", "grad_norm", "examples_per_s"] and "eval_bleu" in keys
@@ -78,7 +79,7 @@ def test_page_holds_both_runs_curves_scores_and_the_before_after_table(two_runs)
     assert "<del>" in page or "<ins>" in page
     # the data section: each run's split and contamination report as run.json has them (these runs hold out
     # their own training file, so every eval example is in the training data)
-    found = json.loads((root / "fast" / "run.json").read_text())["data"]["contamination"]
+    found = RunRecord.load(root / "fast").data["contamination"]
     assert found["eval_exact"] == found["eval_examples"] == 32 and found["duplicates"] > 0
     table = page.split('<table class="data">')[1].split("</table>")[0]
     fast_row = next(r for r in table.split("<tr>") if r.startswith("<td>fast"))

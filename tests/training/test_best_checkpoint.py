@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -12,6 +11,7 @@ from safetensors.torch import load_file
 from conftest import cut_after_checkpoint, history, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
+from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
 
 ADAPTER = "adapter_model.safetensors"
@@ -43,7 +43,7 @@ def test_the_final_adapter_is_the_best_checkpoint_not_the_last(tmp_path, tiny_mo
                                        greater_is_better=True)))
     losses = eval_losses(out)
     assert list(losses) == [2, 4, 6, 8] and losses[8] < losses[2]
-    best = json.loads((out / "run.json").read_text())["best"]
+    best = RunRecord.load(out).best
     assert best["step"] == 2 and best["value"] == pytest.approx(losses[2]) and not best["stopped_early"]
     assert same_weights(out / "adapter", out / "checkpoints" / "checkpoint-2")
     assert not same_weights(out / "adapter", out / "checkpoints" / "checkpoint-8")
@@ -54,7 +54,7 @@ def test_lower_is_better_for_eval_loss_by_default(tmp_path, tiny_model):
     out = tmp_path / "run"
     runner.run(recipes.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss", max_steps=4)))
     losses = eval_losses(out)
-    best = json.loads((out / "run.json").read_text())["best"]
+    best = RunRecord.load(out).best
     assert best["step"] == min(losses, key=losses.get) and best["greater_is_better"] is False
 
 
@@ -63,7 +63,7 @@ def test_early_stopping_ends_a_run_that_no_longer_improves(tmp_path, tiny_model)
     out = tmp_path / "run"
     runner.run(recipes.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss",
                                        greater_is_better=True, early_stopping_patience=2)))
-    best = json.loads((out / "run.json").read_text())["best"]
+    best = RunRecord.load(out).best
     assert list(eval_losses(out)) == [2, 4, 6]  # steps 4 and 6 did not beat step 2: stop at 6 of 8
     assert best["stopped_early"] and best["last_step"] == 6 and best["step"] == 2
     assert same_weights(out / "adapter", out / "checkpoints" / "checkpoint-2")
@@ -82,7 +82,7 @@ def test_resume_keeps_the_best_checkpoint_and_the_patience_count(tmp_path, tiny_
     shutil.rmtree(full)
     res = run_cli("train", str(cut / "recipe.yaml"), "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
-    best = json.loads((cut / "run.json").read_text())["best"]
+    best = RunRecord.load(cut).best
     assert best["step"] == 2 and best["stopped_early"] and best["last_step"] == 6
     resumed = load_file(str(cut / "adapter" / ADAPTER))
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)

@@ -24,6 +24,7 @@ from conftest import (
 )
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
+from tunekit.runs.layout import RunRecord
 from tunekit.training import divergences, methods, runner
 from tunekit.training.trainers import distill as distiller
 
@@ -129,7 +130,6 @@ def test_a_teacher_run_not_trained_yet_is_named_by_plan_and_train(tmp_path, tiny
 
 def test_an_unfinished_run_or_a_reward_model_is_no_teacher(tmp_path, tiny_model, teacher):
     from tunekit.runs import teacher as teachers
-    from tunekit.runs.layout import RunRecord
 
     for status, method, message in (("failed", "sft", "did not complete"), ("completed", "reward", "reward model")):
         run = tmp_path / status
@@ -230,7 +230,7 @@ def test_mixed_mode_draws_each_example_adds_the_sft_loss_keeps_the_best_and_merg
                                           {"mode": "mixed", "sft_weight": 0.5, "divergence": "reverse_kl",
                                            "top_k": 8}, max_steps=6, metric_for_best="eval_loss", eval_steps=3,
                                           save_steps=3)))
-    best = json.loads((out / "run.json").read_text())["best"]  # the best checkpoint by held-out divergence
+    best = RunRecord.load(out).best  # the best checkpoint by held-out divergence
     assert best["metric"] == "eval_loss" and best["step"] in (3, 6)
     trained = training_rows(out)
     shares = [r["distill/on_policy"] for r in trained]

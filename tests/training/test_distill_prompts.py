@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, history, refused_in_process, training_rows, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.data import precheck
+from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
 from tunekit.training.methods import distill
 
@@ -67,7 +68,7 @@ def test_on_policy_distillation_trains_from_prompt_records(tmp_path, tiny_model,
     assert recipe.distill.mode == "on_policy" and "prompt" in recipe.data.formats()
     runner.run(recipe)
     out = tmp_path / "run"
-    assert json.loads((out / "run.json").read_text())["status"] == "completed"
+    assert RunRecord.load(out).status == "completed"
     rows, trained = history(out), training_rows(out)
     assert [r["step"] for r in trained] == [1, 2, 3]
     assert all(r["distill/on_policy"] == 1.0 and r["distill/divergence"] > 0 for r in trained), trained

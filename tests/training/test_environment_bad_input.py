@@ -4,7 +4,6 @@ environment); one that raises only once training has started ends the run as fai
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 
@@ -14,6 +13,7 @@ from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config.methodsettings import GrpoSettings
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import episodes
+from tunekit.runs.layout import RunRecord
 
 ENVS = '''
 class Base:
@@ -171,5 +171,5 @@ def test_an_environment_failing_once_training_started_marks_the_run_failed(envs,
     expected = "grpo.environment: FailsLater() raised RuntimeError: the sandbox went away"
     assert code == 2 and errors == err[-1:] and expected in errors[0], err[-20:]
     assert not any("Traceback" in line for line in err), err[-20:]
-    run = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert run["status"] == "failed" and expected in run["error"], run
+    run = RunRecord.load(tmp_path / "run")
+    assert run.status == "failed" and expected in run.error, run

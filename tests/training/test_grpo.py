@@ -28,6 +28,7 @@ from tunekit.config.methodsettings import RewardSpec
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import evaluator, rewards
 from tunekit.models import loader
+from tunekit.runs.layout import RunRecord
 from tunekit.training import runner, sampling
 from tunekit.training.methods import rollouts
 
@@ -254,7 +255,7 @@ def test_a_failing_reward_stops_the_run_in_one_line(tmp_path, tiny_model):
     assert "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith(
         "tunekit: error: grpo.rewards[0] (broken): raised KeyError: 'no score for lions' on ")
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
+    assert RunRecord.load(tmp_path / "run").status == "failed"
 
 
 @pytest.mark.slow  # a training run
@@ -293,7 +294,7 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, sharding):
     raw = grpo_raw(tiny_model, tmp_path, tmp_path / "two", micro_batch_size=4, **(sharding or {}))
     res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
+    assert RunRecord.load(tmp_path / "two").world_size == 2
     one, two = (training_rows(d) for d in (single, tmp_path / "two"))
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two):
@@ -339,7 +340,7 @@ def test_grpo_continues_an_sft_run(tmp_path, tiny_model):
     start, end = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (tmp_path / "sft",
                                                                                         tmp_path / "grpo"))
     assert start.keys() == end.keys() and any(not torch.equal(start[k], end[k]) for k in start)
-    assert json.loads((tmp_path / "grpo" / "run.json").read_text())["adapter_from"]["training_method"] == "sft"
+    assert RunRecord.load(tmp_path / "grpo").adapter_from["training_method"] == "sft"
     kl = [r["kl"] for r in history(tmp_path / "grpo") if "kl" in r and "eval_loss" not in r]
     assert kl[0] == 0 < kl[1], kl
 

@@ -24,6 +24,7 @@ from conftest import (
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
 from tunekit.runs import history
+from tunekit.runs.layout import RunRecord
 from tunekit.training import runner, sampling
 from tunekit.training.methods import acting, rollouts
 from tunekit.training.trainers.rollouts import Rollouts
@@ -275,7 +276,7 @@ def test_two_processes_play_and_train_as_one_does(tmp_path, calling_model, monke
     res = launch(write_recipe(tmp_path / "two.yaml", acting_raw(calling_model, tmp_path, two, micro_batch_size=4)),
                  two, 2)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads((two / "run.json").read_text())["world_size"] == 2
+    assert RunRecord.load(two).world_size == 2
     one_steps, two_steps = training_rows(single), training_rows(two)
     assert [r["step"] for r in one_steps] == [r["step"] for r in two_steps] == [1, 2]
     assert all(r["tools/calls"] > 0 for r in one_steps), one_steps

@@ -3,8 +3,6 @@ found and its curve in run.json, training starting from a fresh model, the same 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -12,6 +10,7 @@ from safetensors.torch import load_file
 from conftest import cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import defaults, recipes
 from tunekit.reporting import report
+from tunekit.runs.layout import RunRecord
 from tunekit.training import arguments, lrfind, runner
 
 
@@ -48,8 +47,8 @@ def test_auto_finds_a_rate_records_its_curve_and_trains_from_a_fresh_model(tmp_p
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto", "max_steps": 6,
                                                                       "save_steps": 3})
     result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
-    info = json.loads((result.run_dir / "run.json").read_text())
-    found = info["learning_rate"]
+    info = RunRecord.load(result.run_dir)
+    found = info.learning_rate
     assert found["steps"] == len(found["curve"]) <= 16
     assert lrfind.LOW <= found["value"] <= lrfind.HIGH
     assert found["value"] == pytest.approx(lrfind.pick([p["lr"] for p in found["curve"]],
@@ -119,7 +118,7 @@ def test_auto_works_for_full_finetuning_and_qlora(tmp_path, tiny_model, settings
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto", "max_steps": 4},
                       **settings)
     result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
-    found = json.loads((result.run_dir / "run.json").read_text())["learning_rate"]
+    found = RunRecord.load(result.run_dir).learning_rate
     assert result.trainer.args.learning_rate == pytest.approx(found["value"])
     smoothed = [p["smoothed"] for p in found["curve"]]
     assert min(smoothed) < smoothed[0]  # the rising rate lowered the loss before the pick

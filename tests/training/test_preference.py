@@ -19,6 +19,7 @@ from tunekit.data.rendering import Renderer
 from tunekit.data.tokenizing import IGNORE, tokenize
 from tunekit.evaluation import evaluator
 from tunekit.models import loader
+from tunekit.runs.layout import RunRecord
 from tunekit.training import methods, runner
 from tunekit.training.methods import pairs as pairs_mod
 
@@ -91,8 +92,8 @@ def test_dpo_learns_the_preference_against_the_adapter_off_base(tmp_path, tiny_m
     assert evals[0]["eval_loss"] < 0.6931  # below log 2: the policy already separates the pair
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert evals[-1]["eval_rewards/accuracies"] == 1.0 and evals[-1]["eval_rewards/margins"] > 0
-    record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert record["training_method"] == "dpo" and record["data"]["train"]["examples"] == len(pairs())
+    record = RunRecord.load(tmp_path / "run")
+    assert record.training_method == "dpo" and record.data["train"]["examples"] == len(pairs())
     # the reference is the base: no reference adapter is held or saved, and the base weights did not move
     model = result.trainer.model
     assert list(model.peft_config) == ["default"]
@@ -173,7 +174,7 @@ def test_dpo_continues_an_sft_run_against_that_run_as_reference(tmp_path, tiny_m
     start, end = final_adapter(tmp_path / "sft"), final_adapter(tmp_path / "dpo")
     assert start.keys() == end.keys() and not (tmp_path / "dpo" / "adapter" / "ref").exists()
     assert any(not torch.equal(start[k], end[k]) for k in start)
-    record = json.loads((tmp_path / "dpo" / "run.json").read_text())["adapter_from"]
+    record = RunRecord.load(tmp_path / "dpo").adapter_from
     assert record["run"] == str((tmp_path / "sft").resolve()) and record["training_method"] == "sft"
     assert record["global_step"] == 6
     raw.update(output_dir=str(tmp_path / "other"), lora={**raw["lora"], "r": 4})
@@ -236,7 +237,7 @@ def test_orpo_learns_the_preference_without_a_reference(tmp_path, tiny_model):
     first, last = (evals := history(tmp_path / "run", "eval_loss"))[0], evals[-1]
     assert last["eval_loss"] < first["eval_loss"] and last["eval_nll_loss"] < first["eval_nll_loss"]
     assert last["eval_log_odds_ratio"] > first["eval_log_odds_ratio"] and last["eval_rewards/accuracies"] == 1.0
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["training_method"] == "orpo"
+    assert RunRecord.load(tmp_path / "run").training_method == "orpo"
     trainer = result.trainer
     assert list(trainer.model.peft_config) == ["default"] and not hasattr(trainer, "ref_model")
     base = load_file(str(tiny_model / "model.safetensors"))
@@ -279,8 +280,8 @@ def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_mo
     assert last["eval_rewards/chosen"] > 0 > last["eval_rewards/rejected"]
     assert list(result.trainer.model.peft_config) == ["default"]
     assert "eval_chrf" in last
-    record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert record["training_method"] == "kto" and record["data"]["train"]["examples"] == len(unpaired_rows())
+    record = RunRecord.load(tmp_path / "run")
+    assert record.training_method == "kto" and record.data["train"]["examples"] == len(unpaired_rows())
     records = read_records(str(data), "train", "data.train")
     rendered = evaluator.rendered_examples(recipe, loader.load_tokenizer(recipe.model), records, recipe.eval)
     assert [r.reference for r in rendered] == [row["completion"] for row in unpaired_rows() if row["label"]]
@@ -377,10 +378,10 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding)
     deepspeed = "deepspeed" in (sharding or {})
     assert ("deepspeed: " in res.stderr) == (tmp_path / "two" / "deepspeed.json").is_file() == deepspeed
     assert ("fsdp: FSDP2" in res.stderr) == ("fsdp" in (sharding or {}))
-    records = [json.loads((d / "run.json").read_text()) for d in (single, tmp_path / "two")]
-    assert records[1]["world_size"] == 2
+    records = [RunRecord.load(d) for d in (single, tmp_path / "two")]
+    assert records[1].world_size == 2
     if (sharding or {}).get("learning_rate") == "auto":  # the range test's losses too are those of one process
-        assert records[1]["learning_rate"]["value"] == pytest.approx(records[0]["learning_rate"]["value"], rel=1e-6)
+        assert records[1].learning_rate["value"] == pytest.approx(records[0].learning_rate["value"], rel=1e-6)
     losses = [logged(d, "loss") for d in (single, tmp_path / "two")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)
     one, two = final_adapter(single), final_adapter(tmp_path / "two")
@@ -413,7 +414,7 @@ def test_kto_and_orpo_find_their_learning_rate_by_the_range_test(tmp_path, tiny_
     raw = method_raw(method, tiny_model, tmp_path, tmp_path / "run", learning_rate="auto", max_steps=2,
                      lr_range_test_steps=8, eval_steps=None)
     result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
-    found = json.loads((result.run_dir / "run.json").read_text())["learning_rate"]
+    found = RunRecord.load(result.run_dir).learning_rate
     assert result.trainer.args.learning_rate == pytest.approx(found["value"])
     assert len(found["curve"]) == found["steps"] and found["curve"][0]["lr"] == pytest.approx(1e-5)
     assert all(math.isfinite(p["loss"]) and p["loss"] > 0 for p in found["curve"][:2])  # the method's own loss

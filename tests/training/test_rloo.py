@@ -4,8 +4,6 @@ untouched, run.json completed)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,6 +12,7 @@ from conftest import history, run_cli, tiny_recipe, training_rows, write_jsonl, 
 from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.models import loader
+from tunekit.runs.layout import RunRecord
 
 WORDS = ["catfish", "dogduck", "birddog", "fishbear", "lioncrab", "wolflion", "bearcat", "crabfish"]
 REWARD_MODULE = '''
@@ -110,7 +109,7 @@ def test_a_run_logs_each_reward_and_leaves_the_base_untouched(tmp_path, tiny_mod
     res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "run"
-    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    assert RunRecord.load(run_dir).status == "completed"
     assert "rewards: chrf x 1, vowels x 0.5" in res.stderr
     assert "reference: the base with the adapter switched off (no second copy)" in res.stderr
     rows, train = history(run_dir), training_rows(run_dir)

@@ -14,6 +14,7 @@ from tunekit.config import recipes
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
+from tunekit.runs.layout import RunRecord
 from tunekit.training import arguments, runner
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
@@ -114,10 +115,10 @@ def test_run_directory_contents_and_no_overwrite_without_force(tmp_path, tiny_mo
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "adapter" / "tokenizer.json").is_file()
     assert not list(run_dir.rglob("adapter/*.bin"))
-    info = json.loads((run_dir / "run.json").read_text())
-    assert info["status"] == "completed" and info["versions"]["transformers"]
-    assert info["command"][1:] == ["train", str(path)] and info["precision"]["name"] == "fp32"
-    assert info["data"]["eval"]["examples"] == 8 and info["eval_loss"] is not None
+    info = RunRecord.load(run_dir)
+    assert info.status == "completed" and info.versions["transformers"]
+    assert info.command[1:] == ["train", str(path)] and info.precision["name"] == "fp32"
+    assert info.data["eval"]["examples"] == 8 and info.eval_loss is not None
     assert recipes.load(run_dir / "recipe.yaml").training.max_steps == 4
     assert len(logged(run_dir, "loss")) >= 4
     assert (run_dir / "checkpoints" / "checkpoint-4").is_dir()
@@ -197,9 +198,9 @@ def test_flagship_recipe_settings_run_on_cpu_with_a_local_model(tmp_path, tiny_m
     res = run_cli("train", "recipes/llama_qlora.yaml", *[a for o in overrides for a in ("--set", o)])
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "run"
-    info = json.loads((run_dir / "run.json").read_text())
-    assert info["status"] == "completed" and info["precision"]["name"] == "bf16"
-    assert info["effective_batch"] == 16 and info["global_step"] == 3
+    info = RunRecord.load(run_dir)
+    assert info.status == "completed" and info.precision["name"] == "bf16"
+    assert info.effective_batch == 16 and info.global_step == 3
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
 
 

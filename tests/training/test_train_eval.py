@@ -10,6 +10,7 @@ import pytest
 from conftest import history, launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
 from tunekit.evaluation import evaluator
+from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
 
 SCORES = ("bleu", "chrf", "rouge1", "rougeL", "exact_match")
@@ -23,8 +24,8 @@ def assert_last_eval_equals_end_of_training_eval(run_dir):
     assert last["eval_chrf"] > 0  # real text was generated and scored
     for key in SCORES:
         assert last[f"eval_{key}"] == pytest.approx(final[key], abs=1e-9), key
-    record = json.loads((run_dir / "run.json").read_text())
-    assert record["eval_scores"]["chrf"] == last["eval_chrf"]
+    record = RunRecord.load(run_dir)
+    assert record.eval_scores["chrf"] == last["eval_chrf"]
 
 
 @pytest.mark.slow  # seconds: make test-fast leaves it out

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import NEEDS_SMOLLM2, ROOT, colour_rows, logged, run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipes
+from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
 
 
@@ -58,7 +59,7 @@ def test_lora_on_image_records_learns_and_freezes_what_the_recipe_says(tmp_path,
     assert frozen == "the vision tower (vision_tower)" if projector else \
         frozen == "the projector (multi_modal_projector), the vision tower (vision_tower)"
     assert "packing: off for a vision-language model" in said and "batches: padded" in said
-    assert json.loads((result.run_dir / "run.json").read_text())["data"]["packed"] is False
+    assert RunRecord.load(result.run_dir).data["packed"] is False
 
 
 def test_held_out_images_are_answered_and_the_merge_reads_them_as_the_adapter_did(tmp_path, tiny_vision_model):
