@@ -1,12 +1,8 @@
 """`tunekit push TARGET --repo OWNER/NAME`: a run's LoRA adapter, its merged weights or a GGUF file, with a model
 card (export.card) and the training curves (runs.curves), to the Hugging Face Hub as ONE commit, so that the
-repo holds the whole upload or none of it.
-
-In this order: what can be told here (the target is a finished run, merged directory or GGUF file; --what
-matches what it holds; the repo id; a token; the baseline) before any network call and before any weight
-loads; then the Hub (the token is valid and may write; the repo exists only with --force) before anything is
-merged; then the files (a LoRA run's merge for --what merged, as `tunekit export --format safetensors` merges),
-and the one commit. Each way it fails is one line (TunekitError) naming what is wrong and what to do."""
+repo holds the whole upload or none of it. Everything that can be checked here is checked before any network
+call, and the Hub before anything is merged; each failure is one line (TunekitError). The order of the checks:
+docs/merge-export.md, "The Hub"."""
 
 from __future__ import annotations
 
