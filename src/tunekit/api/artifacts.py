@@ -88,7 +88,9 @@ def push(target: str | os.PathLike, repo: str, what: str | None = None, private:
     for the card's before/after table. The token comes from HF_TOKEN or `huggingface-cli login`."""
     arguments.path("target", target)
     arguments.text("repo", repo)
-    arguments.choice("what", what, ("adapter", "merged", "gguf"), optional=True)
+    from tunekit.export.writers import WHATS
+
+    arguments.choice("what", what, WHATS, optional=True)
     arguments.flag("private", private)
     arguments.text("revision", revision, optional=True)
     arguments.flag("force", force)

@@ -275,7 +275,9 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 def _push_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="run directory, merged directory (tunekit merge) or .gguf file (tunekit export)")
     p.add_argument("--repo", required=True, metavar="OWNER/NAME", help="the Hugging Face Hub model repo to push to")
-    p.add_argument("--what", choices=["adapter", "merged", "gguf"],
+    from tunekit.export.writers import WHATS
+
+    p.add_argument("--what", choices=WHATS,
                    help="adapter: a LoRA/QLoRA run's adapter; merged: the merged weights (a LoRA run is merged first, "
                         "as tunekit merge does); gguf: the GGUF file tunekit export wrote and its Modelfile (default: "
                         "adapter for a LoRA/QLoRA run, merged for a full fine-tuning run or merged directory, gguf for "

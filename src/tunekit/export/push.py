@@ -17,6 +17,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
 from tunekit.evaluation.table import baseline_scores
 from tunekit.export import card as cards
+from tunekit.export.writers import WHATS
 from tunekit.models.hubclient import Hub, check_repo_id, token
 from tunekit.runs import curves, history
 from tunekit.runs.layout import (
@@ -33,7 +34,6 @@ from tunekit.runs.layout import (
 
 log = logging.getLogger("tunekit")
 
-WHATS = ("adapter", "merged", "gguf")
 PICKLES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
 # a merged directory's files that stay here: tunekit's marker (local paths), the recipe (in the card), its card
 KEPT_HERE = {MERGED_MARKER, RECIPE_FILE, "README.md"}

@@ -200,6 +200,7 @@ def model_card(source: Source, model_dir: Path, dtype: str) -> str:
 
 
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (Gguf(), Safetensors())}
+WHATS = ("adapter", "merged", "gguf")  # what `tunekit push --what` uploads (export.push)
 
 
 def register(fmt: ExportFormat) -> ExportFormat:
