@@ -360,3 +360,23 @@ def refused_in_process(argv: list[str], where: Path, capsys, monkeypatch) -> str
     assert re.match(r"tunekit( \w+)?: error: ", err[0]), err
     assert sorted(p.name for p in where.iterdir()) == before, "wrote something"
     return err[0]
+
+
+def split_markdown(text: str) -> tuple[str, list[tuple[str, int, str]]]:
+    """Prose (fenced blocks blanked out, line numbers kept) and the fenced blocks as (language, line, body)."""
+    prose, blocks, fence = [], [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        marker = re.match(r"^\s*(```+|~~~+)\s*([\w-]*)", line)
+        if fence is None and marker:
+            fence, lang, start, body = marker.group(1), marker.group(2).lower(), number, []
+            prose.append("")
+        elif fence is not None and line.strip().startswith(fence):
+            blocks.append((lang, start, "\n".join(body)))
+            fence = None
+            prose.append("")
+        elif fence is not None:
+            body.append(line)
+            prose.append("")
+        else:
+            prose.append(line)
+    return "\n".join(prose), blocks

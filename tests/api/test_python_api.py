@@ -25,7 +25,7 @@ OUT_LINE = 'OUT = "runs/python-api"'
 
 
 def python_blocks(text: str) -> list[str]:
-    from test_docs import split_markdown
+    from conftest import split_markdown
 
     return [body for lang, _, body in split_markdown(text)[1] if lang in ("python", "py")]
 

@@ -26,6 +26,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from conftest import split_markdown
 from tunekit.cli import main  # the parser (main.build_parser)
 from tunekit.config import (
     recipes,  # recipes (recipes.load, .from_dict, .Recipe)
@@ -49,26 +50,6 @@ def _load_generator():
 
 
 # ---------------------------------------------------------------- reading markdown
-
-
-def split_markdown(text: str) -> tuple[str, list[tuple[str, int, str]]]:
-    """Prose (fenced blocks blanked out, line numbers kept) and the fenced blocks as (language, line, body)."""
-    prose, blocks, fence = [], [], None
-    for number, line in enumerate(text.splitlines(), 1):
-        marker = re.match(r"^\s*(```+|~~~+)\s*([\w-]*)", line)
-        if fence is None and marker:
-            fence, lang, start, body = marker.group(1), marker.group(2).lower(), number, []
-            prose.append("")
-        elif fence is not None and line.strip().startswith(fence):
-            blocks.append((lang, start, "\n".join(body)))
-            fence = None
-            prose.append("")
-        elif fence is not None:
-            body.append(line)
-            prose.append("")
-        else:
-            prose.append(line)
-    return "\n".join(prose), blocks
 
 
 def code_spans(prose: str) -> list[tuple[int, str]]:
