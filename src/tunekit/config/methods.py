@@ -103,8 +103,8 @@ def declare(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
-def of(recipe) -> MethodSpec:
-    """The recipe's training method, as declared."""
+def spec_of(recipe) -> MethodSpec:
+    """The recipe's training method, as declared (its implementation: tunekit.training.methods.of)."""
     return DECLARED[recipe.training.method]
 
 

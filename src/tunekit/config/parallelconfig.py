@@ -19,7 +19,7 @@ def check_recipe(recipe) -> None:
     p, t = recipe.training.parallelism, recipe.training
     if p is None:
         return
-    method = methods.of(recipe)
+    method = methods.spec_of(recipe)
     if not method.splits_work:
         raise ValueError(f"{KEY} applies to training.method sft, whose loss follows the sequence shards and the "
                          f"split layers; training.method: {method.name} trains with TRL's trainer: remove it")

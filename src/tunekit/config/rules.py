@@ -35,7 +35,7 @@ def starting_adapter(recipe) -> None:
 
 def data_formats(recipe) -> None:
     """Every data source's format is one the method trains on."""
-    method = methods.of(recipe)
+    method = methods.spec_of(recipe)
     wrong = [f for f in recipe.data.formats() if not method.trains_on(f)]
     if wrong:
         raise ValueError(f"training.method: {method.name} trains on {method.data_description}; set data.format "
@@ -43,7 +43,7 @@ def data_formats(recipe) -> None:
 
 
 def learning_rate(recipe) -> None:
-    method = methods.of(recipe)
+    method = methods.spec_of(recipe)
     if recipe.training.learning_rate == "auto" and not method.loss_tracks_learning:
         raise ValueError(f"training.learning_rate: auto runs a range test on the training loss, which "
                          f"training.method: {method.name} does not lower as it learns; set a rate, e.g. 1e-5")
@@ -52,7 +52,7 @@ def learning_rate(recipe) -> None:
 def settings_apply(recipe) -> None:
     """A setting the method's trainer would not use is refused, not ignored (training.chunked_loss, on by
     default and written into every run's recipe.yaml, is documented as SFT's instead)."""
-    method, t, d = methods.of(recipe), recipe.training, recipe.data
+    method, t, d = methods.spec_of(recipe), recipe.training, recipe.data
     unused = [
         (t.group_by_length and not method.groups_by_length, "training.group_by_length", "samples in its own order"),
         (d.packing is True and not method.packs, "data.packing: true", "pads its batches"),
@@ -65,7 +65,7 @@ def settings_apply(recipe) -> None:
 
 def reference(recipe) -> None:
     """The reference is the base model, which a lora.init other than default rewrites."""
-    method, lora = methods.of(recipe), recipe.lora
+    method, lora = methods.spec_of(recipe), recipe.lora
     if not method.has_reference or lora is None or lora.init == "default":
         return
     switch = method.reference_switch
@@ -157,7 +157,7 @@ def best_metric_is_logged(recipe) -> None:
     if name is None:
         return
     key = name.removeprefix("eval_")
-    method = methods.of(recipe)
+    method = methods.spec_of(recipe)
     if method.eval_measures:
         if key not in ("loss", *method.eval_measures):
             raise ValueError(f"training.metric_for_best: {name} is not logged at evaluations of training.method: "
@@ -186,7 +186,7 @@ def eval_metrics(recipe) -> None:
     """eval.metrics and eval.extra_metrics score generated text (the loss reads a language-model head); a method
     with a score head generates nothing and has no such head, so naming them is refused. The default list, which
     every run's recipe.yaml writes, is left: nothing reads it there."""
-    method, e = methods.of(recipe), recipe.eval
+    method, e = methods.spec_of(recipe), recipe.eval
     if e is None or not method.score_head:
         return
     named = [("eval.metrics", e.metrics)] if e.metrics and e.metrics != metrickinds.defaults() else []
@@ -241,7 +241,7 @@ def attention(recipe) -> None:
         return
     p = recipe.training.parallelism
     why = ("data.packing is false" if recipe.data.packing is False else
-           f"training.method: {recipe.training.method} pads its batches" if not methods.of(recipe).packs else
+           f"training.method: {recipe.training.method} pads its batches" if not methods.spec_of(recipe).packs else
            "training.parallelism sp/cp pads its batches" if p is not None and p.sp * p.cp > 1 else None)
     if why:
         raise ValueError(f"model.attn_implementation: varlen reads the boundaries of packed batches, and {why}; set "

@@ -498,7 +498,7 @@ class RecipeBase(Section):
     def _rules(self) -> "Recipe":
         """The training method's section takes its defaults when left out; then the rules across sections
         (config.rules), in their order."""
-        method = methods.of(self)
+        method = methods.spec_of(self)
         if method.section is not None and getattr(self, method.section) is None:
             object.__setattr__(self, method.section, method.settings())  # the recipe is frozen
         rules.run(self)

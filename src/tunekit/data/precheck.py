@@ -85,7 +85,7 @@ def _reference_check(recipe: Recipe):
 def _pairs_check(recipe: Recipe):
     """For a method that learns only from the difference between a pair's answers (a reward model): a check that
     they differ (as rendered tokens they are checked again when the data is prepared)."""
-    method = methods.of(recipe)
+    method = methods.spec_of(recipe)
     if not method.learns_from_difference:
         return None
 
@@ -111,7 +111,7 @@ def _images_check(recipe: Recipe, model: str):
                                                      local=Path(recipe.output_dir).parts[:1])
         if told["reads"] is False:
             images.refuse_text_only(parsed.images, recipe.model.name_or_path)
-        if not methods.of(recipe).images:
+        if not methods.spec_of(recipe).images:
             able = ", ".join(m.name for m in methods.DECLARED.values() if m.images)
             raise TunekitError(f"{parsed.images[0].where}: the record has images, and training.method: "
                                f"{recipe.training.method} trains on text only; images train with method {able}")

@@ -52,7 +52,7 @@ def refuse_score_head(target: Target) -> None:
     generate. Said from its recipe, before anything loads, with what it is for and what to chat with instead."""
     from tunekit.config import methods
 
-    if target.kind == "base" or not methods.of(target.recipe).score_head:
+    if target.kind == "base" or not methods.spec_of(target.recipe).score_head:
         return
     spec, method = target.spec, target.recipe.training.method
     run = spec if target.kind == "run" else "RUN (the run it was merged from)"

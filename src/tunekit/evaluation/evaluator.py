@@ -294,7 +294,7 @@ def _evaluate(target: Target, cfg: EvalConfig, data: str | None, out: Path, dtyp
     torch_dtype = eval_dtype(dtype)
     tokenizer = loader.load_tokenizer(target.recipe.model, target.tokenizer_dir)
     model = load_trained(target, torch_dtype)
-    scored = methods.of(target.recipe).score_head  # a reward model: its held-out pairs scored, nothing generated
+    scored = methods.spec_of(target.recipe).score_head  # a reward model: its held-out pairs scored, nothing generated
     log.info("eval %s: %d examples, batch %d, %s, %s", target.label, min(len(records), cfg.limit or len(records)),
              cfg.batch_size, "each pair scored" if scored else f"greedy, max {cfg.max_new_tokens} new tokens",
              torch_dtype)

@@ -92,7 +92,7 @@ def method_measures(model, tokenizer, recipe, records: list, limit: int | None, 
     """The measures `tunekit eval` adds for the recipe's training method: on preference pairs, the pair
     measures, with the implicit rewards where the method declares them (its section's beta, else TRL's
     default); none on other data."""
-    method = methods.of(recipe)
+    method = methods.spec_of(recipe)
     if recipe.data.format not in PAIR_FORMATS:
         return {}
     beta = getattr(method.settings_of(recipe), "beta", DEFAULT_BETA) if method.implicit_reward else None

@@ -164,7 +164,7 @@ def _merge(run_dir: Path, record: RunRecord, adapter_dir: Path, out: Path, dtype
 
     tokenizer = loader.load_tokenizer(recipe.model, adapter_dir)
     image_tokens = imagetokens.of(recipe.model)  # a vision-language model's processor, saved with the merge
-    if methods.of(recipe).score_head:  # a reward model: one score per sequence, not logits per token
+    if methods.spec_of(recipe).score_head:  # a reward model: one score per sequence, not logits per token
         sequences = parity_pairs(recipe, tokenizer)
 
         def measure(model):

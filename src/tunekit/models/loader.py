@@ -132,7 +132,7 @@ def lora_config(recipe: Recipe) -> PeftLoraConfig | None:
         use_rslora=lc.use_rslora,
         init_lora_weights=INIT[lc.init],
         # a score head (a reward model): peft trains a full copy of it beside the adapter and saves it with it
-        task_type="SEQ_CLS" if methods.of(recipe).score_head else "CAUSAL_LM",
+        task_type="SEQ_CLS" if methods.spec_of(recipe).score_head else "CAUSAL_LM",
     )
 
 
@@ -294,7 +294,8 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     p = recipe.training.parallelism
     split = parallelconfig.load_arguments(parallelconfig.layout(p, distributed.current().world_size) if p else None,
                                           recipe.model.attn_implementation)
-    model = load_base(recipe.model, weights, quant, device_map, score_head=methods.of(recipe).score_head, split=split)
+    model = load_base(recipe.model, weights, quant, device_map, score_head=methods.spec_of(recipe).score_head,
+                      split=split)
     model.config.use_cache = False
     if quant is not None:
         model = prepare_quantized(model, precision.dtype, recipe.training.gradient_checkpointing)

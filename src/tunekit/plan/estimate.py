@@ -116,7 +116,7 @@ def meta_model(recipe: Recipe, cfg=None):
         cfg = model_config(recipe.model, shipped=True)
     images = getattr(cfg, "vision_config", None) is not None
     auto, built = AutoModelForImageTextToText if images else AutoModelForCausalLM, cfg
-    if methods.of(recipe).score_head:
+    if methods.spec_of(recipe).score_head:
         auto, built = AutoModelForSequenceClassification, copy.deepcopy(cfg)
         built.num_labels = 1
     with torch.device("meta"):
@@ -261,7 +261,7 @@ def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
     The head's width follows the method: the vocabulary for a language-model head, 1 for a score head (a reward
     model: one number per position, the last real one's read; its loss is on those scores alone)."""
     h = cfg.hidden_size
-    vocab = 1 if methods.of(recipe).score_head else cfg.vocab_size  # the head's outputs per position
+    vocab = 1 if methods.spec_of(recipe).score_head else cfg.vocab_size  # the head's outputs per position
     tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)
     elem = 4 if s.precision == "fp32" else 2
     # below fp32, a head stored in fp32 (full fine-tuning's master weights) is cast for the matmul; FSDP2 and
@@ -403,7 +403,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     from tunekit.models.losspath import unsupported_reason
 
     # the method's trainer may take log-probabilities from the full logits (TRL's): the stock path
-    chunked = (recipe.training.chunked_loss and methods.of(recipe).chunked_loss
+    chunked = (recipe.training.chunked_loss and methods.spec_of(recipe).chunked_loss
                and unsupported_reason(model) is None)
     act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
     parts[act_key] = kept
@@ -495,7 +495,7 @@ def short_path(path: str) -> str:
 
 def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) -> Settings:
     t = recipe.training
-    method = methods.of(recipe)
+    method = methods.spec_of(recipe)
     ds = dsconfig.read(t.deepspeed) if t.deepspeed else {}
     zero = ds.get("zero_optimization") or {}
     shape = {"seq_len": recipe.data.max_length, **method.plan_settings(recipe)}

@@ -129,7 +129,7 @@ def estimate(cfg, model, s, recipe, c, per_token_layer: float, optimizer_state: 
     matmul = flops / (s.peak_tflops * 1e12 * s.utilization)
     if not s.memory_bandwidth:
         return StepTime(flops, 0.0, matmul, 0.0, host_work(cfg, model, s, recipe), gpu_fit.FIT["basis"])
-    width = 1 if methods.of(recipe).score_head else cfg.vocab_size
+    width = 1 if methods.spec_of(recipe).score_head else cfg.vocab_size
     moved = elementwise_bytes(cfg, s, c, per_token_layer, optimizer_state, width)
     return StepTime(flops, moved, matmul, moved / s.memory_bandwidth)
 

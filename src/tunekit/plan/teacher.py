@@ -27,7 +27,7 @@ class TeacherSize:
 
 def of(recipe) -> TeacherSize | None:
     """The recipe's teacher counted on the meta device (no weights read), or None when nothing distills."""
-    settings = methods.of(recipe).settings_of(recipe)
+    settings = methods.spec_of(recipe).settings_of(recipe)
     if not isinstance(settings, DistillSettings) or not settings.teacher:
         return None
     from transformers import AutoModelForCausalLM

@@ -98,8 +98,8 @@ def build(recipe, tokenizer, tokenize=tokenize_pair, shuffle: bool = False, what
     from tunekit.data import mixture
 
     cfg = recipe.data
-    if methods.of(recipe).learns_from_difference:
-        tokenize = distinct(tokenize, methods.of(recipe))
+    if methods.spec_of(recipe).learns_from_difference:
+        tokenize = distinct(tokenize, methods.spec_of(recipe))
     renderer = mixture.Renderers(cfg, tokenizer)
     records, held, facts, report = split_records(recipe)
     train, train_stats = build_pairs(records, renderer, tokenizer, cfg.max_length, tokenize)
