@@ -13,8 +13,8 @@ import pytest
 
 from conftest import write_jsonl
 from tunekit.config.schema import DataConfig
-from tunekit.data import arrow, chat
-from tunekit.data.chat import DEFAULTS
+from tunekit.data import arrow, chattemplate
+from tunekit.data.chattemplate import DEFAULTS
 from tunekit.data.formats import Record
 from tunekit.data.rendering import Renderer
 from tunekit.data.tokenizing import IGNORE, tokenize
@@ -118,7 +118,7 @@ def test_template_rewriting_earlier_turns_splits_in_preparation(tiny_tokenizer, 
     """Qwen3 writes an empty think block on a conversation's last assistant message only, so the call turn
     rendered for generation is not a prefix of the whole conversation: two examples, each turn as generated."""
     monkeypatch.setenv("TUNEKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(chat, "_SAID", set())  # said once per process: this test's process may have said it
+    monkeypatch.setattr(chattemplate, "_SAID", set())  # said once per process: this test's process may have said it
     tok = qwen3_tokenizer(tiny_tokenizer)
     record = Record(conversation(), "t line 1")
     r = renderer(tok)

@@ -14,7 +14,7 @@ import pytest
 
 import chat_templates as ct
 from tunekit.config.schema import DataConfig
-from tunekit.data.chat import DEFAULTS
+from tunekit.data.chattemplate import DEFAULTS
 from tunekit.data.formats import Record
 
 FAMILIES = ["llama3_1", "llama3_2", "qwen2_5", "qwen3", "mistral", "gemma", "gemma3", "smollm2"]

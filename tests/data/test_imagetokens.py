@@ -111,7 +111,7 @@ def test_tunekit_data_shows_each_image_as_a_placeholder_with_its_token_count(tmp
 def test_a_template_that_reads_only_content_parts_gets_text_and_image_parts(tiny_tokenizer, template):
     """TRL's copies of these templates iterate content parts: a string content renders as nothing (or raises), so
     the chat renderer gives each text as a text part and each image marker as an image part."""
-    from tunekit.data.chat import Chat, as_parts
+    from tunekit.data.chattemplate import Chat, as_parts
 
     assert as_parts("a<image>b<image>", "<image>") == [{"type": "text", "text": "a"}, {"type": "image"},
                                                        {"type": "text", "text": "b"}, {"type": "image"}]

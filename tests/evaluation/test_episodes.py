@@ -11,7 +11,7 @@ import pytest
 
 from tunekit.config.methodsettings import GrpoSettings
 from tunekit.core.errors import TunekitError
-from tunekit.data.chat import Chat
+from tunekit.data.chattemplate import Chat
 from tunekit.evaluation import episodes, rewards
 from tunekit.evaluation.rewards import Sample
 

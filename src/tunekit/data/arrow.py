@@ -20,7 +20,7 @@ from tunekit.config.schema import DataConfig
 from tunekit.core import console
 from tunekit.core.errors import TunekitError
 from tunekit.core.outputs import cache_root
-from tunekit.data import chat, imagetokens, mixture, split
+from tunekit.data import chattemplate, imagetokens, mixture, split
 from tunekit.data.rendering import Rendered
 from tunekit.data.tokenizing import DataStats, tokenize_batch, trained_count
 
@@ -252,7 +252,7 @@ def _load(directory: Path, cfg: DataConfig, renderer: mixture.Renderers) -> Data
         log.info(mixture.line(summary["split"]["mix"]))
     log.info(summary["contamination"]["line"])
     log.info(train_stats.line("train", cfg.max_length))
-    chat.say(train_stats.notes)
+    chattemplate.say(train_stats.notes)
     if eval_stats:
         log.info(eval_stats.line("eval", cfg.max_length))
     return DataBundle(train, evaluation, train_stats, eval_stats, eval_rendered, renderer.template, summary["split"],

@@ -1,5 +1,5 @@
 """Rendering records: a record, parsed under its data format, as text plus the character spans that are
-trained, through the chat template (data.chat), the Alpaca prompt or the bare text."""
+trained, through the chat template (data.chattemplate), the Alpaca prompt or the bare text."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import images
-from tunekit.data.chat import Chat
+from tunekit.data.chattemplate import Chat
 from tunekit.data.formats import FORMATS, Record
 
 

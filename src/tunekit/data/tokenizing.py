@@ -26,7 +26,7 @@ class DataStats:
     dropped_no_target: int = 0
     tokens: int = 0
     trained_tokens: int = 0
-    notes: list[str] = field(default_factory=list)  # default renderings the chat template needed (data.chat)
+    notes: list[str] = field(default_factory=list)  # default renderings the chat template needed (data.chattemplate)
 
     def line(self, name: str, max_length: int) -> str:
         return (

@@ -240,7 +240,7 @@ def _text(value) -> str:
 class Continuation:
     """The text the chat template writes between a model turn that called tools and the next model turn: the
     rest of the assistant turn after its end-of-sequence token, the results as tool messages, the generation
-    prompt. Found by rendering a conversation with and without the results (data.chat.Chat)."""
+    prompt. Found by rendering a conversation with and without the results (data.chattemplate.Chat)."""
 
     def __init__(self, chat, tokenizer):
         self.chat, self.tok = chat, tokenizer

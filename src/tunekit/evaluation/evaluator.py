@@ -16,7 +16,7 @@ from tunekit.config.schema import EvalConfig, Recipe
 from tunekit.core import console, distributed, outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES
-from tunekit.data import chat, imagetokens, mixture, split
+from tunekit.data import chattemplate, imagetokens, mixture, split
 from tunekit.data.collating import collator, features
 from tunekit.data.formats import Record
 from tunekit.data.reading import read_records
@@ -147,7 +147,7 @@ def rendered_examples(recipe: Recipe, tokenizer, records: list[Record], cfg: Eva
     renderer = mixture.Renderers(recipe.data, tokenizer, image_tokens=imagetokens.of(recipe.model))
     # unpaired preference data: only the completions labelled desirable are references
     rendered = [x for x in map(renderer.render, records) if x.desirable is not False]
-    chat.say(renderer.notes)
+    chattemplate.say(renderer.notes)
     if cfg.limit:
         rendered = rendered[: cfg.limit]
     if any(r.prompt is None for r in rendered):
@@ -176,7 +176,7 @@ def episode_scores(model, tokenizer, recipe: Recipe, records: list[Record], cfg:
     renderer = mixture.Renderers(recipe.data, tokenizer, tools=kit.schemas())
     played = [kit.start(r.values, r.where) for r in records[: cfg.limit or None]]
     rendered = [renderer.render(r, e.observation) for r, e in zip(records, played)]
-    chat.say(renderer.notes)
+    chattemplate.say(renderer.notes)
     prompt_ids = [tokenizer(r.prompt, add_special_tokens=r.add_special_tokens)["input_ids"] for r in rendered]
     budget = methods.sampled(recipe)[1].max_completion_length
     model.eval()
