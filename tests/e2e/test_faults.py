@@ -37,7 +37,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.models import loader
 from tunekit.runs import checkpoints
 from tunekit.runs.layout import RunRecord
-from tunekit.training import preflight, runner
+from tunekit.training import diskspace, runner
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or evaluates a model
 
@@ -334,15 +334,15 @@ def test_preflight_warns_when_disk_looks_too_small(tmp_path, tiny_model, monkeyp
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(4))
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, tmp_path / "run")),
                           ["adapter=none", "lora=null"])
-    monkeypatch.setattr(preflight.shutil, "disk_usage",
+    monkeypatch.setattr(diskspace.shutil, "disk_usage",
                         lambda p: shutil_usage(total=10**6, used=10**6 - 1000, free=1000))
     with caplog.at_level(logging.WARNING, logger="tunekit"):
-        preflight.warn_if_disk_short(recipe, tmp_path / "run")
+        diskspace.warn_if_disk_short(recipe, tmp_path / "run")
     assert "free disk" in caplog.text and "lower training.save_total_limit" in caplog.text
     caplog.clear()
-    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: shutil_usage(total=10**12, used=0, free=10**12))
+    monkeypatch.setattr(diskspace.shutil, "disk_usage", lambda p: shutil_usage(total=10**12, used=0, free=10**12))
     with caplog.at_level(logging.WARNING, logger="tunekit"):
-        preflight.warn_if_disk_short(recipe, tmp_path / "run")
+        diskspace.warn_if_disk_short(recipe, tmp_path / "run")
     assert "free disk" not in caplog.text
 
 

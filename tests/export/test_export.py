@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.export import check, exporting
+from tunekit.export import exporting, readback
 from tunekit.export import gguf as gguf_writer
 
 
@@ -47,7 +47,7 @@ def test_base_model_exports_and_reads_back_with_its_logits_and_token_ids(tmp_pat
     with torch.no_grad():
         torch.testing.assert_close(back(**ids).logits, source(**ids).logits, atol=2e-3, rtol=0)
     back_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
-    for text in check.TOKENIZER_PROBES:
+    for text in readback.TOKENIZER_PROBES:
         assert back_tok(text)["input_ids"] == tok(text)["input_ids"]
     modelfile = (tmp_path / "tiny.Modelfile").read_text()
     assert modelfile.startswith("FROM ./tiny.gguf\n") and 'PARAMETER stop "<|im_end|>"' in modelfile
@@ -78,7 +78,7 @@ def test_a_sentencepiece_vocabulary_exports_as_llama_cpp_reads_llama_2(tmp_path)
     assert tokens[3:259] == [f"<0x{b:02X}>" for b in range(256)] and set(types[3:259]) == {6}  # BYTE
     assert len(set(meta["tokenizer.ggml.scores"])) == len(tokens)  # a strict order, no ties
     back = AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
-    texts = CORPUS + check.TOKENIZER_PROBES
+    texts = CORPUS + readback.TOKENIZER_PROBES
     assert [back(t)["input_ids"] for t in texts] == [tok(t)["input_ids"] for t in texts]
 
     # without the scores' order (as llama.cpp's LlamaHfVocab writes: -1000 for all) the check refuses the file

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import in_full
-from tunekit.export import check, gguf
+from tunekit.export import gguf, readback
 from tunekit.export.source import Facts
 from tunekit.models.families import FAMILIES, build_family_model
 
@@ -70,7 +70,7 @@ def test_each_family_exports_and_reads_back_with_its_logits_token_ids_and_chat_t
         expected = model.model.layers[0].input_layernorm.weight.detach().numpy() + 1
         assert abs(stored - expected).max() < 1e-6
 
-    result = check.check(model, tok, out, check.prompts(None, tok))
+    result = readback.check(model, tok, out, readback.prompts(None, tok))
     assert result.parity.top1_agreement == 1.0 and result.parity.max_abs_diff < 1e-4, result.line()
     assert result.token_mismatches == [], result.token_mismatches
     assert result.passes(gguf.QUANTS["f32"])

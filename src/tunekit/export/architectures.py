@@ -4,7 +4,7 @@ conversion/ modules: llama.py, qwen.py, gemma.py, phi.py) does differently for t
 architecture name, q/k rows reordered for llama.cpp's rotary layout, norm weights stored shifted by one
 (Gemma's RMSNorm scales by 1 + w), and the settings only that family has (soft-capping, sliding window,
 partial rotary). What every family shares (sizes, heads, norm epsilon, RoPE base and scaling) is written by
-`common_settings`. transformers' GGUF reader undoes each of these on read-back, which the export check
+`common_settings`. transformers' GGUF reader undoes each of these on read-back, which the export's read-back check
 relies on. Adding a family is one entry here plus its tiny-model test."""
 
 from __future__ import annotations

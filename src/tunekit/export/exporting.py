@@ -1,7 +1,7 @@
 """`tunekit export TARGET --format FORMAT`: a run directory (merged first, exactly as `tunekit merge` merges,
 parity check included), a merged directory or a base model, written in one of the registered formats
 (export.writers.FORMATS): `gguf`, one GGUF file for llama.cpp, Ollama and LM Studio checked against the
-model it came from before it is kept (export.gguf, export.check, export.modelfile); `safetensors`, a directory
+model it came from before it is kept (export.gguf, export.readback, export.modelfile); `safetensors`, a directory
 AutoModelForCausalLM.from_pretrained loads. The options a format does not take are refused before any
 weight loads."""
 

@@ -3,7 +3,7 @@
 (convert_hf_to_gguf.py) adds per family comes from the registry in export.architectures (q/k row order, norm
 shifts, the family's settings); the vocabulary is written with token types, and a byte-level BPE's
 pre-tokenizer is named by the hash of a reference tokenization. Each quantization type carries the
-tolerance its read-back check (export.check) holds it to."""
+tolerance its read-back check (export.readback) holds it to."""
 
 from __future__ import annotations
 

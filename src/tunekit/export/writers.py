@@ -98,14 +98,13 @@ class Gguf(ExportFormat):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tunekit.export import check as export_check
-        from tunekit.export import gguf
+        from tunekit.export import gguf, readback
         from tunekit.export.modelfile import modelfile
 
         quant = gguf.QUANTS[quant_name]
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        batch = export_check.prompts(source.recipe, tokenizer)
+        batch = readback.prompts(source.recipe, tokenizer)
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.partial-", suffix=".gguf", dir=out.parent)
         os.close(fd)
@@ -113,7 +112,7 @@ class Gguf(ExportFormat):
         try:
             log.info("writing %s (%s) from %s", out.name, quant_name, model_dir)
             gguf.write_gguf(model, tokenizer, tmp, quant, source.facts)
-            result = export_check.check(model, tokenizer, tmp, batch)
+            result = readback.check(model, tokenizer, tmp, batch)
             log.info(result.line())
             if not result.passes(quant):
                 raise TunekitError(

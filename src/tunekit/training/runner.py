@@ -39,10 +39,10 @@ from tunekit.runs.layout import (
 from tunekit.training import (
     arguments,
     checkpointing,
+    diskspace,
     losshistory,
     methods,
     nonfinite,
-    preflight,
     progress,
     runrecord,
     trackers,
@@ -154,7 +154,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if launch.is_main and resume_from is None:
         # before the process group: the estimate builds the model from its config, which under a ZeRO-3
         # config would be a collective that only this process joins
-        preflight.warn_if_disk_short(recipe, run_dir)
+        diskspace.warn_if_disk_short(recipe, run_dir)
 
     distributed.check_launcher(fsdp=recipe.training.fsdp is not None)
     process_group = distributed.prepare(deepspeed=ds is not None, fsdp=recipe.training.fsdp is not None)
