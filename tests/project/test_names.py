@@ -1,5 +1,6 @@
 """Every `tunekit.*` name quoted in docs/, README.md and the package's docstrings resolves: a module, or an
-attribute of one. A name that moved or went away leaves no stale reference behind."""
+attribute of one; so does every name written from a package down (`data.chattemplate`, `plan.report.text`) that is
+not a recipe key (`data.format`) or a file name. A name that moved or went away leaves no stale reference behind."""
 
 from __future__ import annotations
 
@@ -75,3 +76,45 @@ def test_every_quoted_tunekit_name_resolves():
 @pytest.mark.parametrize("name", ["tunekit.data.no_such_module", "tunekit.core.errors.NoSuchError"])
 def test_a_stale_name_is_caught(name):
     assert not resolves(name)
+
+
+PACKAGES = "core|config|models|data|runs|evaluation|plan|training|export|reporting|api|cli"
+BARE = re.compile(rf"(?<![\w./`-])((?:{PACKAGES})\.[a-z_][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
+FILE_SUFFIXES = ("md", "json", "jsonl", "yaml", "yml", "py", "txt", "html")
+NOT_NAMES = {"plan.peak": "a PlanResult's field in docs/python-api.md", "plan.fits": "the same",
+             "training.learnig_rate": "the misspelt key the docs show refused"}
+
+
+def recipe_key(name: str) -> bool:
+    """section.field of the recipe (data.format, training.method), not a module."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from tunekit.config import schema
+
+    section, field = name.split(".")[:2]
+    annotation = getattr(schema.Recipe.model_fields.get(section), "annotation", None)
+    models = [a for a in (annotation, *typing.get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return any(field in m.model_fields for m in models)
+
+
+def bare_names() -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    texts = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in
+             [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]]
+    texts += [(f"{p.relative_to(ROOT)}:{line}", text) for p in sorted(PACKAGE.rglob("*.py"))
+              for line, text in docstrings(p)]
+    for place, text in texts:
+        for name in BARE.findall(text):
+            name = name.rstrip(".")
+            if name.rsplit(".", 1)[-1] not in FILE_SUFFIXES and name not in NOT_NAMES and not recipe_key(name):
+                where.setdefault(name, []).append(place)
+    return where
+
+
+def test_every_name_written_from_a_package_down_resolves():
+    names = bare_names()
+    assert "data.chattemplate" in names and "data.format" not in names  # the scan reads what it should
+    stale = {name: places[:3] for name, places in sorted(names.items()) if not resolves(f"tunekit.{name}")}
+    assert not stale, f"module names in docs or docstrings that do not resolve: {stale}"
