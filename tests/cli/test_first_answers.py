@@ -128,7 +128,7 @@ def test_export_and_merge_name_an_uncached_hub_model_before_any_heavy_import(fil
                                  "export target: 'org/not-here' is not in the local Hugging Face cache")
     run = files["tmp"] / "runs" / "trained"
     (run / ADAPTER_DIR).mkdir(parents=True)
-    for name in ("adapter_config.json", "adapter_model.safetensors"):  # never read: the base model is checked first
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json"):  # never read: the base first
         (run / ADAPTER_DIR / name).write_text("{}")
     (run / RECIPE_FILE).write_text(files["hub model offline"].read_text())
     RunRecord(status="completed", started="2026-11-24T10:00:00+0000", command=["tunekit", "train"], versions={},
