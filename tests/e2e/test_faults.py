@@ -279,7 +279,9 @@ def test_merge_killed_mid_way_is_rerun_cleanly(uninterrupted, tmp_path):
     assert json.loads((run_dir / "merged" / "tunekit.json").read_text())["parity"]["max_abs_diff"] < 1e-4
 
 
-def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(resume_recipe, tmp_path):
+def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(resume_recipe, tmp_path, capsys):
+    from tunekit.cli.main import main
+
     out = tmp_path / "run"
     args = ["--set", f"output_dir={out}", "--set", "training.max_steps=100000", "--set", "training.save_steps=1000"]
     first = subprocess.Popen([sys.executable, "-m", "tunekit", "train", str(resume_recipe), *args], cwd=ROOT,
@@ -287,9 +289,11 @@ def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(resume_
     try:
         wait_until(first, lambda: (out / "run.json").is_file(), "the first run started")
         for extra in ([], ["--force"], ["--resume"]):  # --force must not wipe a run in progress either
-            res = run_cli("train", str(resume_recipe), *args, *extra)
-            assert res.returncode == 2, (extra, res.stderr[-2000:])
-            assert f"output_dir {out} is in use by another tunekit process (pid {first.pid}:" in res.stderr, extra
+            capsys.readouterr()  # in this process: another process than the first's, as a second command is
+            code = main(["train", str(resume_recipe), *args, *extra])
+            err = capsys.readouterr().err
+            assert code == 2, (extra, err[-2000:])
+            assert f"output_dir {out} is in use by another tunekit process (pid {first.pid}:" in err, extra
         assert first.poll() is None and (out / "run.json").is_file()
     finally:
         first.send_signal(signal.SIGKILL)
