@@ -30,14 +30,18 @@ def docstrings(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def texts() -> list[tuple[str, str]]:
+    """(where, text) of README.md, every docs page and every docstring of the package."""
+    found = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in
+             [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]]
+    return found + [(f"{p.relative_to(ROOT)}:{line}", text) for p in sorted(PACKAGE.rglob("*.py"))
+                    for line, text in docstrings(p)]
+
+
 def quoted() -> dict[str, list[str]]:
     """name -> where it is quoted."""
     where: dict[str, list[str]] = {}
-    texts = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in
-             [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]]
-    texts += [(f"{p.relative_to(ROOT)}:{line}", text) for p in sorted(PACKAGE.rglob("*.py"))
-              for line, text in docstrings(p)]
-    for place, text in texts:
+    for place, text in texts():
         for name in NAME.findall(text):
             where.setdefault(name.rstrip("."), []).append(place)
     return where
@@ -101,11 +105,7 @@ def recipe_key(name: str) -> bool:
 
 def bare_names() -> dict[str, list[str]]:
     where: dict[str, list[str]] = {}
-    texts = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in
-             [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]]
-    texts += [(f"{p.relative_to(ROOT)}:{line}", text) for p in sorted(PACKAGE.rglob("*.py"))
-              for line, text in docstrings(p)]
-    for place, text in texts:
+    for place, text in texts():
         for name in BARE.findall(text):
             name = name.rstrip(".")
             if name.rsplit(".", 1)[-1] not in FILE_SUFFIXES and name not in NOT_NAMES and not recipe_key(name):
