@@ -380,3 +380,13 @@ def split_markdown(text: str) -> tuple[str, list[tuple[str, int, str]]]:
         else:
             prose.append(line)
     return "\n".join(prose), blocks
+
+
+def importable(tmp_path: Path, monkeypatch, name: str, source: str):
+    """`source` as module `name` in `tmp_path`, the working directory, importable; forgotten after (a fixture's body:
+    `yield from importable(...)` yields the module's name)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)

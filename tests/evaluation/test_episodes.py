@@ -5,10 +5,10 @@ and masked, turns bounded; played with a scripted model so every path is known."
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
+from conftest import importable
 from tunekit.config.methodsettings import GrpoSettings
 from tunekit.core.errors import TunekitError
 from tunekit.data.chattemplate import Chat
@@ -99,11 +99,7 @@ class NoReset:
 
 @pytest.fixture
 def tools_module(tmp_path, monkeypatch):
-    (tmp_path / "mytools.py").write_text(TOOLS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "mytools"
-    sys.modules.pop("mytools", None)
+    yield from importable(tmp_path, monkeypatch, "mytools", TOOLS)
 
 
 def settings(**kw) -> GrpoSettings:

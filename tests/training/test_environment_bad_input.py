@@ -5,11 +5,10 @@ environment); one that raises only once training has started ends the run as fai
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 
-from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
+from conftest import importable, refused_in_process, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config.methodsettings import GrpoSettings
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import episodes
@@ -68,11 +67,7 @@ class ResetNumber(Base):
 
 @pytest.fixture
 def envs(tmp_path, monkeypatch):
-    (tmp_path / "myenvs.py").write_text(ENVS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "myenvs"
-    sys.modules.pop("myenvs", None)
+    yield from importable(tmp_path, monkeypatch, "myenvs", ENVS)
 
 
 @pytest.fixture(scope="module")
