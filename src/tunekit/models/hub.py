@@ -51,6 +51,29 @@ def _cached(repo: str, revision: str | None) -> bool:
     return isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
 
 
+def local_file(spec: str, revision: str | None, name: str) -> Path | None:
+    """A file of a model or tokenizer that is here: in its local directory, or in the Hugging Face cache (never
+    downloaded); None otherwise (a GGUF file, a hub model not cached)."""
+    from tunekit.config.modelsource import resolve_model
+
+    try:
+        source = resolve_model(spec)
+    except TunekitError:
+        return None
+    if source.kind == "dir":
+        path = Path(source.location) / name
+        return path if path.is_file() else None
+    if source.kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            path = try_to_load_from_cache(spec, name, revision=revision)
+        except ValueError:  # not a valid repo id
+            return None
+        return Path(path) if isinstance(path, str) else None
+    return None
+
+
 def _get(key: str, repo: str) -> str:
     return (f"download it where the Hub is reachable (`hf download {repo}`) and copy the Hugging Face cache "
             f"(HF_HOME) here, or set {key} to a local model directory")

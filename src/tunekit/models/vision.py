@@ -109,7 +109,7 @@ def image_token(spec: str, revision: str | None, raw: dict) -> tuple[str, int | 
     or tokenizer's `image_token`, else the token its config's image_token_id names; None where they do not say."""
     token_id = next((raw[k] for k in IMAGE_TOKEN_KEYS if isinstance(raw.get(k), int)), None)
     for name in TOKEN_FILES:
-        token = _json(model_file(spec, revision, name)).get("image_token")
+        token = _json(hub.local_file(spec, revision, name)).get("image_token")
         if isinstance(token, str) and token:
             return token, token_id
     if token_id is None:
@@ -122,7 +122,7 @@ def image_token(spec: str, revision: str | None, raw: dict) -> tuple[str, int | 
 def vocabulary(spec: str, revision: str | None) -> dict[str, int] | None:
     """A tokenizer's tokens and their ids from its tokenizer.json (the added tokens and the model's vocabulary)
     and tokenizer_config.json (added_tokens_decoder); None where neither is here."""
-    files = [_json(model_file(spec, revision, name)) for name in ("tokenizer.json", "tokenizer_config.json")]
+    files = [_json(hub.local_file(spec, revision, name)) for name in ("tokenizer.json", "tokenizer_config.json")]
     tokenizer, config = files
     if not tokenizer and not config:
         return None
@@ -139,27 +139,6 @@ def vocabulary(spec: str, revision: str | None) -> dict[str, int] | None:
         if isinstance(entry, dict) and isinstance(entry.get("content"), str) and str(i).isdigit():
             found.setdefault(entry["content"], int(i))
     return found
-
-
-def model_file(spec: str, revision: str | None, name: str) -> Path | None:
-    """A file of a model or tokenizer that is here: in its local directory, or in the Hugging Face cache (never
-    downloaded); None otherwise (a GGUF file, a hub model not cached)."""
-    try:
-        source = resolve_model(spec)
-    except TunekitError:
-        return None
-    if source.kind == "dir":
-        path = Path(source.location) / name
-        return path if path.is_file() else None
-    if source.kind == "hub":
-        from huggingface_hub import try_to_load_from_cache
-
-        try:
-            path = try_to_load_from_cache(spec, name, revision=revision)
-        except ValueError:  # not a valid repo id
-            return None
-        return Path(path) if isinstance(path, str) else None
-    return None
 
 
 def _json(path: Path | None) -> dict:
