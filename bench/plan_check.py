@@ -30,7 +30,7 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
     import psutil
     import torch
 
-    from tunekit.config.recipes import from_dict
+    from tunekit.config.recipefile import from_dict
     from tunekit.core.hardware import Precision
     from tunekit.models import loader, losspath
     from tunekit.plan import estimate

@@ -34,7 +34,7 @@ def main() -> int:
     from transformers import DataCollatorForSeq2Seq
 
     import realdata
-    from tunekit.config.recipes import from_dict
+    from tunekit.config.recipefile import from_dict
     from tunekit.core.hardware import Precision
     from tunekit.data import arrow
     from tunekit.data.collating import collator

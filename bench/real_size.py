@@ -175,7 +175,7 @@ def rss_peak() -> int:
 
 
 def child_tunekit(spec: dict) -> dict:
-    from tunekit.config.recipes import from_dict
+    from tunekit.config.recipefile import from_dict
     from tunekit.core import distributed
     from tunekit.training import runner
 
@@ -353,7 +353,7 @@ def plan_cli(recipe_file: Path, tflops: float) -> dict:
 
 def plan_api(recipe: dict, precision: str, **settings):
     """The plan `tunekit plan` makes (plan.estimate.make), with settings the command line does not take."""
-    from tunekit.config.recipes import from_dict
+    from tunekit.config.recipefile import from_dict
     from tunekit.plan import estimate
 
     r = from_dict(recipe)

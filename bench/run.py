@@ -86,7 +86,7 @@ def step_memory(model_dir: str, train: Path, tunekit_defaults: bool) -> int:
     collation and loss path). Same weights and examples; the profiler's allocation trace, as
     bench/plan_check.py measures the plan."""
     from plan_check import traced_step_peak
-    from tunekit.config.recipes import from_dict
+    from tunekit.config.recipefile import from_dict
     from tunekit.core.hardware import Precision
     from tunekit.data import arrow, packing
     from tunekit.data.collating import collator

@@ -177,13 +177,13 @@ def tiny_recipe(model: Path, train_file: Path, out: Path, **sections) -> dict:
 @pytest.fixture()
 def plan_recipe(tmp_path, tiny_model):
     """A tiny LoRA recipe to plan (max_length 256), with overrides: plan_recipe("adapter=qlora", ...)."""
-    from tunekit.config import recipes
+    from tunekit.config import recipefile
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"}])
 
     def _make(*overrides):
         raw = tiny_recipe(tiny_model, data, tmp_path / "run", data={"max_length": 256})
-        return recipes.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
+        return recipefile.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
     return _make
 
 

@@ -185,9 +185,9 @@ def test_plan_needs_no_tokenizer_and_train_names_one_it_cannot_have(files):
     raw["model"]["tokenizer"] = "org/tokenizer-not-here"
     recipe = files["tmp"] / "hub-tokenizer.yaml"
     recipe.write_text(yaml.safe_dump(raw))
-    from tunekit.config import recipes
+    from tunekit.config import recipefile
     from tunekit.data import precheck
 
-    assert precheck.check(recipes.load(recipe), data_needed=False, model="shipped").model.tokenizer  # no error
+    assert precheck.check(recipefile.load(recipe), data_needed=False, model="shipped").model.tokenizer  # no error
     assert_one_line_before_heavy(tunekit(files["tmp"], "train", str(recipe)),
                                  "model.tokenizer: 'org/tokenizer-not-here'")

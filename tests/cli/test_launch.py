@@ -15,8 +15,8 @@ import torch
 
 from conftest import refused_in_process, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.cli import launch
-from tunekit.config import fsdpconfig, recipes
-from tunekit.config.recipes import to_yaml
+from tunekit.config import fsdpconfig, recipefile
+from tunekit.config.recipefile import to_yaml
 from tunekit.config.schema import FsdpConfig
 from tunekit.core.errors import TunekitError
 from tunekit.runs import layout
@@ -69,7 +69,7 @@ def started(tmp_path, tiny_model):
     """A run directory as `tunekit train` leaves it when killed: its recipe and run.json (2 processes x 8)."""
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
     run = tmp_path / "run"
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, run)))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, run)))
     run.mkdir()
     (run / "recipe.yaml").write_text(to_yaml(recipe))
     layout.RunRecord(status="running", started="", command=[], versions={}, precision={}, adapter="lora",

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import ROOT, run_cli, write_jsonl, write_recipe
-from tunekit.config import dsconfig, recipes
+from tunekit.config import dsconfig, recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision
 from tunekit.training import arguments
@@ -33,7 +33,7 @@ def make(tmp_path, tiny_model):
 @pytest.mark.parametrize("name", ["zero1.json", "zero2.json", "zero2_offload.json", "zero3.json", "zero3_offload.json"])
 def test_shipped_configs_resolve_every_auto(make, name):
     path = make(name, learning_rate=3e-4, max_grad_norm=0.5)
-    ds = arguments.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=2)
+    ds = arguments.deepspeed_config(recipefile.load(path), Precision("fp32", "test"), world_size=2)
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 0.5
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
@@ -55,15 +55,15 @@ def test_shipped_configs_resolve_every_auto(make, name):
 ])
 def test_hand_set_contradictions_are_refused_naming_both(make, ds, expected):
     with pytest.raises(TunekitError, match="training.deepspeed") as e:
-        recipes.load(make({"zero_optimization": {"stage": 2}, **ds}))
+        recipefile.load(make({"zero_optimization": {"stage": 2}, **ds}))
     assert expected in str(e.value)
 
 
 def test_train_batch_size_checked_against_world_size(make):
     path = make({"zero_optimization": {"stage": 2}, "train_batch_size": 32})
-    assert arguments.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=2)
+    assert arguments.deepspeed_config(recipefile.load(path), Precision("fp32", "test"), world_size=2)
     with pytest.raises(TunekitError, match="train_batch_size = 32 contradicts"):
-        arguments.deepspeed_config(recipes.load(path), Precision("fp32", "test"), world_size=1)
+        arguments.deepspeed_config(recipefile.load(path), Precision("fp32", "test"), world_size=1)
 
 
 @pytest.mark.slow
@@ -81,7 +81,7 @@ def test_validate_prints_the_resolved_config_and_refuses_a_contradiction(make):
 
 def test_precision_contradiction_with_fp16_recipe(make):
     with pytest.raises(TunekitError, match="fp16.enabled = false contradicts training.precision=fp16"):
-        recipes.load(make({"zero_optimization": {"stage": 2}, "fp16": {"enabled": False}}, precision="fp16"))
+        recipefile.load(make({"zero_optimization": {"stage": 2}, "fp16": {"enabled": False}}, precision="fp16"))
 
 
 def test_describe():

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli, write_jsonl, write_recipe
-from tunekit.config import recipes, schema
+from tunekit.config import recipefile, schema
 from tunekit.core.errors import TunekitError
 
 
@@ -22,31 +22,31 @@ def base(tmp_path, tiny_model) -> dict:
 
 
 def test_defaults_filled(tmp_path, base):
-    r = recipes.load(write_recipe(tmp_path / "r.yaml", base))
+    r = recipefile.load(write_recipe(tmp_path / "r.yaml", base))
     assert r.adapter == "lora" and r.lora.r == 16 and r.lora.target_modules == "all-linear"
     assert r.quantization is None and r.training.precision == "auto" and r.data.mask_prompt is True
 
 
 def test_method_and_quantization_are_separate_and_the_old_qlora_spelling_still_reads(tmp_path, base, caplog):
     path = write_recipe(tmp_path / "r.yaml", base)
-    assert recipes.load(path).adapter_kind == "lora"
-    assert recipes.load(path, ["quantization.bits=4"]).adapter_kind == "qlora"
-    assert recipes.load(path, ["adapter=none"]).adapter_kind == "full"
+    assert recipefile.load(path).adapter_kind == "lora"
+    assert recipefile.load(path, ["quantization.bits=4"]).adapter_kind == "qlora"
+    assert recipefile.load(path, ["adapter=none"]).adapter_kind == "full"
     with caplog.at_level("INFO", logger="tunekit"):
-        old = recipes.load(path, ["adapter=qlora"])
+        old = recipefile.load(path, ["adapter=qlora"])
     assert old.adapter == "lora" and old.quantization == schema.QuantizationConfig()
     assert "adapter: qlora is now written adapter: lora with a quantization section" in caplog.text
-    assert "adapter: lora" in recipes.to_yaml(old)  # saved in the new spelling
+    assert "adapter: lora" in recipefile.to_yaml(old)  # saved in the new spelling
 
 
 def test_overrides_set_any_field_and_are_validated(tmp_path, base):
     path = write_recipe(tmp_path / "r.yaml", base)
-    r = recipes.load(path, ["training.learning_rate=1e-4", "lora.r=4",
+    r = recipefile.load(path, ["training.learning_rate=1e-4", "lora.r=4",
                             "quantization.quant_type=fp4", "lora.target_modules=[q_proj, v_proj]"])
     assert r.training.learning_rate == 1e-4 and r.lora.r == 4 and r.adapter_kind == "qlora"
     assert r.quantization.quant_type == "fp4" and r.lora.target_modules == ["q_proj", "v_proj"]
     with pytest.raises(TunekitError, match="unknown key training.learning_rat; did you mean training.learning_rate"):
-        recipes.load(path, ["training.learning_rat=1"])
+        recipefile.load(path, ["training.learning_rat=1"])
 
 
 @pytest.mark.slow  # seconds: make test-fast leaves it out
@@ -66,7 +66,7 @@ def test_validate_cli_prints_resolved_recipe_and_exits_2_on_error(tmp_path, base
 
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(path):
-    r = recipes.load(path)
+    r = recipefile.load(path)
     assert r.output_dir == f"runs/{path.stem}"
 
 
@@ -90,6 +90,6 @@ def test_a_recipe_breaking_two_rules_is_told_of_the_first_in_their_order(tmp_pat
            "training": {"method": "kto", "micro_batch_size": 1}}
     path = write_recipe(tmp_path / "r.yaml", raw)
     with pytest.raises(TunekitError, match="training.method: kto takes the base model as its reference"):
-        recipes.load(path)
+        recipefile.load(path)
     with pytest.raises(TunekitError, match="training.micro_batch_size: KTO's loss kto estimates its KL term"):
-        recipes.load(path, ["lora.init=default"])
+        recipefile.load(path, ["lora.init=default"])

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
 from tunekit import api
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 
 EPISODES = "applies to episodes with tools, and this recipe sets no {k}.tools or {k}.environment; set one or remove"
@@ -90,5 +90,5 @@ def test_the_defaults_and_read_settings_load_and_reload_from_a_run(case, tmp_pat
     method, section, sections = TAKEN[case]
     loaded = api.load_recipe(_recipe(tmp_path, tiny_model, method, section, **sections))
     saved = tmp_path / "recipe.yaml"
-    saved.write_text(recipes.to_yaml(loaded))
-    assert recipes.load(saved).model_dump() == loaded.model_dump()
+    saved.write_text(recipefile.to_yaml(loaded))
+    assert recipefile.load(saved).model_dump() == loaded.model_dump()

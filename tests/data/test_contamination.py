@@ -196,7 +196,7 @@ def test_prepared_sets_report_contamination_and_drop_what_the_recipe_asks(tmp_pa
 @pytest.mark.slow  # seconds
 def test_preference_pairs_report_contamination_too(tmp_path, tiny_model, tiny_tokenizer):
     from conftest import tiny_recipe, write_jsonl, write_recipe
-    from tunekit.config import recipes
+    from tunekit.config import recipefile
     from tunekit.training import methods
 
     pairs = [{"prompt": f"Reverse w{i:03d}", "chosen": f"{i:03d}w", "rejected": f"w{i:03d}"} for i in range(12)]
@@ -204,7 +204,7 @@ def test_preference_pairs_report_contamination_too(tmp_path, tiny_model, tiny_to
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "dpo"},
                       data={"format": "preference", "eval": str(write_jsonl(tmp_path / "e.jsonl", pairs[:1])),
                             "dedup": True, "decontaminate": True})
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     bundle = methods.of(recipe).build_data(recipe, tiny_tokenizer)
     assert (bundle.contamination["duplicates"], bundle.contamination["overlapping_train"]) == (1, 1)
     assert bundle.contamination["dropped"] == 2 and bundle.train_stats.examples == 11

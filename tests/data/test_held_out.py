@@ -10,7 +10,7 @@ import re
 import pytest
 
 from conftest import history, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import arrow, split
@@ -76,7 +76,7 @@ def test_preference_and_unpaired_data_split_as_sft_data_does(tmp_path, tiny_mode
     data = write_jsonl(tmp_path / "p.jsonl", rows)
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": method},
                       data={"format": fmt, "max_examples": 40, "eval_fraction": 0.25})
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     bundle = methods.of(recipe).build_data(recipe, tiny_tokenizer)
     held = split.held_out(recipe.data, recipe.training.seed)
     assert len(held) == 10 and all(line_of(r.where) <= 40 for r in held)
@@ -97,7 +97,7 @@ def test_training_evaluation_and_eval_of_the_run_score_the_same_held_out_records
     data = write_jsonl(tmp_path / "d.jsonl", distinct_rows(40))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", data={"max_examples": 20, "eval_fraction": 0.25},
                       training={"max_steps": 2, "eval_steps": 2}, eval={"max_new_tokens": 2})
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     evaluator.end_of_training(recipe, tmp_path / "run")
     record = RunRecord.load(tmp_path / "run").data

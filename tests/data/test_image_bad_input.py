@@ -15,7 +15,7 @@ from PIL import Image
 
 from conftest import refused_in_process, tiny_recipe, write_jsonl, write_recipe
 from tunekit import api
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.config.schema import FieldMap
 from tunekit.core.errors import TunekitError
 from tunekit.data.formats import FORMATS, Record
@@ -329,8 +329,8 @@ def test_recipes_the_model_serves_validate_and_reload_from_a_run(tmp_path, tiny_
     monkeypatch.chdir(tmp_path)
     loaded = api.validate(TAKEN[case](tmp_path, tiny_vision_model, tiny_model)).recipe
     saved = tmp_path / "recipe.yaml"
-    saved.write_text(recipes.to_yaml(loaded))
-    assert recipes.load(saved).model_dump() == loaded.model_dump()
+    saved.write_text(recipefile.to_yaml(loaded))
+    assert recipefile.load(saved).model_dump() == loaded.model_dump()
     api.validate(saved)
 
 

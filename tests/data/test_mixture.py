@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from conftest import launch, refused_in_process, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
 from tunekit.data import arrow, mixture, split
@@ -177,9 +177,9 @@ def test_the_recipe_resolves_each_source_path(tmp_path, tiny_model, files):
     raw = tiny_recipe(tiny_model, files["a"], tmp_path / "run", data={"train": [{"path": "a.jsonl", "weight": 0.5},
                                                                                 {"path": "b.jsonl", **CHAT}]})
     raw["data"]["train"][1]["path"] = "chat.jsonl"
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     assert [s.path for s in recipe.data.train] == [str(files["a"]), str(files["chat"])]
-    assert recipes.from_dict(json.loads(json.dumps(recipe.model_dump(mode="json")))).data == recipe.data
+    assert recipefile.from_dict(json.loads(json.dumps(recipe.model_dump(mode="json")))).data == recipe.data
 
 
 @pytest.mark.slow
@@ -197,7 +197,7 @@ def test_training_on_a_packed_mixture_records_the_mix(tmp_path, tiny_model, file
     assert "data mix: 40 training examples per epoch" in res.stderr + res.stdout
     from tunekit.export import source  # what export records of the run's data: the sources, as JSON
 
-    facts = source._finetune(tmp_path / "run", recipes.load(tmp_path / "run" / "recipe.yaml"))
+    facts = source._finetune(tmp_path / "run", recipefile.load(tmp_path / "run" / "recipe.yaml"))
     assert json.loads(json.dumps(facts))["data"] == [{**s, "split": None, "format": None, "fields": None,
                                                       "weight": s.get("weight"), "count": s.get("count")}
                                                      for s in train]

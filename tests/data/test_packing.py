@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer
 
 from conftest import logged, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes, schema
+from tunekit.config import recipefile, schema
 from tunekit.core.hardware import Precision
 from tunekit.data import arrow, packing
 from tunekit.data.collating import collator
@@ -109,7 +109,7 @@ def _run(tmp_path, tiny_model, name, **data):
     file = write_jsonl(tmp_path / "mixed.jsonl", mixed_rows())
     raw = tiny_recipe(tiny_model, file, tmp_path / name, data={"max_length": 128, **data},
                       training={"max_steps": 5, "micro_batch_size": 8})
-    runner.run(recipes.load(write_recipe(tmp_path / f"{name}.yaml", raw)))
+    runner.run(recipefile.load(write_recipe(tmp_path / f"{name}.yaml", raw)))
     return logged(tmp_path / name, "loss")
 
 
@@ -129,7 +129,7 @@ def test_group_by_length_reduces_padding(tmp_path, tiny_model, tiny_tokenizer):
     def padding_fraction(group: bool) -> float:
         raw = tiny_recipe(tiny_model, file, tmp_path / "run", data={"max_length": 128},
                           training={"group_by_length": group, "micro_batch_size": 8})
-        recipe = recipes.load(write_recipe(tmp_path / "g.yaml", raw))
+        recipe = recipefile.load(write_recipe(tmp_path / "g.yaml", raw))
         bundle = arrow.build(recipe.data, tiny_tokenizer, 0)
         args = arguments.training_arguments(recipe, Precision("fp32", "test"), tmp_path / "run", False)
         model = loader.load_for_training(recipe, Precision("fp32", "test"))

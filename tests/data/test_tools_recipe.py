@@ -68,12 +68,12 @@ def test_packaged_template_renders_every_eval_call_as_a_scoreable_reference():
     """SmolLM2's ChatML has no tool support: tunekit writes the tools into the system message and the calls as
     <tool_call> JSON in the assistant text; the eval references are those texts, and the metric reads back exactly
     the calls the records make (a perfect answer scores 100, small talk no spurious call)."""
-    from tunekit.config import recipes
+    from tunekit.config import recipefile
     from tunekit.data.formats import Record
     from tunekit.data.rendering import Renderer
     from tunekit.models import loader
 
-    recipe = recipes.load(RECIPE)
+    recipe = recipefile.load(RECIPE)
     tokenizer = loader.load_tokenizer(recipe.model)
     renderer = Renderer(recipe.data, tokenizer)
     evals = _rows(ROOT / recipe.data.eval)

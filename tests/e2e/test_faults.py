@@ -31,8 +31,8 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
-from tunekit.config import recipes, schema
-from tunekit.core import statefile
+from tunekit.config import recipefile, schema
+from tunekit.core import checkpointfile
 from tunekit.core.errors import TunekitError
 from tunekit.models import loader
 from tunekit.runs import checkpoints
@@ -131,7 +131,7 @@ def test_resume_restores_8bit_optimizer_state(resume_recipe, tmp_path):
     full = tmp_path / "full"
     res = run_cli("train", str(resume_recipe), "--set", f"output_dir={full}", *args)
     assert res.returncode == 0, res.stderr[-2000:]
-    state = statefile.load(full / "checkpoints" / "checkpoint-2" / "optimizer.safetensors")
+    state = checkpointfile.load(full / "checkpoints" / "checkpoint-2" / "optimizer.safetensors")
     assert any(t.dtype == torch.uint8 for s in state["state"].values()
                for t in s.get("__bnb_optimizer_quant_state__", {}).values())
     cut = cut_after_checkpoint(full, tmp_path / "cut", 2)
@@ -182,7 +182,7 @@ def test_a_run_writes_only_safetensors_and_text(uninterrupted):
 def test_non_finite_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tmp_path, tiny_model, monkeypatch):
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(32))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 10, "save_steps": 2})
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     real = loader.load_for_training
     calls = {"n": 0}
 
@@ -336,7 +336,7 @@ def test_full_disk_while_checkpointing_ends_clearly_and_resumes(resume_recipe, u
 
 def test_preflight_warns_when_disk_looks_too_small(tmp_path, tiny_model, monkeypatch, caplog):
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(4))
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, tmp_path / "run")),
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, tmp_path / "run")),
                           ["adapter=none", "lora=null"])
     monkeypatch.setattr(diskspace.shutil, "disk_usage",
                         lambda p: shutil_usage(total=10**6, used=10**6 - 1000, free=1000))

@@ -201,7 +201,7 @@ def test_deepspeed_checkpoints_are_safetensors_and_resume_exactly(recipe_file, r
 def test_zero3_run_merges_and_evaluates(recipe_file, tmp_path):
     """Two ZeRO-3 processes with data.max_examples and data.eval_fraction: generation during training and the
     end-of-training eval score exactly the records the split held out, on every rank alike."""
-    from tunekit.config import recipes
+    from tunekit.config import recipefile
     from tunekit.data import split
 
     out = tmp_path / "run"
@@ -213,7 +213,7 @@ def test_zero3_run_merges_and_evaluates(recipe_file, tmp_path):
     assert json.loads((out / "merged" / "tunekit.json").read_text())["parity"]["max_abs_diff"] < 1e-4
     record = RunRecord.load(out)
     assert record.status == "completed" and record.data["split"]["held_out"] == record.data["eval"]["examples"] == 6
-    recipe = recipes.load(out / "recipe.yaml")
+    recipe = recipefile.load(out / "recipe.yaml")
     held = [r.where for r in split.held_out(recipe.data, recipe.training.seed)]
     predictions = [json.loads(x) for x in (out / "eval" / "predictions.jsonl").read_text().splitlines()]
     assert [p["where"] for p in predictions] == held

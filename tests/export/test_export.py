@@ -238,14 +238,14 @@ def test_the_cli_refuses_a_wrong_format_option_in_one_line(tmp_path, tiny_model)
 def test_a_run_exports_as_a_safetensors_directory_equal_to_its_merged_model(tmp_path, tiny_model):
     from transformers import AutoTokenizer
 
-    from tunekit.config import recipes
+    from tunekit.config import recipefile
     from tunekit.export import merge
     from tunekit.training import runner
 
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 2, "learning_rate": 1e-2},
                       eval=None)
-    runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+    runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     res = run_cli("export", str(tmp_path / "run"), "--format", "safetensors")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "parity: max |logit diff|" in res.stderr

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.data import split
 from tunekit.data.rendering import Renderer
@@ -43,7 +43,7 @@ def qlora_run(tmp_path_factory, tiny_model):
 
 
 def _inputs(run_dir):
-    recipe = recipes.load(run_dir / "recipe.yaml")
+    recipe = recipefile.load(run_dir / "recipe.yaml")
     tok = loader.load_tokenizer(recipe.model, run_dir / "adapter")
     return recipe, merge.parity_batch(recipe, tok)
 
@@ -132,7 +132,7 @@ def test_train_with_eval_section_scores_the_run(lora_run):
     rows = [json.loads(line) for line in (lora_run / "eval" / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and set(rows[0]) == {"where", "prompt", "reference", "prediction"}
     # prompts are built exactly as in training: the held-out split, rendered with the chat template
-    recipe = recipes.load(lora_run / "recipe.yaml")
+    recipe = recipefile.load(lora_run / "recipe.yaml")
     tok = loader.load_tokenizer(recipe.model, lora_run / "adapter")
     held = split.held_out(recipe.data, recipe.training.seed)
     rendered = [Renderer(recipe.data, tok).render(r) for r in held]
@@ -169,7 +169,7 @@ def test_eval_of_merged_matches_adapter_run(lora_run, tmp_path):
 
 
 def test_batched_generation_matches_one_at_a_time(lora_run):
-    recipe = recipes.load(lora_run / "recipe.yaml")
+    recipe = recipefile.load(lora_run / "recipe.yaml")
     from tunekit.evaluation import evaluator
 
     target = layout.resolve_target(str(lora_run))

@@ -99,7 +99,7 @@ def _history(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    from tunekit.config.recipes import from_dict, to_yaml
+    from tunekit.config.recipefile import from_dict, to_yaml
     from tunekit.runs.layout import RunRecord
 
     root = tmp_path_factory.mktemp("push")
@@ -147,7 +147,7 @@ def card_of(files: dict[str, bytes]) -> tuple[dict, str]:
 
 
 def test_an_adapter_arrives_whole_in_one_commit_with_its_card_and_curves(hub, run_dir):
-    from tunekit.config.recipes import load, to_yaml
+    from tunekit.config.recipefile import load, to_yaml
 
     res = tunekit_push(hub.url, str(run_dir), "--repo", "alice/tiny-sft", "--baseline",
                        str(run_dir.parent / "base-eval"))

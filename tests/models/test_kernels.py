@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import reverse_rows, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config.recipes import from_dict
+from tunekit.config.recipefile import from_dict
 from tunekit.core.errors import TunekitError
 from tunekit.models import kernels, losspath
 from tunekit.training.trainer import loss_head

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import reverse_rows, tiny_recipe, write_jsonl
-from tunekit.config.recipes import from_dict
+from tunekit.config.recipefile import from_dict
 from tunekit.core.hardware import Precision
 from tunekit.data import arrow
 from tunekit.data.collating import TRAINED_POSITIONS, collator

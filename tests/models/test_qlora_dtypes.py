@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import reverse_rows, tiny_recipe, write_jsonl
-from tunekit.config.recipes import from_dict
+from tunekit.config.recipefile import from_dict
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.data import arrow
 from tunekit.data.collating import collator
@@ -139,7 +139,7 @@ def test_smollm2_qlora_recipe_held_out_loss_equals_peft_upcasting(tmp_path, monk
     weights (SmolLM2's tied 49,152 x 576 embedding: 54.1 MB against 108.1 MB). Numbers in
     docs/precision-and-speed.md."""
     from conftest import ROOT
-    from tunekit.config import recipes
+    from tunekit.config import recipefile
     from tunekit.core.hardware import cpu_has_bf16
     from tunekit.training import runner
 
@@ -148,7 +148,7 @@ def test_smollm2_qlora_recipe_held_out_loss_equals_peft_upcasting(tmp_path, monk
     found = {}
     for name, prepare in (("compute dtype", loader.prepare_quantized), ("peft fp32", peft_upcasting)):
         monkeypatch.setattr(loader, "prepare_quantized", prepare)
-        recipe = recipes.load(ROOT / "recipes" / "smollm2_qlora.yaml",
+        recipe = recipefile.load(ROOT / "recipes" / "smollm2_qlora.yaml",
                               [f"output_dir={tmp_path / name.replace(' ', '-')}", "eval=null",
                                "training.logging_steps=1", "training.eval_steps=40"])
         result = runner.run(recipe)

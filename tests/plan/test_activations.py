@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import write_jsonl
-from tunekit.config.recipes import from_dict
+from tunekit.config.recipefile import from_dict
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
 from tunekit.models.tiny import build_tokenizer, llama_config

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
 from tunekit.plan import estimate, fixes, report, sizes
@@ -27,7 +27,7 @@ def make_recipe(tmp_path, tiny_model):
 
     def _make(*overrides):
         raw = tiny_recipe(tiny_model, data, tmp_path / "run")
-        return recipes.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
+        return recipefile.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
     return _make
 
 
@@ -56,7 +56,7 @@ def test_a_vision_language_model_is_planned_as_it_loads(tmp_path, tiny_vision_mo
     data = write_jsonl(tmp_path / "d.jsonl", colour_rows(tmp_path / "img", 2))
     raw = tiny_recipe(tiny_vision_model, data, tmp_path / "run", data={"format": "chat"},
                       vision={"train_projector": True})
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw), overrides)
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw), overrides)
     cfg, meta = estimate.meta_model(recipe)
     assert cfg.model_type == "llama" and {p.device.type for p in meta.parameters()} == {"meta"}
     counts = estimate.count(recipe, meta)
@@ -78,7 +78,7 @@ def test_the_vision_tower_runs_on_patches_not_on_text_tokens(tmp_path, tiny_visi
     data = write_jsonl(tmp_path / "d.jsonl", colour_rows(tmp_path / "img", 2))
     raw = tiny_recipe(tiny_vision_model, data, tmp_path / "run", data={"format": "chat"},
                       vision={"train_projector": True})
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     cfg, meta = estimate.meta_model(recipe)
     work = vision.image_work(meta)
     found = vision.parts(meta)
@@ -519,7 +519,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-from tunekit.config import fsdpconfig, recipes
+from tunekit.config import fsdpconfig, recipefile
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
 
@@ -527,7 +527,7 @@ path, cases = sys.argv[1], json.loads(sys.argv[2])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
 cpu, out = torch.device("cpu"), []
 for overrides in cases:
-    recipe = recipes.load(path, overrides)
+    recipe = recipefile.load(path, overrides)
     t, precision = recipe.training, recipe.training.precision
     model = loader.load_for_training(recipe, Precision(precision, "test"))
     plugin = FullyShardedDataParallelPlugin(

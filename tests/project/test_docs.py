@@ -28,10 +28,7 @@ from pydantic import BaseModel
 
 from conftest import split_markdown
 from tunekit.cli import main  # the parser (main.build_parser)
-from tunekit.config import (
-    recipes,  # recipes (recipes.load, .from_dict, .Recipe)
-    schema,
-)
+from tunekit.config import recipefile, schema
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -155,7 +152,7 @@ def check_tunekit(args: list[str], where: str, validate: bool = True) -> list[st
     path = getattr(parsed, "recipe", None)
     if path and (ROOT / path).is_file():
         try:
-            recipes.load(ROOT / path, overrides)
+            recipefile.load(ROOT / path, overrides)
         except Exception as e:  # any failure means the docs show a command that fails
             return [f"{where}: `tunekit {shlex.join(args)}`: {e}"]
         return []
@@ -271,7 +268,7 @@ def check_yaml_block(body: str, where_line: int, path: Path) -> list[str]:
         return []
     full = {"model": {"name_or_path": "org/model"}, "data": {"train": "recipes/data/extract_train.jsonl"}, **raw}
     try:
-        recipes.from_dict(full, source="recipe", base=ROOT)
+        recipefile.from_dict(full, source="recipe", base=ROOT)
     except Exception as e:
         return [f"{_rel(path)}:{where_line}: recipe does not validate: {e}"]
     return []

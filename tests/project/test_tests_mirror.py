@@ -40,12 +40,12 @@ THROUGH = {
     "tunekit.plan.sharding": "tests/plan/test_plan.py::test_fsdp2_terms_match_torchs_memory_tracker",
     "tunekit.reporting.listing": "tests/reporting/test_runlist.py::test_lists_every_run_with_status_steps_scores_wall_"
                                  "time_and_output",
-    "tunekit.training.checkpointing": "tests/e2e/test_faults.py::test_resume_ignores_a_half_written_checkpoint",
+    "tunekit.training.checkpointmark": "tests/e2e/test_faults.py::test_resume_ignores_a_half_written_checkpoint",
     "tunekit.training.cpuprocesses": "tests/e2e/test_multiprocess.py::test_fsdp2_equals_one_process_and_writes_no_"
                                      "pickles",
-    "tunekit.training.dscheckpoint": "tests/e2e/test_multiprocess.py::test_deepspeed_checkpoints_are_safetensors_and_"
-                                     "resume_exactly",
-    "tunekit.training.fsdpstate": "tests/e2e/test_multiprocess.py::test_fsdp2_resumes_on_one_process_after_a_kill",
+    "tunekit.training.checkpointdeepspeed": "tests/e2e/test_multiprocess.py::test_deepspeed_checkpoints_are_"
+                                            "safetensors_and_resume_exactly",
+    "tunekit.training.checkpointfsdp": "tests/e2e/test_multiprocess.py::test_fsdp2_resumes_on_one_process_after_a_kill",
     "tunekit.training.losshistory": "tests/training/test_train.py::test_run_directory_contents_and_no_overwrite_"
                                     "without_force",
     "tunekit.training.methods.base": "tests/training/test_methods.py::test_a_registered_method_is_a_training_method_"

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from conftest import history, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.evaluation import evaluator
 from tunekit.reporting import report
 from tunekit.runs.layout import RunRecord
@@ -32,7 +32,7 @@ def two_runs(tmp_path_factory, tiny_model):
             "max_steps": 8, "eval_steps": 4, "learning_rate": lr, "metric_for_best": "eval_loss"},
             eval={"limit": 4, "batch_size": 2, "max_new_tokens": 6})
         raw["data"]["eval"] = str(data)
-        recipe = recipes.load(write_recipe(root / f"{name}.yaml", raw))
+        recipe = recipefile.load(write_recipe(root / f"{name}.yaml", raw))
         runner.run(recipe)
         evaluator.end_of_training(recipe, root / name)
     (root / "base").mkdir()

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import refused_in_process, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit import api
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.training import runner
 
@@ -31,7 +31,7 @@ def runs(tiny_model, tmp_path_factory):
             "reward": tiny_recipe(tiny_model, pairs, root / "reward", data={"format": "preference"},
                                   training={"max_steps": 1, "method": "reward"})}
     for name, raw in made.items():
-        runner.run(recipes.load(write_recipe(root / f"{name}.yaml", raw)))
+        runner.run(recipefile.load(write_recipe(root / f"{name}.yaml", raw)))
     return {name: root / name for name in made}
 
 
@@ -167,7 +167,7 @@ def test_chat_refuses_a_reward_model_with_what_to_use_instead(runs, tmp_path, ca
     assert line.endswith(f"{run}: a reward model (training.method: reward) scores text with one number and "
                          "generates none, so it cannot chat; use it as a model reward (grpo.rewards: [{reward: model, "
                          f"run: {run}}}]) or score pairs with `tunekit eval {run}`; to chat, give its base model "
-                         f"({recipes.load(run / 'recipe.yaml').model.name_or_path}) or an SFT run"), line
+                         f"({recipefile.load(run / 'recipe.yaml').model.name_or_path}) or an SFT run"), line
     with pytest.raises(TunekitError) as e:
         conversation.chat(str(run), once="hello")
     assert str(e.value) == line.split(": error: ", 1)[1]

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import cut_after_checkpoint, history, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
@@ -39,7 +39,7 @@ def test_the_final_adapter_is_the_best_checkpoint_not_the_last(tmp_path, tiny_mo
     """Loss falls, so with greater_is_better the best eval_loss is the first evaluation's (step 2):
     the final adapter must be step 2's, not step 8's, although 2 checkpoints are kept by the limit."""
     out = tmp_path / "run"
-    runner.run(recipes.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss",
+    runner.run(recipefile.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss",
                                        greater_is_better=True)))
     losses = eval_losses(out)
     assert list(losses) == [2, 4, 6, 8] and losses[8] < losses[2]
@@ -52,7 +52,7 @@ def test_the_final_adapter_is_the_best_checkpoint_not_the_last(tmp_path, tiny_mo
 @pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_lower_is_better_for_eval_loss_by_default(tmp_path, tiny_model):
     out = tmp_path / "run"
-    runner.run(recipes.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss", max_steps=4)))
+    runner.run(recipefile.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss", max_steps=4)))
     losses = eval_losses(out)
     best = RunRecord.load(out).best
     assert best["step"] == min(losses, key=losses.get) and best["greater_is_better"] is False
@@ -61,7 +61,7 @@ def test_lower_is_better_for_eval_loss_by_default(tmp_path, tiny_model):
 @pytest.mark.slow  # seconds: make test-fast leaves it out
 def test_early_stopping_ends_a_run_that_no_longer_improves(tmp_path, tiny_model):
     out = tmp_path / "run"
-    runner.run(recipes.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss",
+    runner.run(recipefile.load(recipe_for(tmp_path, tiny_model, out, metric_for_best="eval_loss",
                                        greater_is_better=True, early_stopping_patience=2)))
     best = RunRecord.load(out).best
     assert list(eval_losses(out)) == [2, 4, 6]  # steps 4 and 6 did not beat step 2: stop at 6 of 8
@@ -76,7 +76,7 @@ def test_resume_keeps_the_best_checkpoint_and_the_patience_count(tmp_path, tiny_
     full = tmp_path / "full"
     recipe = recipe_for(tmp_path, tiny_model, full, metric_for_best="eval_loss", greater_is_better=True,
                         early_stopping_patience=2)
-    runner.run(recipes.load(recipe))
+    runner.run(recipefile.load(recipe))
     cut = cut_after_checkpoint(full, tmp_path / "cut", 4)
     expected = load_file(str(full / "adapter" / ADAPTER))
     shutil.rmtree(full)
@@ -92,16 +92,16 @@ def test_metric_for_best_must_be_logged(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"metric_for_best": "bleu"})
     with pytest.raises(TunekitError, match="metric_for_best: bleu is not logged.*add an eval section"):
-        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     raw["eval"] = {"metrics": ["rouge"]}
     with pytest.raises(TunekitError, match="logged: eval_loss, rouge1"):
-        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     raw["eval"] = {"metrics": ["bleu"]}
-    recipes.load(write_recipe(tmp_path / "r.yaml", raw))  # fine
+    recipefile.load(write_recipe(tmp_path / "r.yaml", raw))  # fine
     raw["training"]["early_stopping_patience"] = 2
     raw["training"]["metric_for_best"] = None
     with pytest.raises(TunekitError, match="need training.metric_for_best"):
-        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
 
 
 @pytest.mark.slow  # seconds: make test-fast leaves it out

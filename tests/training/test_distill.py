@@ -22,7 +22,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.runs.layout import RunRecord
 from tunekit.training import divergences, methods, runner
@@ -42,7 +42,7 @@ def teacher(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("teacher")
     raw = tiny_recipe(tiny_model, write_jsonl(tmp / "a.jsonl", rows()), tmp / "run",
                       training={"max_steps": 30, "learning_rate": 2e-2})
-    runner.run(recipes.load(write_recipe(tmp / "t.yaml", raw)))
+    runner.run(recipefile.load(write_recipe(tmp / "t.yaml", raw)))
     return tmp / "run"
 
 
@@ -57,7 +57,7 @@ def distill_raw(tiny_model, tmp_path, out, teacher_dir, distill_=None, **trainin
 
 
 def load(tmp_path, raw):
-    return recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    return recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
 
 
 def test_divergences_are_gkds_per_token():

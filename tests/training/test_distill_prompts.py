@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import ROOT, history, refused_in_process, training_rows, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.data import precheck
 from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
@@ -64,7 +64,7 @@ def test_on_policy_distillation_trains_from_prompt_records(tmp_path, tiny_model,
     the divergence to the teacher is taken on them and moves the adapter; the step-0 and last evaluations score the
     held-out prompts."""
     raw = shipped_from_prompts(tmp_path, tiny_model, other_teacher, mixture)
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     assert recipe.distill.mode == "on_policy" and "prompt" in recipe.data.formats()
     runner.run(recipe)
     out = tmp_path / "run"
@@ -78,7 +78,7 @@ def test_on_policy_distillation_trains_from_prompt_records(tmp_path, tiny_model,
 
 
 def test_prompt_examples_are_their_ids_and_place(tmp_path, tiny_model, tiny_tokenizer, other_teacher):
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", shipped_from_prompts(tmp_path, tiny_model, other_teacher,
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", shipped_from_prompts(tmp_path, tiny_model, other_teacher,
                                                                                  mixture=False)))
     bundle = distill.Distill().build_data(recipe, tiny_tokenizer)
     assert bundle.train.column_names == ["prompt_ids", "index"] and len(bundle.train) == 16
@@ -109,5 +109,5 @@ def test_off_policy_distillation_samples_nothing_and_is_not_bounded_by_the_compl
     raw["data"].update(format="alpaca", train=str(ROOT / "recipes/data/extract_train.jsonl"),
                        eval=str(ROOT / "recipes/data/extract_eval.jsonl"))
     raw["distill"].update(mode="off_policy", max_completion_length=400)
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     assert precheck.check(recipe, data_needed=True, model="needed") is not None

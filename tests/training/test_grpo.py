@@ -23,7 +23,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.config.methodsettings import RewardSpec
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import evaluator, rewards
@@ -64,7 +64,7 @@ def grpo_raw(tiny_model, tmp_path, out, rewards_=None, grpo_=None, **training):
 
 
 def load(tmp_path, raw):
-    return recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    return recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -230,7 +230,7 @@ def test_lora_leaves_the_base_untouched_and_keeps_samples_with_their_rewards(lor
     adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     assert any(float(v.abs().sum()) > 0 for k, v in adapter.items() if "lora_B" in k)
     base = load_file(str(tiny_model / "model.safetensors"))
-    model = loader.load_base(recipes.load(run_dir / "recipe.yaml").model, torch.float32)
+    model = loader.load_base(recipefile.load(run_dir / "recipe.yaml").model, torch.float32)
     assert all(torch.equal(base[k], v) for k, v in model.state_dict().items() if k in base)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [2] * 8 + [4] * 8

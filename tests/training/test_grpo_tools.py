@@ -21,7 +21,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.evaluation import evaluator
 from tunekit.runs import history
 from tunekit.runs.layout import RunRecord
@@ -100,7 +100,7 @@ def test_a_run_plays_episodes_masks_the_results_and_logs_the_tools(tmp_path, lon
     raw = raw_recipe(long_model, tmp_path, tmp_path / "run")
     if method == "rloo":
         raw["training"]["method"], raw["rloo"] = "rloo", raw.pop("grpo")
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     masks, tok, zeroed = [], None, []
     real_logps = acting.MaskedLogps._get_per_token_logps_and_entropies
 
@@ -175,7 +175,7 @@ def calling_model(long_model, tmp_path_factory):
     where = tmp_path_factory.mktemp("calling")
     sys.path.insert(0, str(where))  # the recipe's tools module, written beside it
     try:
-        recipe = recipes.load(write_recipe(where / "r.yaml", raw_recipe(long_model, where, where / "run")))
+        recipe = recipefile.load(write_recipe(where / "r.yaml", raw_recipe(long_model, where, where / "run")))
         tok = AutoTokenizer.from_pretrained(long_model)
         bundle = rollouts.build(recipe, tok)
         after = Continuation(bundle.renderer.base.chat, tok)
@@ -240,7 +240,7 @@ def test_resume_with_tools_ends_where_the_uninterrupted_run_ends(tmp_path, calli
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     full = tmp_path / "full"
-    runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", acting_raw(calling_model, tmp_path, full,
+    runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", acting_raw(calling_model, tmp_path, full,
                                                                          max_steps=2, save_steps=1))))
     expected, expected_steps = load_file(str(full / "adapter" / "adapter_model.safetensors")), training_rows(full)
     assert all(r["tools/calls"] > 0 for r in expected_steps), expected_steps  # the episodes do call the tool
@@ -272,7 +272,7 @@ def test_two_processes_play_and_train_as_one_does(tmp_path, calling_model, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the launched processes import the tools module too
     single, two = tmp_path / "single", tmp_path / "two"
-    runner.run(recipes.load(write_recipe(tmp_path / "one.yaml", acting_raw(calling_model, tmp_path, single))))
+    runner.run(recipefile.load(write_recipe(tmp_path / "one.yaml", acting_raw(calling_model, tmp_path, single))))
     res = launch(write_recipe(tmp_path / "two.yaml", acting_raw(calling_model, tmp_path, two, micro_batch_size=4)),
                  two, 2)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -348,9 +348,9 @@ def test_plan_counts_a_generate_pass_per_turn(tmp_path, long_model, monkeypatch)
 
     monkeypatch.chdir(tmp_path)
     raw = raw_recipe(long_model, tmp_path, tmp_path / "run")
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     grpo = {k: v for k, v in raw["grpo"].items() if k != "max_turns"}  # without tools nothing reads it
-    plain = recipes.load(write_recipe(tmp_path / "p.yaml", {**raw, "grpo": {**grpo, "tools": [],
+    plain = recipefile.load(write_recipe(tmp_path / "p.yaml", {**raw, "grpo": {**grpo, "tools": [],
                                                                             "rewards": [{"reward": "chrf"}]}}))
     cfg, model = estimate.meta_model(recipe)
     s, p = (estimate.settings_from(r, 1, "fp32") for r in (recipe, plain))

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import cut_after_checkpoint, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import defaults, recipes
+from tunekit.config import defaults, recipefile
 from tunekit.reporting import report
 from tunekit.runs.layout import RunRecord
 from tunekit.training import arguments, lrfind, runner
@@ -46,7 +46,7 @@ def test_auto_finds_a_rate_records_its_curve_and_trains_from_a_fresh_model(tmp_p
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto", "max_steps": 6,
                                                                       "save_steps": 3})
-    result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+    result = runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     info = RunRecord.load(result.run_dir)
     found = info.learning_rate
     assert found["steps"] == len(found["curve"]) <= 16
@@ -57,7 +57,7 @@ def test_auto_finds_a_rate_records_its_curve_and_trains_from_a_fresh_model(tmp_p
     # training started from the model as loaded: the run equals a fixed-rate run at the found rate
     fixed = tiny_recipe(tiny_model, data, tmp_path / "fixed", training={"learning_rate": found["value"],
                                                                          "max_steps": 6})
-    other = runner.run(recipes.load(write_recipe(tmp_path / "f.yaml", fixed)))
+    other = runner.run(recipefile.load(write_recipe(tmp_path / "f.yaml", fixed)))
     a = load_file(str(result.run_dir / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(other.run_dir / "adapter" / "adapter_model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -71,7 +71,7 @@ def test_auto_finds_a_rate_records_its_curve_and_trains_from_a_fresh_model(tmp_p
 
     # --resume takes the recorded rate (no second range test) and ends where the whole run ended
     cut = cut_after_checkpoint(result.run_dir, tmp_path / "cut", 3)
-    resumed = runner.run(recipes.load(cut / "recipe.yaml"), resume=True)
+    resumed = runner.run(recipefile.load(cut / "recipe.yaml"), resume=True)
     assert resumed.trainer.args.learning_rate == pytest.approx(found["value"])
     c = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
     for k in a:
@@ -88,7 +88,7 @@ def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trai
     res = run_cli("validate", str(path))
     assert res.returncode == 0, res.stderr
     assert "training.learning_rate: auto (a range test of 16 steps" in res.stderr
-    args = arguments.training_arguments(recipes.load(path), Precision("fp32", ""), tmp_path / "run", False)
+    args = arguments.training_arguments(recipefile.load(path), Precision("fp32", ""), tmp_path / "run", False)
     assert args.neftune_noise_alpha == 5 and args.learning_rate == arguments.PROVISIONAL_RATE
     # a recipe without a rate: the measured default is named with its reason, by validate and by train
     raw["training"].pop("learning_rate")
@@ -96,13 +96,13 @@ def test_validate_names_the_automatic_learning_rate_and_neftune_reaches_the_trai
     path = write_recipe(tmp_path / "r.yaml", raw)
     res = run_cli("validate", str(path))
     line = next(x for x in res.stderr.splitlines() if "training.learning_rate" in x)
-    assert line == f"tunekit: {defaults.applied(recipes.load(path))[0]}"
+    assert line == f"tunekit: {defaults.applied(recipefile.load(path))[0]}"
     assert "0.0002 (default: kept by bench/quality.py's rule" in line and "bench/RESULTS.md" in line
     assert "tunekit: lora.use_rslora: false (default: bench/quality.py's rule (3 seeds" in res.stderr
-    assert recipes.load(path).lora.use_rslora is False
+    assert recipefile.load(path).lora.use_rslora is False
     raw["lora"]["use_rslora"] = True  # set in the recipe: kept, no line
     res = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
-    assert "lora.use_rslora" not in res.stderr and recipes.load(tmp_path / "r.yaml").lora.use_rslora is True
+    assert "lora.use_rslora" not in res.stderr and recipefile.load(tmp_path / "r.yaml").lora.use_rslora is True
     raw["lora"]["use_rslora"] = False
     res = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
     assert "lora.use_rslora" not in res.stderr and "training.learning_rate: 0.0002 (default" in res.stderr
@@ -117,7 +117,7 @@ def test_auto_works_for_full_finetuning_and_qlora(tmp_path, tiny_model, settings
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"learning_rate": "auto", "max_steps": 4},
                       **settings)
-    result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+    result = runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     found = RunRecord.load(result.run_dir).learning_rate
     assert result.trainer.args.learning_rate == pytest.approx(found["value"])
     smoothed = [p["smoothed"] for p in found["curve"]]

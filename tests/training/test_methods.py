@@ -17,7 +17,7 @@ import pytest
 import tunekit
 from conftest import tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import methods as declared
-from tunekit.config import recipes, rules, schema
+from tunekit.config import recipefile, rules, schema
 from tunekit.core.errors import TunekitError
 from tunekit.training import methods
 
@@ -39,7 +39,7 @@ def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_
                       tmp_path / "run", training={"method": "ppo"})
     with pytest.raises(TunekitError,
                        match="training.method: .*'sft', 'dpo', 'kto', 'orpo', 'reward', 'grpo', 'rloo' or 'distill'"):
-        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     with pytest.raises(TunekitError, match="unknown method 'ppo'; registered: sft, dpo, kto, orpo, reward, grpo"):
         methods.get("ppo")
 
@@ -62,21 +62,21 @@ class Toy(Method):
 
 register(Toy())
 assert METHODS["toy"].summary == "a method declared by a test" and METHODS["toy"].section == "toy"
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.plan import estimate  # the schema is built after the declaration
 raw = yaml.safe_load(open(sys.argv[1]))
 raw["training"]["method"] = "toy"
-r = recipes.from_dict(raw)
+r = recipefile.from_dict(raw)
 assert r.toy.alpha == 1.0 and r.training.method == "toy"
 assert estimate.settings_from(r, 1, "fp32").sequences == 3
 raw["dpo"] = {"beta": 0.2}
 try:
-    recipes.from_dict(raw)
+    recipefile.from_dict(raw)
 except Exception as e:
     print("refused:", e)
 raw.pop("dpo"); raw["training"]["method"] = "sft"; raw["toy"] = {"alpha": 2.0}
 try:
-    recipes.from_dict(raw)
+    recipefile.from_dict(raw)
 except Exception as e:
     print("refused:", e)
 '''
@@ -95,13 +95,13 @@ def test_a_registered_method_is_a_training_method_with_its_section(tmp_path, tin
 
 
 def test_the_recipe_imports_no_torch():
-    code = "import sys, tunekit.config.recipes; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
+    code = "import sys, tunekit.config.recipefile; print(sorted({'torch', 'trl', 'transformers'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
 def test_the_recipe_imports_nothing_above_config():
     """The schema reads the declarations beside it, not the registries' implementations."""
-    code = ("import sys, tunekit.config.recipes; "
+    code = ("import sys, tunekit.config.recipefile; "
             "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('tunekit.')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "['config', 'core']\n"
@@ -126,31 +126,31 @@ def dpo_raw(tmp_path, tiny_model, **sections):
 def test_the_old_preference_section_reads_as_dpo_with_a_note(tmp_path, tiny_model, caplog):
     path = write_recipe(tmp_path / "r.yaml", dpo_raw(tmp_path, tiny_model, preference={"beta": 0.3}))
     with caplog.at_level(logging.INFO, logger="tunekit"):
-        r = recipes.load(path)
+        r = recipefile.load(path)
     assert r.dpo.beta == 0.3 and "preference" not in schema.Recipe.model_fields
     notes = [rec.getMessage() for rec in caplog.records if "preference" in rec.getMessage()]
     assert notes == [f"{path}: the preference section is now named dpo; read as dpo (rename it)"]
-    assert "preference" not in yaml_of(r) and recipes.from_dict(yaml_of(r)).dpo.beta == 0.3
+    assert "preference" not in yaml_of(r) and recipefile.from_dict(yaml_of(r)).dpo.beta == 0.3
 
 
 def yaml_of(r):
     import yaml
 
-    return yaml.safe_load(recipes.to_yaml(r))
+    return yaml.safe_load(recipefile.to_yaml(r))
 
 
 def test_an_old_run_recipe_with_an_empty_preference_section_reads_silently(tmp_path, tiny_model, caplog):
     raw = dpo_raw(tmp_path, tiny_model, preference=None)
     raw["preference"] = None  # older runs' recipe.yaml wrote every method section, empty ones as null
     with caplog.at_level(logging.INFO, logger="tunekit"):
-        r = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        r = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     assert r.dpo.beta == 0.1 and not [rec for rec in caplog.records if "preference" in rec.getMessage()]
 
 
 def test_both_the_old_and_the_new_section_name_is_refused(tmp_path, tiny_model):
     raw = dpo_raw(tmp_path, tiny_model, preference={"beta": 0.3}, dpo={"beta": 0.2})
     with pytest.raises(TunekitError, match="preference is the earlier name of the dpo section and both are set"):
-        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
 
 
 def method_name_literals(tree: ast.AST) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import history, in_full, logged, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.data.formats import Record
 from tunekit.data.reading import read_records
@@ -50,14 +50,14 @@ def test_recipe_checks_name_the_method(tmp_path, tiny_model, change, message):
     raw = dpo_raw(tiny_model, write_jsonl(tmp_path / "p.jsonl", pairs(1)), tmp_path / "run")
     change(raw)
     with pytest.raises(TunekitError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
 
 
 def test_pairs_are_tokenized_exactly_as_sft_renders_them(tmp_path, tiny_model):
     """The prompt ids are the SFT example's masked prefix, and each answer's ids are exactly the tokens SFT
     trains when that answer is the target: DPO's loss falls on the same tokens as SFT's."""
     data = write_jsonl(tmp_path / "p.jsonl", pairs(1))
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
     tok = loader.load_tokenizer(recipe.model)
     renderer = Renderer(recipe.data, tok)
     for record in read_records(str(data), "train", "data.train"):
@@ -76,7 +76,7 @@ def test_a_malformed_pair_is_named_by_file_and_line(tmp_path, tiny_model):
     rows = pairs(1)
     del rows[2]["rejected"]
     data = write_jsonl(tmp_path / "p.jsonl", rows)
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
     with pytest.raises(TunekitError, match=r"p.jsonl line 3: missing field 'rejected'"):
         runner.run(recipe)
 
@@ -86,7 +86,7 @@ def test_dpo_learns_the_preference_against_the_adapter_off_base(tmp_path, tiny_m
     data = write_jsonl(tmp_path / "p.jsonl", pairs())
     raw = dpo_raw(tiny_model, data, tmp_path / "run")
     raw["data"]["eval"] = str(data)
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     result = runner.run(recipe)
     evals = history(tmp_path / "run", "eval_loss")
     assert evals[0]["eval_loss"] < 0.6931  # below log 2: the policy already separates the pair
@@ -118,7 +118,7 @@ def test_dpo_run_scores_generations_while_training_and_its_measures_reach_metric
     raw = dpo_raw(tiny_model, data, tmp_path / "run", eval_steps=12)
     raw["data"]["eval"] = str(data)
     raw["eval"] = {"batch_size": 8, "max_new_tokens": 8}
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     evaluator.end_of_training(recipe, tmp_path / "run")  # as `tunekit train` ends
     last = history(tmp_path / "run", "eval_loss")[-1]
@@ -136,7 +136,7 @@ def test_a_base_model_that_prefers_the_rejected_answers_scores_low(tmp_path, tin
     """Measures without an adapter: only the model's own preference, here checked against summed
     log-probabilities computed by hand."""
     data = write_jsonl(tmp_path / "p.jsonl", pairs(1))
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", dpo_raw(tiny_model, data, tmp_path / "run")))
     tok = loader.load_tokenizer(recipe.model)
     model = loader.load_base(recipe.model, torch.float32)
     records = read_records(str(data), "train", "data.train")
@@ -163,10 +163,10 @@ def test_dpo_continues_an_sft_run_against_that_run_as_reference(tmp_path, tiny_m
     run.json names the run it started from."""
     data = write_jsonl(tmp_path / "p.jsonl", pairs())
     sft = dpo_raw(tiny_model, data, tmp_path / "sft", method="sft", max_steps=6, eval_steps=None)
-    runner.run(recipes.load(write_recipe(tmp_path / "sft.yaml", sft)))
+    runner.run(recipefile.load(write_recipe(tmp_path / "sft.yaml", sft)))
     raw = dpo_raw(tiny_model, data, tmp_path / "dpo", max_steps=3, eval_steps=None)
     raw["model"]["adapter_from"] = str(tmp_path / "sft")
-    result = runner.run(recipes.load(write_recipe(tmp_path / "dpo.yaml", raw)))
+    result = runner.run(recipefile.load(write_recipe(tmp_path / "dpo.yaml", raw)))
     losses = logged(tmp_path / "dpo", "loss")
     assert losses[0] == pytest.approx(0.693147, abs=1e-5)  # policy == reference at the start
     model = result.trainer.model
@@ -179,11 +179,11 @@ def test_dpo_continues_an_sft_run_against_that_run_as_reference(tmp_path, tiny_m
     assert record["global_step"] == 6
     raw.update(output_dir=str(tmp_path / "other"), lora={**raw["lora"], "r": 4})
     with pytest.raises(TunekitError, match=r"lora.r=4 but the adapter in .*sft has r 8; set lora.r: 8"):
-        runner.run(recipes.load(write_recipe(tmp_path / "other.yaml", raw)))
+        runner.run(recipefile.load(write_recipe(tmp_path / "other.yaml", raw)))
     raw.update(lora={**raw["lora"], "r": 8, "use_rslora": True})  # the saved config would win: refused, not ignored
     with pytest.raises(TunekitError, match=r"lora.use_rslora=True but the adapter in .*sft has use_rslora false; "
                                            r"set lora.use_rslora: false"):
-        runner.run(recipes.load(write_recipe(tmp_path / "other.yaml", raw)))
+        runner.run(recipefile.load(write_recipe(tmp_path / "other.yaml", raw)))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -194,7 +194,7 @@ def test_adapter_from_must_be_a_finished_lora_run(tmp_path, tiny_model, change, 
     raw = dpo_raw(tiny_model, write_jsonl(tmp_path / "p.jsonl", pairs(1)), tmp_path / "run")
     change(raw, tmp_path)
     with pytest.raises(TunekitError, match=message):
-        runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+        runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     assert not (tmp_path / "run").exists()
 
 
@@ -206,7 +206,7 @@ def test_full_finetuning_dpo_trains_against_a_frozen_reference_copy(tmp_path, ti
     raw = dpo_raw(tiny_model, data, tmp_path / "run", max_steps=6, eval_steps=6, learning_rate=1e-3)
     raw.update(adapter="none", lora=None)
     raw["data"]["eval"] = str(data)
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     result = runner.run(recipe)
     last = history(tmp_path / "run", "eval_loss")[-1]
     assert last["eval_rewards/accuracies"] == 1.0 and last["eval_loss"] < 0.6931
@@ -231,7 +231,7 @@ def test_orpo_learns_the_preference_without_a_reference(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "p.jsonl", pairs())
     raw = dpo_raw(tiny_model, data, tmp_path / "run", method="orpo")
     raw["data"]["eval"] = str(data)
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     assert recipe.orpo.beta == 0.1 and recipe.dpo is None
     result = runner.run(recipe)
     first, last = (evals := history(tmp_path / "run", "eval_loss"))[0], evals[-1]
@@ -271,7 +271,7 @@ def test_kto_learns_desirable_completions_from_unpaired_labels(tmp_path, tiny_mo
                                                                       "learning_rate": 5e-3, "eval_steps": 6})
     raw["data"].update(format="unpaired_preference", eval=str(data))
     raw["eval"] = {"batch_size": 8, "max_new_tokens": 8}
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     assert recipe.kto.beta == 0.1 and recipe.dpo is None
     result = runner.run(recipe)
     first, last = (evals := history(tmp_path / "run", "eval_loss"))[0], evals[-1]
@@ -299,7 +299,7 @@ def test_kto_recipe_checks(tmp_path, tiny_model, change, message):
     raw["data"]["format"] = "unpaired_preference"
     change(raw)
     with pytest.raises(TunekitError, match=message):
-        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
 
 
 def test_unpaired_rows_need_a_boolean_label(tmp_path, tiny_model):
@@ -309,7 +309,7 @@ def test_unpaired_rows_need_a_boolean_label(tmp_path, tiny_model):
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "kto"})
     raw["data"]["format"] = "unpaired_preference"
     with pytest.raises(TunekitError, match=r"u.jsonl line 4: field 'label' must be true or false"):
-        runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+        runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
 
 
 def final_adapter(run_dir):
@@ -336,7 +336,7 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_ends(tmp_path, tin
 
     full = tmp_path / "full"
     raw = method_raw(method, tiny_model, tmp_path, full, save_steps=6)
-    runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+    runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     expected = final_adapter(full)
     cut = cut_after_checkpoint(full, tmp_path / "cut", 6)
     shutil.rmtree(full)
@@ -371,7 +371,7 @@ def test_two_processes_train_as_one_does(tmp_path, tiny_model, method, sharding)
     single = tmp_path / "single"
     rate = {k: v for k, v in (sharding or {}).items() if k == "learning_rate"}
     raw = dpo_raw(tiny_model, data, single, max_steps=4, eval_steps=None, method=method, **rate)
-    runner.run(recipes.load(write_recipe(tmp_path / "one.yaml", raw)))
+    runner.run(recipefile.load(write_recipe(tmp_path / "one.yaml", raw)))
     raw = dpo_raw(tiny_model, data, tmp_path / "two", max_steps=4, eval_steps=None, micro_batch_size=4,
                   method=method, **(sharding or {}))
     res = launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
@@ -413,7 +413,7 @@ def test_kto_and_orpo_find_their_learning_rate_by_the_range_test(tmp_path, tiny_
     test_two_processes_train_as_one_does): the run trains at the rate the test found and records its curve."""
     raw = method_raw(method, tiny_model, tmp_path, tmp_path / "run", learning_rate="auto", max_steps=2,
                      lr_range_test_steps=8, eval_steps=None)
-    result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+    result = runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     found = RunRecord.load(result.run_dir).learning_rate
     assert result.trainer.args.learning_rate == pytest.approx(found["value"])
     assert len(found["curve"]) == found["steps"] and found["curve"][0]["lr"] == pytest.approx(1e-5)
@@ -426,7 +426,7 @@ def test_loraplus_applies_to_the_preference_trainers(tmp_path, tiny_model):
     alike), not only SFT's: DPO's with the B matrices at 16 x the rate."""
     raw = method_raw("dpo", tiny_model, tmp_path, tmp_path / "run", max_steps=1, eval_steps=None)
     raw["lora"] = {**(raw.get("lora") or {}), "lr_ratio": 16}
-    result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+    result = runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     groups = [g for g in result.trainer.optimizer.param_groups if g["params"]]
     rate = result.trainer.args.learning_rate
     assert sorted({g["initial_lr"] for g in groups}) == pytest.approx([rate, 16 * rate])

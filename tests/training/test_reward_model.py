@@ -24,7 +24,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.config.methodsettings import RewardSpec
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import evaluator, rewardmodel, rewards
@@ -60,7 +60,7 @@ def reward_raw(tiny_model, tmp_path, **training):
 def trained(tiny_model, tmp_path_factory):
     """One reward model run on the tiny model, shared by the tests below: (recipe, run directory, trained model)."""
     tmp_path = tmp_path_factory.mktemp("reward")
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", reward_raw(tiny_model, tmp_path)))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", reward_raw(tiny_model, tmp_path)))
     result = runner.run(recipe)
     evaluator.end_of_training(recipe, tmp_path / "run")
     return recipe, tmp_path / "run", result.trainer.model
@@ -160,7 +160,7 @@ def test_grpo_trains_on_the_reward_models_scores(trained, tiny_model, tmp_path):
     raw["data"].update(format="prompt", eval_fraction=0.25)
     raw["grpo"] = {"completions": 4, "max_completion_length": 6, "rewards": [{"reward": "model", "run": str(run_dir)}]}
     raw["eval"] = {"max_new_tokens": 6, "batch_size": 4, "during_training": False}
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     rows = history(tmp_path / "grpo")
     means = [r["rewards/model/mean"] for r in rows if "rewards/model/mean" in r]
@@ -192,7 +192,7 @@ def test_the_best_checkpoint_may_be_chosen_by_the_held_out_loss(tmp_path, tiny_m
     """A reward model's evaluations log eval_loss, with an eval section or without."""
     raw = reward_raw(tiny_model, tmp_path)
     raw["training"]["metric_for_best"] = "eval_loss"
-    assert recipes.load(write_recipe(tmp_path / "r.yaml", raw)).training.metric_for_best == "eval_loss"
+    assert recipefile.load(write_recipe(tmp_path / "r.yaml", raw)).training.metric_for_best == "eval_loss"
 
 
 @pytest.mark.parametrize("metric", ["eval_accuracy", "eval_margin"])
@@ -200,7 +200,7 @@ def test_the_best_checkpoint_may_be_chosen_by_held_out_pair_accuracy_or_margin(t
     """What a reward model's evaluations log beside eval_loss, greater being better."""
     raw = reward_raw(tiny_model, tmp_path)
     raw["training"]["metric_for_best"] = metric
-    training = recipes.load(write_recipe(tmp_path / "r.yaml", raw)).training
+    training = recipefile.load(write_recipe(tmp_path / "r.yaml", raw)).training
     assert training.metric_for_best == metric and training.best_is_greater
 
 
@@ -220,7 +220,7 @@ def test_a_measure_the_evaluations_do_not_log_is_refused_in_one_line(tmp_path, t
             tmp_path / "sft.jsonl", [{"prompt": w, "completion": w[::-1]} for w in WORDS])), "eval": None}
         raw["data"]["eval_fraction"] = 0.25
     with pytest.raises(TunekitError, match="training.metric_for_best") as e:
-        recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+        recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -229,7 +229,7 @@ def test_the_best_checkpoint_by_margin_is_the_one_kept(tiny_model, tmp_path):
     """eval_margin reaches the evaluation's metrics counted over the pairs: the run keeps the checkpoint with the
     greatest one."""
     raw = reward_raw(tiny_model, tmp_path, metric_for_best="eval_margin", max_steps=8, eval_steps=4)
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     margins = {h["step"]: h["eval_margin"] for h in history(tmp_path / "run", "eval_margin")}
     best = RunRecord.load(tmp_path / "run").best
@@ -271,9 +271,9 @@ def test_a_reward_plan_counts_a_score_head_not_vocabulary_logits(tmp_path, tiny_
     """The score head gives one number per position (hidden x 1), the language-model head one per vocabulary entry:
     a DPO plan of the same pairs and an SFT plan of the same model keep their vocabulary-sized logits."""
     raw = reward_raw(tiny_model, tmp_path)
-    reward = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    reward = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     raw["training"]["method"] = "dpo"
-    dpo = recipes.load(write_recipe(tmp_path / "d.yaml", raw))  # the same pairs, a language-model head
+    dpo = recipefile.load(write_recipe(tmp_path / "d.yaml", raw))  # the same pairs, a language-model head
     plans = {}
     for name, recipe in (("reward", reward), ("dpo", dpo)):
         cfg, model = estimate.meta_model(recipe)
@@ -292,7 +292,7 @@ def test_a_reward_plan_counts_a_score_head_not_vocabulary_logits(tmp_path, tiny_
     p = estimate.make(reward, bw, cfg, model)
     layers = 4 * cfg.num_hidden_layers * tokens * estimate.layer_bytes_per_token(cfg, bw, reward)
     assert p.time.elementwise_bytes == pytest.approx(layers + 4 * tokens * 1 * 4 + p.counts.trainable * 28)
-    sft = recipes.load(write_recipe(tmp_path / "s.yaml", tiny_recipe(
+    sft = recipefile.load(write_recipe(tmp_path / "s.yaml", tiny_recipe(
         tiny_model, write_jsonl(tmp_path / "sft.jsonl", reverse_rows(8)), tmp_path / "sft",
         training={"chunked_loss": False})))
     s = estimate.Settings(micro_batch=2, seq_len=64, precision="fp32")
@@ -327,7 +327,7 @@ def test_full_and_qlora_reward_models_learn_and_reload(tmp_path, tiny_model, ada
     raw = {**reward_raw(tiny_model, tmp_path), **adapter}
     raw = {k: v for k, v in raw.items() if v is not None}
     raw["training"]["learning_rate"] = 1e-3 if "quantization" not in raw else 5e-3
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     result = evaluator.end_of_training(recipe, tmp_path / "run")
     assert logged(tmp_path / "run", "eval_accuracy")[-1] == result["scores"]["reward_accuracy"]

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import history, run_cli, tiny_recipe, training_rows, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.models import loader
 from tunekit.runs.layout import RunRecord
@@ -34,7 +34,7 @@ def rloo_raw(tiny_model, tmp_path, out, rloo_=None, **training):
 
 
 def load(tmp_path, raw):
-    return recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    return recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -121,7 +121,7 @@ def test_a_run_logs_each_reward_and_leaves_the_base_untouched(tmp_path, tiny_mod
     adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     assert any(float(v.abs().sum()) > 0 for k, v in adapter.items() if "lora_B" in k)
     base = load_file(str(tiny_model / "model.safetensors"))
-    model = loader.load_base(recipes.load(run_dir / "recipe.yaml").model, torch.float32)
+    model = loader.load_base(recipefile.load(run_dir / "recipe.yaml").model, torch.float32)
     assert all(torch.equal(base[k], v) for k, v in model.state_dict().items() if k in base)
 
 

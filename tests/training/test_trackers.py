@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from conftest import history, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.training import runner
 
@@ -33,7 +33,7 @@ def tracked_run(tmp_path_factory, tiny_model):
         env.setenv("WANDB_SILENT", "true")
         env.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
         env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 wants a database; the issue asks for file:
-        runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+        runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     return tmp_path, history(tmp_path / "tracked")
 
 
@@ -123,7 +123,7 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_training(tmp_path, t
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"report_to": ["trackio"]})
     with pytest.raises(TunekitError, match=r"training.report_to: trackio is not installed; "
                                            r"pip install 'tunekit\[trackio\]'"):
-        runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+        runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     assert not (tmp_path / "run").exists()
 
 

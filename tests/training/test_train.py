@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, logged, reverse_rows, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
@@ -26,7 +26,7 @@ def data_file(tmp_path):
 
 
 def load(tmp_path, raw, *overrides):
-    return recipes.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
+    return recipefile.load(write_recipe(tmp_path / "r.yaml", raw), list(overrides))
 
 
 def base_state(model_dir):
@@ -68,9 +68,9 @@ def test_lora_variants_train_keep_the_base_and_merge_to_the_adapter(variant, tmp
     if variant == "use_rslora":
         assert config["use_rslora"]
     if variant == "lr_ratio":  # LoRA+: the optimizer's groups, as checkpointed
-        from tunekit.core import statefile
+        from tunekit.core import checkpointfile
 
-        state = statefile.load(run_dir / "checkpoints" / "checkpoint-12" / "optimizer.safetensors")
+        state = checkpointfile.load(run_dir / "checkpoints" / "checkpoint-12" / "optimizer.safetensors")
         rates = sorted({g["lr"] for g in state["param_groups"] if g["params"]})  # constant schedule
         assert rates == pytest.approx([5e-3, 16 * 5e-3]), state["param_groups"]
     merged = run_cli("merge", str(run_dir))
@@ -91,7 +91,7 @@ def test_pissa_and_olora_adapters_are_saved_against_the_original_base(init, tmp_
     result = runner.run(load(tmp_path, raw))
     history = logged(result.run_dir, "loss")
     assert history[-1] < history[0] - 0.3, history
-    recipe = recipes.load(result.run_dir / "recipe.yaml")
+    recipe = recipefile.load(result.run_dir / "recipe.yaml")
     tok = loader.load_tokenizer(recipe.model, result.run_dir / "adapter")
     batch = merge.parity_batch(recipe, tok)
     trained = merge.logits(result.trainer.model.float(), batch)
@@ -119,7 +119,7 @@ def test_run_directory_contents_and_no_overwrite_without_force(tmp_path, tiny_mo
     assert info.status == "completed" and info.versions["transformers"]
     assert info.command[1:] == ["train", str(path)] and info.precision["name"] == "fp32"
     assert info.data["eval"]["examples"] == 8 and info.eval_loss is not None
-    assert recipes.load(run_dir / "recipe.yaml").training.max_steps == 4
+    assert recipefile.load(run_dir / "recipe.yaml").training.max_steps == 4
     assert len(logged(run_dir, "loss")) >= 4
     assert (run_dir / "checkpoints" / "checkpoint-4").is_dir()
     assert "precision: fp32" in res.stderr and "= 8 examples per optimizer step" in res.stderr
@@ -191,7 +191,7 @@ def test_flagship_recipe_settings_run_on_cpu_with_a_local_model(tmp_path, tiny_m
         "data.max_length=64", "training.max_steps=3", "training.logging_steps=1", "training.eval_steps=3",
         "training.save_steps=3", f"output_dir={tmp_path / 'run'}", "model.attn_implementation=null",
     ]
-    recipe = recipes.load(ROOT / "recipes" / "llama_qlora.yaml", overrides)
+    recipe = recipefile.load(ROOT / "recipes" / "llama_qlora.yaml", overrides)
     assert recipe.adapter_kind == "qlora" and recipe.training.deepspeed.endswith("ds_configs/zero2.json")
     assert recipe.training.gradient_checkpointing and recipe.training.gradient_accumulation_steps == 8
     # through the CLI, as users run it: DeepSpeed sets up process-wide state
@@ -241,7 +241,7 @@ def test_a_run_that_ends_before_its_first_step_is_marked_failed_and_retried_with
 
     monkeypatch.setattr(runner, "build_trainer", no_trainer)
     with pytest.raises(RuntimeError, match="no trainer today"):
-        runner.run(recipes.load(path))
+        runner.run(recipefile.load(path))
     record = RunRecord.load(tmp_path / "run")
     assert (record.status, record.error, record.failed_at_step) == ("failed", "no trainer today", 0)
     monkeypatch.undo()

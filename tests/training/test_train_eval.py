@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import history, launch, reverse_rows, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.evaluation import evaluator
 from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
@@ -35,7 +35,7 @@ def test_generation_metrics_are_logged_at_each_eval_and_match_an_eval_of_the_sam
                                                                      "learning_rate": 1e-2},
                       eval={"data": str(data), "limit": 5, "batch_size": 2, "max_new_tokens": 6})
     raw["data"]["eval"] = str(data)
-    recipe = recipes.load(write_recipe(tmp_path / "r.yaml", raw))
+    recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     runner.run(recipe)
     rows = history(tmp_path / "run", "eval_loss")
     assert [r["step"] for r in rows] == [6, 12]
@@ -50,7 +50,7 @@ def test_off_switch_logs_the_loss_only(tmp_path, tiny_model):
     raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"max_steps": 2},
                       eval={"limit": 2, "max_new_tokens": 4, "during_training": False})
     raw["data"]["eval"] = str(data)
-    runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+    runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     (row,) = history(tmp_path / "run", "eval_loss")
     assert "eval_bleu" not in row
 

@@ -115,7 +115,7 @@ CONFIG_ATTRIBUTES = [
     ("_attn_implementation", "train.py logs and records (run.json data.attention) the attention kernel in use"),
 ]
 
-# ---------------------------------------------------------------- DeepSpeed (dscheckpoint.py)
+# ---------------------------------------------------------------- DeepSpeed (checkpointdeepspeed.py)
 # (name, why) -- methods of DeepSpeedEngine that tunekit replaces on each built engine
 ENGINE_HOOKS = [
     ("_get_ckpt_name", "shard file names end in .safetensors (the writer and the loader's glob both use it)"),
@@ -278,7 +278,7 @@ def test_the_private_deepspeed_engine_methods_tunekit_replaces_still_exist_upstr
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     gone = [name for name, _ in ENGINE_HOOKS if not callable(getattr(DeepSpeedEngine, name, None))]
-    assert not gone, f"DeepSpeedEngine lost {gone}: update dscheckpoint.py"
+    assert not gone, f"DeepSpeedEngine lost {gone}: update checkpointdeepspeed.py"
 
 
 def test_the_other_library_internals_tunekit_relies_on_still_exist():

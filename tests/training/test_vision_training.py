@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import NEEDS_SMOLLM2, ROOT, colour_rows, logged, run_cli, tiny_recipe, write_jsonl, write_recipe
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.runs.layout import RunRecord
 from tunekit.training import runner
 
@@ -23,7 +23,7 @@ def run(tmp_path, model, caplog, **sections):
     data = write_jsonl(tmp_path / "train.jsonl", colour_rows(tmp_path / "img", 32))
     raw = tiny_recipe(model, data, tmp_path / "run", data={"format": "chat", "packing": True}, **sections)
     with caplog.at_level("INFO", logger="tunekit"):
-        result = runner.run(recipes.load(write_recipe(tmp_path / "r.yaml", raw)))
+        result = runner.run(recipefile.load(write_recipe(tmp_path / "r.yaml", raw)))
     return result, logged(result.run_dir, "loss")
 
 

@@ -40,7 +40,7 @@ def merge(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, dtyp
     arguments.flag("force", force)
     arguments.number("tolerance", tolerance)
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
-    from tunekit.config.recipes import load
+    from tunekit.config.recipefile import load
     from tunekit.data import precheck
     from tunekit.runs.layout import RECIPE_FILE, adapter_run
 

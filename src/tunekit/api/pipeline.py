@@ -29,9 +29,9 @@ class Validated:
 
     @property
     def yaml(self) -> str:
-        from tunekit.config import recipes
+        from tunekit.config import recipefile
 
-        return recipes.to_yaml(self.recipe)
+        return recipefile.to_yaml(self.recipe)
 
 
 def validate(recipe: RecipeLike, overrides: Overrides = None, world_size: int | None = None) -> Validated:
@@ -203,7 +203,7 @@ def evaluate(target: str | os.PathLike, recipe: RecipeLike | None = None, data: 
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
     from pydantic import ValidationError
 
-    from tunekit.config.recipes import format_validation_error
+    from tunekit.config.recipefile import format_validation_error
     from tunekit.config.schema import EvalConfig
     from tunekit.data import precheck
     from tunekit.runs.layout import ADAPTER_DIR

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
 from tunekit.api import arguments
-from tunekit.config import recipes
+from tunekit.config import recipefile
 from tunekit.config.schema import Recipe
 from tunekit.core.errors import TunekitError
 
@@ -40,7 +40,7 @@ def override_lines(overrides: Overrides) -> list[str]:
     for line in lines:
         if not isinstance(line, str):
             raise TunekitError(f"override {line!r}: expected a 'dotted.key=value' string")
-        recipes.parse_override(line)
+        recipefile.parse_override(line)
     return lines
 
 
@@ -59,7 +59,7 @@ def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
     check_type(recipe)
     lines = override_lines(overrides)
     if is_path(recipe):
-        return recipes.load(Path(recipe), lines)
+        return recipefile.load(Path(recipe), lines)
     if isinstance(recipe, Recipe):
         if not lines:
             return recipe
@@ -68,4 +68,4 @@ def load(recipe: RecipeLike, overrides: Overrides = None) -> Recipe:
     else:
         arguments.yaml_value("recipe", dict(recipe))  # what a YAML file could hold: a set or an object is named
         raw = copy.deepcopy(dict(recipe))
-    return recipes.from_dict(recipes.apply_overrides(raw, lines), source="recipe", base=Path.cwd())
+    return recipefile.from_dict(recipefile.apply_overrides(raw, lines), source="recipe", base=Path.cwd())

@@ -79,7 +79,7 @@ def size(text: str) -> int:
 
 
 def override(text: str) -> str:
-    from tunekit.config.recipes import parse_override
+    from tunekit.config.recipefile import parse_override
 
     try:
         parse_override(text)

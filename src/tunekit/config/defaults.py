@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tunekit.config.recipes import yaml_value
+from tunekit.config.recipefile import yaml_value
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Checkpoints do not use accelerate's FSDP writers (torch.distributed.checkpoint keeps its metadata in a
 pickle, and a full state dict is written with torch.save): training.trainer gathers full state dicts and
-writes them with statefile, which also lets a run resume on another number of processes."""
+writes them with checkpointfile, which also lets a run resume on another number of processes."""
 
 from __future__ import annotations
 

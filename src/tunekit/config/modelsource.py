@@ -1,6 +1,6 @@
 """Where a model comes from, as model.name_or_path (or an eval or export target) names it: a hub id, a local
 directory, or a GGUF file (a path or a file shipped inside an installed Python package). Pure path logic,
-imports no ML library: the recipe's loading checks the model named is there (config.recipes), and loading,
+imports no ML library: the recipe's loading checks the model named is there (config.recipefile), and loading,
 the Hub and export act on the source it gives (tunekit.models, tunekit.export)."""
 
 from __future__ import annotations

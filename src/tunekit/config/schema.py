@@ -1,7 +1,7 @@
 """The typed recipe: every section with its defaults and descriptions, the rules within a section beside its
 fields, and the rules across sections run in one order (config.rules). The choices come from the declarations
 beside this module (config.dataformats, config.metrickinds, config.methods); loading a recipe file, overrides and
-the one-line errors live in config.recipes."""
+the one-line errors live in config.recipefile."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def _file_or_sources(value: Any) -> str:
 
 
 # A file or hub name, or a list of sources. The tags hold "[" so that a one-line error's key leaves them out
-# (config.recipes): data.train[1].weight, not data.train.[sources].1.weight.
+# (config.recipefile): data.train[1].weight, not data.train.[sources].1.weight.
 DataSpec = Annotated[Union[Annotated[str, Tag("[file]")],
                            Annotated[list[DataSource], Field(min_length=1), Tag("[sources]")]],
                      Discriminator(_file_or_sources)]

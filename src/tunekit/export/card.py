@@ -14,8 +14,8 @@ import yaml
 
 from tunekit.config.methods import DECLARED as METHODS
 from tunekit.config.modelsource import looks_like_path, resolve_model
-from tunekit.config.recipes import load as load_recipe
-from tunekit.config.recipes import to_yaml
+from tunekit.config.recipefile import load as load_recipe
+from tunekit.config.recipefile import to_yaml
 from tunekit.config.schema import DATA_SUFFIXES
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json

@@ -18,7 +18,7 @@ import torch
 from peft import PeftModel
 
 from tunekit.config import methods
-from tunekit.config.recipes import load as load_recipe
+from tunekit.config.recipefile import load as load_recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.core.hardware import DTYPES

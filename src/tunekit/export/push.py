@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunekit.config.recipes import load as load_recipe
+from tunekit.config.recipefile import load as load_recipe
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
 from tunekit.evaluation.table import baseline_scores

@@ -60,7 +60,7 @@ def check_first(target: str) -> None:
     """Before torch: TARGET is there, and the model export will load can be had here: for a completed LoRA
     run its base model (named by its recipe key), for a hub id the id itself ("export target"). Anything
     else about the target is checked by `resolve`, in its own terms."""
-    from tunekit.config.recipes import load
+    from tunekit.config.recipefile import load
     from tunekit.data import precheck
     from tunekit.models import hub
 

@@ -1,6 +1,6 @@
 """A run's checkpoints/ folder as files, without torch: which checkpoints are complete (their marker
 written after the Trainer finished every file), the newest of them, and the one a resume starts from.
-`tunekit runs` reads it; training.checkpointing writes the marker during training."""
+`tunekit runs` reads it; training.checkpointmark writes the marker during training."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import yaml
 
 from tunekit.config.modelsource import resolve_model
-from tunekit.config.recipes import load as load_recipe
-from tunekit.config.recipes import to_yaml, yaml_value
+from tunekit.config.recipefile import load as load_recipe
+from tunekit.config.recipefile import to_yaml, yaml_value
 from tunekit.config.schema import Recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
@@ -316,7 +316,7 @@ def resolve_target(spec: str, recipe_path: str | None = None, data: str | None =
     if recipe_path:
         recipe = load_recipe(recipe_path, [f"model.name_or_path={spec}"])
     elif data:
-        from tunekit.config.recipes import from_dict
+        from tunekit.config.recipefile import from_dict
 
         recipe = from_dict({"model": {"name_or_path": spec}, "data": {"train": data}}, source="eval")
     elif source.kind == "hub":

@@ -8,7 +8,7 @@ from pathlib import Path
 from transformers import TrainingArguments
 
 from tunekit.config import dsconfig, fsdpconfig, parallelconfig
-from tunekit.config.recipes import to_yaml
+from tunekit.config.recipefile import to_yaml
 from tunekit.config.schema import Recipe
 from tunekit.core import distributed
 from tunekit.core.hardware import Precision

@@ -38,7 +38,7 @@ from tunekit.runs.layout import (
 )
 from tunekit.training import (
     arguments,
-    checkpointing,
+    checkpointmark,
     diskspace,
     losshistory,
     methods,
@@ -279,7 +279,7 @@ def load_model(inputs: methods.TrainerInputs, method: methods.Method, run_dir: P
 
 def run_callbacks(recipe: Recipe, run_dir: Path) -> list:
     """Loss history, checkpoint marks, the non-finite stop, early stopping and the trackers."""
-    return ([losshistory.LossHistory(run_dir / HISTORY_FILE), checkpointing.MarkComplete(),
+    return ([losshistory.LossHistory(run_dir / HISTORY_FILE), checkpointmark.MarkComplete(),
              nonfinite.StopOnNonFinite()]
             + ([EarlyStoppingCallback(recipe.training.early_stopping_patience)]
                if recipe.training.early_stopping_patience else [])
@@ -288,9 +288,9 @@ def run_callbacks(recipe: Recipe, run_dir: Path) -> list:
 
 
 def fsdp_callbacks() -> list:
-    from tunekit.training import fsdpstate
+    from tunekit.training import checkpointfsdp
 
-    return [fsdpstate.ReportUnits()]
+    return [checkpointfsdp.ReportUnits()]
 
 
 def generation_eval(recipe: Recipe, tokenizer, evaluates: bool, samples: Path | None = None):

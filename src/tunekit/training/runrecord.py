@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from tunekit.config import parallelconfig
-from tunekit.config.recipes import to_yaml
+from tunekit.config.recipefile import to_yaml
 from tunekit.config.schema import Recipe
 from tunekit.core import outputs
 from tunekit.models import loader

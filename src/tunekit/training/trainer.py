@@ -3,7 +3,7 @@ without pickles, generation metrics at evaluations) and SafeStateTrainer, the Tr
 
 The stock Trainer writes optimizer.pt, scheduler.pt, scaler.pt and rng_state.pth with torch.save and a
 pickled training_args.bin; DeepSpeed writes its shards with torch.save too. Here the same state goes
-through statefile (safetensors), DeepSpeed engines get a safetensors checkpoint engine, and the
+through checkpointfile (safetensors), DeepSpeed engines get a safetensors checkpoint engine, and the
 TrainingArguments pickle is not written (the run's recipe.yaml holds the same settings).
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import Trainer
 
-from tunekit.core import statefile
+from tunekit.core import checkpointfile
 from tunekit.core.errors import TunekitError
 from tunekit.data.collating import TRAINED_POSITIONS
 from tunekit.models import kernels, losspath
@@ -50,7 +50,7 @@ class SafeState:
     @deepspeed.setter
     def deepspeed(self, engine):
         if engine is not None:
-            from tunekit.training.dscheckpoint import use_safetensors
+            from tunekit.training.checkpointdeepspeed import use_safetensors
 
             use_safetensors(engine)
         self.__dict__["_deepspeed_engine"] = engine
@@ -65,16 +65,16 @@ class SafeState:
     @property
     def _sharded_state(self) -> bool:
         """The weights are DTensors (FSDP2, or a model split by transformers as it loaded): checkpoints gather them
-        whole (fsdpstate), every rank taking part."""
+        whole (checkpointfsdp), every rank taking part."""
         return self.is_fsdp_enabled or getattr(self, "is_distributed_loading_by_transformers", False)
 
     # --- weights: Trainer._save minus torch.save(self.args)
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self._sharded_state:  # every rank takes part in gathering the unsharded weights; rank 0 writes them
-            from tunekit.training import fsdpstate
+            from tunekit.training import checkpointfsdp
 
-            state_dict = fsdpstate.model_state(self.model)
+            state_dict = checkpointfsdp.model_state(self.model)
         if not self.args.should_save and not self.is_distributed_loading_by_transformers:
             return
         if self.args.should_save:
@@ -92,48 +92,48 @@ class SafeState:
             # DeepSpeed saves optimizer shards (and its own scheduler) through the engine installed above.
             self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=self._is_peft())
         elif self._sharded_state:
-            from tunekit.training import fsdpstate
+            from tunekit.training import checkpointfsdp
 
-            state = fsdpstate.optimizer_state(self.model, self.optimizer)  # every rank takes part
+            state = checkpointfsdp.optimizer_state(self.model, self.optimizer)  # every rank takes part
             if self.args.should_save:
-                statefile.save(state, os.path.join(output_dir, OPTIMIZER))
+                checkpointfile.save(state, os.path.join(output_dir, OPTIMIZER))
         elif self.args.should_save:
-            statefile.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER))
+            checkpointfile.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER))
         if self.args.should_save and not self._uses_deepspeed_scheduler():
-            statefile.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
+            checkpointfile.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
         if self._sharded_state:
-            from tunekit.training import fsdpstate
+            from tunekit.training import checkpointfsdp
 
-            fsdpstate.load_optimizer_state(self.model, self.optimizer,
-                                           statefile.load(os.path.join(checkpoint, OPTIMIZER)))
+            checkpointfsdp.load_optimizer_state(self.model, self.optimizer,
+                                           checkpointfile.load(os.path.join(checkpoint, OPTIMIZER)))
         elif not self.is_deepspeed_enabled:
             device = self.args.device if self.args.world_size > 1 and self.args.device.type != "cpu" else "cpu"
-            self.optimizer.load_state_dict(statefile.load(os.path.join(checkpoint, OPTIMIZER), device))
+            self.optimizer.load_state_dict(checkpointfile.load(os.path.join(checkpoint, OPTIMIZER), device))
         if not self._uses_deepspeed_scheduler():
-            self.lr_scheduler.load_state_dict(statefile.load(os.path.join(checkpoint, SCHEDULER)))
+            self.lr_scheduler.load_state_dict(checkpointfile.load(os.path.join(checkpoint, SCHEDULER)))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Under FSDP the checkpoint's weights are the Trainer's ordinary, gathered safetensors files; each
         rank keeps its shard of them (the stock path reads only accelerate's FSDP files)."""
         if not self._sharded_state:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from tunekit.training import fsdpstate
+        from tunekit.training import checkpointfsdp
 
-        fsdpstate.load_weights(self.model, resume_from_checkpoint)
+        checkpointfsdp.load_weights(self.model, resume_from_checkpoint)
 
     def _save_scaler(self, output_dir: str) -> None:
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and self.args.should_save:
-            statefile.save(scaler.state_dict(), os.path.join(output_dir, SCALER))
+            checkpointfile.save(scaler.state_dict(), os.path.join(output_dir, SCALER))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         scaler = getattr(self.accelerator, "scaler", None)
         if checkpoint is not None and scaler is not None and os.path.isfile(os.path.join(checkpoint, SCALER)):
-            scaler.load_state_dict(statefile.load(os.path.join(checkpoint, SCALER)))
+            scaler.load_state_dict(checkpointfile.load(os.path.join(checkpoint, SCALER)))
 
     # --- random number generators (each process its own file)
     def _save_rng_state(self, output_dir: str) -> None:
@@ -141,7 +141,7 @@ class SafeState:
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.random.get_rng_state_all()
         os.makedirs(output_dir, exist_ok=True)
-        statefile.save(state, os.path.join(output_dir, _rng_file(self.args)))
+        checkpointfile.save(state, os.path.join(output_dir, _rng_file(self.args)))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -150,7 +150,7 @@ class SafeState:
         if not os.path.isfile(path):  # saved under another world size
             log.warning("%s has no RNG state for this process; random draws will differ from the first run", checkpoint)
             return
-        state = statefile.load(path)
+        state = checkpointfile.load(path)
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.random.set_rng_state(state["cpu"])
@@ -219,7 +219,7 @@ class SafeStateTrainer(TrainerAdditions, Trainer):
 
     def __init__(self, *args, chunked_loss: bool = False, **kwargs):
         # transformers refuses to checkpoint the optimizer of a model split as it loads (training.parallelism.tp):
-        # its own writer cannot gather DTensor optimizer state. This one can (fsdpstate, the FSDP2 path), so the
+        # its own writer cannot gather DTensor optimizer state. This one can (checkpointfsdp, the FSDP2 path), so the
         # refusal is passed with save_only_model shown set, and the checkpoints still hold the optimizer state.
         split = getattr(kwargs.get("model"), "is_distributed_loading_by_transformers", False) and "args" in kwargs
         with mock.patch.object(kwargs["args"], "save_only_model", True) if split else contextlib.nullcontext():

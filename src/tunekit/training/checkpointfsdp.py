@@ -1,4 +1,4 @@
-"""FSDP2 checkpoints as full state dicts in safetensors (statefile), independent of the number of processes.
+"""FSDP2 checkpoints as full state dicts in safetensors (checkpointfile), independent of the number of processes.
 
 accelerate's FSDP writers save either torch.distributed.checkpoint folders (their metadata is a pickle)
 or a torch.save'd full state dict, and the Trainer reads model weights back only through them. Here every

@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoints written as safetensors (see statefile for why).
+"""DeepSpeed checkpoints written as safetensors (see checkpointfile for why).
 
 DeepSpeed picks its checkpoint engine from its config, which offers no safetensors writer, and reads
 its shards back with torch.load(weights_only=False). This engine replaces it on a built DeepSpeedEngine;
@@ -13,9 +13,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from tunekit.core import statefile
+from tunekit.core import checkpointfile
 
-statefile.allow(LossScaler, DynamicLossScaler, fragment_address)  # in ZeRO-1/2 optimizer state
+checkpointfile.allow(LossScaler, DynamicLossScaler, fragment_address)  # in ZeRO-1/2 optimizer state
 
 
 class SafetensorsCheckpointEngine(CheckpointEngine):
@@ -27,16 +27,16 @@ class SafetensorsCheckpointEngine(CheckpointEngine):
         pass
 
     def save(self, state_dict, path: str):
-        statefile.save(state_dict, path)
+        checkpointfile.save(state_dict, path)
 
     def load(self, path: str, map_location=None):
-        return statefile.load(path)  # tensors on CPU; DeepSpeed copies them to its partitions
+        return checkpointfile.load(path)  # tensors on CPU; DeepSpeed copies them to its partitions
 
     def commit(self, info):
         return True
 
     def preserves_storage_sharing(self):
-        return False  # statefile copies views itself; DeepSpeed need not clone every tensor first
+        return False  # checkpointfile copies views itself; DeepSpeed need not clone every tensor first
 
 
 def _safetensors_name(name_fn):
