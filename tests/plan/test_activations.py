@@ -15,7 +15,7 @@ from tunekit.config.recipefile import from_dict
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
 from tunekit.models.tiny import build_tokenizer, llama_config
-from tunekit.plan import estimate, shapes
+from tunekit.plan import activations, estimate, shapes
 
 pytestmark = pytest.mark.slow  # loads a model per case
 SEQ = 200  # no dimension of the model: only per-position tensors have it
@@ -72,5 +72,5 @@ def test_planned_activations_are_what_autograd_keeps(wide_heads, tmp_path, adapt
     model.train()
     cfg = model.config
     assert shapes.q_width(cfg) == 256 != cfg.hidden_size
-    planned = estimate.layer_bytes_per_token(cfg, estimate.settings_from(recipe, 1, precision), recipe)
+    planned = activations.layer_bytes_per_token(cfg, estimate.settings_from(recipe, 1, precision), recipe)
     assert planned == saved_per_token(model, 1, autocast=precision == "bf16")

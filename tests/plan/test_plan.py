@@ -18,7 +18,7 @@ from conftest import run_cli, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import recipefile
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
-from tunekit.plan import estimate, fixes, report, sizes
+from tunekit.plan import activations, estimate, fixes, modelstate, report, sizes
 
 
 @pytest.fixture()
@@ -99,8 +99,8 @@ def test_the_vision_tower_runs_on_patches_not_on_text_tokens(tmp_path, tiny_visi
 
 def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
     n = 64 * 256 * 4
-    assert estimate.quantized_bytes(n, 4, double_quant=False) == n / 2 + (n / 64) * 4
-    assert estimate.quantized_bytes(n, 4, double_quant=True) == n / 2 + (n / 64) * (1 + 4 / 256)
+    assert sizes.quantized_bytes(n, 4, double_quant=False) == n / 2 + (n / 64) * 4
+    assert sizes.quantized_bytes(n, 4, double_quant=True) == n / 2 + (n / 64) * (1 + 4 / 256)
     recipe = make_recipe("adapter=qlora", "quantization.double_quant=false")
     built = loader.load_for_training(recipe, Precision("fp32", "test"))
     actual = 0
@@ -108,7 +108,7 @@ def test_four_bit_bytes_by_hand_and_against_bitsandbytes(make_recipe):
         if isinstance(m, bnb.nn.Linear4bit):
             actual += m.weight.numel() * m.weight.element_size() + m.weight.quant_state.absmax.numel() * 4
     counts = estimate.count(recipe, estimate.meta_model(recipe)[1])
-    assert estimate.quantized_bytes(counts.quantized, 4, False) == pytest.approx(actual, rel=1e-6)
+    assert sizes.quantized_bytes(counts.quantized, 4, False) == pytest.approx(actual, rel=1e-6)
 
 
 EMBEDDINGS_BF16 = "weights (unquantized embeddings and head, bf16)"
@@ -144,13 +144,13 @@ def test_qlora_head_is_not_cast_for_the_loss_and_its_layers_keep_more_in_fp32(ma
     cfg, _ = estimate.meta_model(lora)
     s = estimate.Settings(micro_batch=2, seq_len=64, precision="bf16")
     head = cfg.vocab_size * cfg.hidden_size * 2
-    assert estimate.loss_path_bytes(cfg, s, qlora, True) == estimate.loss_path_bytes(cfg, s, lora, True)
-    assert estimate.loss_path_bytes(cfg, s, full, True) >= head  # full fine-tuning's fp32 head is cast for the matmul
+    assert activations.loss_path_bytes(cfg, s, qlora, True) == activations.loss_path_bytes(cfg, s, lora, True)
+    assert activations.loss_path_bytes(cfg, s, full, True) >= head  # full fine-tuning's fp32 head: cast for the matmul
     # QLoRA's fp32 norms and bitsandbytes' dtype-preserving 4-bit layers keep the MLP's gate, up and SiLU(gate) in
     # fp32, each of q, k, v, gate and up its 16-bit cast of an fp32 input where LoRA on a 16-bit base keeps the
     # attention's and the MLP's inputs once each, and six adapter outputs in fp32 (tests/plan/test_activations.py
     # counts every term)
-    extra = estimate.layer_bytes_per_token(cfg, s, qlora) - estimate.layer_bytes_per_token(cfg, s, lora)
+    extra = activations.layer_bytes_per_token(cfg, s, qlora) - activations.layer_bytes_per_token(cfg, s, lora)
     h, r = cfg.hidden_size, qlora.lora.r
     assert extra == 3 * cfg.intermediate_size * (4 - 2) + (5 * h - 2 * h) * 2 + 6 * r * (4 - 2)
 
@@ -258,7 +258,7 @@ def test_a_memory_bandwidth_adds_the_elementwise_work(make_recipe):
     assert gpu.time.matmul_seconds == pytest.approx(gpu.flops_per_step / (989e12 * 0.4))
     p = estimate.make(recipe, dataclasses.replace(s, memory_bandwidth=2e9), cfg, model)
     assert p.time.host is None
-    tokens, per_token = 2 * 64, estimate.layer_bytes_per_token(cfg, s, recipe)
+    tokens, per_token = 2 * 64, activations.layer_bytes_per_token(cfg, s, recipe)
     # activations written and read forward, their gradients written and read backward; fp32 logits the same;
     # AdamW reads weight, gradient and two moments and writes weight and moments
     moved = 4 * cfg.num_hidden_layers * tokens * per_token + 4 * tokens * cfg.vocab_size * 4 + p.counts.trainable * 28
@@ -289,7 +289,7 @@ def test_plan_cli_verdict(make_recipe, tmp_path):
     assert "verdict: does NOT fit in 0.0 GiB" in res.stdout and "gradient_checkpointing=true" in res.stdout
     ok = run_cli("plan", str(tmp_path / "r.yaml"), "--gpu-memory", "80GiB")
     assert "verdict: fits" in ok.stdout and "parameters: " in ok.stdout
-    assert estimate.parse_size("24GiB") == 24 * 1024**3 and estimate.parse_size("512M") == 512 * 1024**2
+    assert sizes.parse_size("24GiB") == 24 * 1024**3 and sizes.parse_size("512M") == 512 * 1024**2
 
 
 def test_gradients_and_activations_are_not_live_together_in_one_process(make_recipe):
@@ -330,7 +330,7 @@ def test_dpo_plans_two_sequences_per_pair_a_reference_forward_and_the_stock_loss
     assert (settings[0].sequences, settings[1].sequences) == (1, 2) and settings[1].extra_forwards == 1
     one, two = (estimate.make(r, s, cfg, model) for r, s in zip((sft, dpo), settings))
     assert two.parts["activations"] == pytest.approx(2 * one.parts["activations"])
-    stock = estimate.loss_path_bytes(cfg, settings[1], dpo, chunked=False)
+    stock = activations.loss_path_bytes(cfg, settings[1], dpo, chunked=False)
     assert two.parts["logits and loss"] == pytest.approx(stock)  # TRL computes log-probs from full logits
     # the pair's two sequences, and the reference's forward over them (micro-batch 8, max_length 64)
     assert two.flops_per_step == pytest.approx(2 * one.flops_per_step + sum(by_hand(cfg, one.counts.total, 16, 64)))
@@ -432,13 +432,13 @@ def test_qlora_4bit_weights_under_fsdp2_and_zero3(make_recipe):
     cfg, model = estimate.meta_model(recipe, mid_llama())
     s = estimate.Settings(world_size=4, seq_len=128, precision="bf16")
     c = estimate.count(recipe, model)
-    whole, codes = estimate.quantized_bytes(c.quantized, 4, False), c.quantized / 2
+    whole, codes = sizes.quantized_bytes(c.quantized, 4, False), c.quantized / 2
     fsdp = estimate.make(recipe, dataclasses.replace(s, fsdp=True), cfg, model)
     zero3 = estimate.make(recipe, dataclasses.replace(s, zero_stage=3), cfg, model)
     # tunekit stores the packed codes in bf16 under both (the same bytes as uint8): both divide them, not the
     # quantization constants
     constants = whole - codes
-    assert fsdp.parts[estimate.QUANTIZED] == zero3.parts[estimate.QUANTIZED] == int(constants + codes / 4)
+    assert fsdp.parts[modelstate.QUANTIZED] == zero3.parts[modelstate.QUANTIZED] == int(constants + codes / 4)
     # FSDP2 gathers a decoder layer with its packed codes, and prefetches the next
     layer = model.base_model.model.model.layers[0]
     packed = sum(m.weight.numel() for name, m in layer.named_modules() if name.endswith("base_layer"))
@@ -449,7 +449,7 @@ def test_qlora_4bit_weights_under_fsdp2_and_zero3(make_recipe):
     zero3_off = estimate.make(recipe, dataclasses.replace(s, zero_stage=3, offload_params=True, offload_optimizer=True),
                               cfg, model)
     for on, off in ((fsdp, fsdp_off), (zero3, zero3_off)):
-        assert off.parts[estimate.QUANTIZED] == int(constants)
+        assert off.parts[modelstate.QUANTIZED] == int(constants)
         assert off.cpu_bytes >= codes / 4 and off.peak < on.peak
     assert fsdp_off.cpu_bytes == pytest.approx(sharded_state(fsdp) - constants, abs=8)
 
@@ -577,7 +577,7 @@ def test_fsdp2_terms_match_torchs_memory_tracker(make_recipe, tmp_path):
     for p, t in zip(planned, tracked):
         # 4-bit constants are no parameter (bitsandbytes' quant_state): all but them is sharded
         q = p.counts.quantized
-        constants = estimate.quantized_bytes(q, 4, True) - q / 2 if q else 0
+        constants = sizes.quantized_bytes(q, 4, True) - q / 2 if q else 0
         weights = sum(v for k, v in p.parts.items() if k.startswith("weights")) - constants
         assert t["peak"]["Sharded Param"] == pytest.approx(weights, rel=0.01)
         assert t["peak"]["OptState"] == pytest.approx(p.parts["optimizer (adamw_torch)"], rel=0.01)

@@ -30,7 +30,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.evaluation import evaluator, rewardmodel, rewards
 from tunekit.export import merge
 from tunekit.models import loader
-from tunekit.plan import estimate
+from tunekit.plan import activations, estimate
 from tunekit.runs.layout import RunRecord, resolve_target
 from tunekit.runs.trained import load_trained
 from tunekit.training import methods, runner
@@ -290,7 +290,7 @@ def test_a_reward_plan_counts_a_score_head_not_vocabulary_logits(tmp_path, tiny_
 
     bw = dataclasses.replace(s, memory_bandwidth=1e9)
     p = estimate.make(reward, bw, cfg, model)
-    layers = 4 * cfg.num_hidden_layers * tokens * estimate.layer_bytes_per_token(cfg, bw, reward)
+    layers = 4 * cfg.num_hidden_layers * tokens * activations.layer_bytes_per_token(cfg, bw, reward)
     assert p.time.elementwise_bytes == pytest.approx(layers + 4 * tokens * 1 * 4 + p.counts.trainable * 28)
     sft = recipefile.load(write_recipe(tmp_path / "s.yaml", tiny_recipe(
         tiny_model, write_jsonl(tmp_path / "sft.jsonl", reverse_rows(8)), tmp_path / "sft",

@@ -1,6 +1,8 @@
 """`tunekit plan`'s model: memory per device and time per step, from the recipe and the model's config only (its page:
-plan.report). What FSDP2 and ZeRO-3 gather is in plan.sharding, the time per step in plan.steptime; how the bytes
-follow what tunekit loads: docs/plan.md, "How the plan counts"."""
+plan.report). Here the settings, the parameter counts, and the plan put together from its parts, with its peak and
+the other ways to shard or split the same recipe; the model's state by part is in plan.modelstate, the activations
+in plan.activations, what FSDP2 and ZeRO-3 gather in plan.sharding, the time per step in plan.steptime. How the
+bytes follow what tunekit loads: docs/plan.md, "How the plan counts"."""
 
 from __future__ import annotations
 
@@ -13,12 +15,7 @@ import torch
 from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.schema import Recipe
 from tunekit.models import vision
-from tunekit.plan import sharding, splitting, steptime, teacher
-from tunekit.plan.shapes import kv_width, q_width
-from tunekit.plan.sizes import GiB, parse_size, quantized_bytes, size_words  # noqa: F401  (plan.parse_size: tests)
-
-OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2,
-                   "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 0}
+from tunekit.plan import activations, modelstate, sharding, splitting, steptime, teacher
 
 
 @dataclass
@@ -161,215 +158,6 @@ def count(recipe: Recipe, model) -> Counts:
     return Counts(total, trainable, quantized, total - trainable - quantized, tied, embeddings)
 
 
-def activation_bytes(cfg, s: Settings, recipe: Recipe) -> tuple[float, float]:
-    """(decoder-layer activations, one layer recomputed) in bytes per device: layer_bytes_per_token for
-    each position a device holds. With gradient checkpointing only each layer's input is kept, and the
-    backward pass recomputes one layer at a time, with that layer's gradient temporaries."""
-    h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
-    tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)  # a device's positions
-    elem = 4 if s.precision == "fp32" else 2
-    per_token = layer_bytes_per_token(cfg, s, recipe)
-    if s.gradient_checkpointing:
-        # the recomputed layer's backward also holds the gradients of its hidden state and of its MLP's
-        # gate and up outputs: (h + 2I) per token, counted at 4 bytes (measured at fp32, bench/RESULTS.md)
-        kept, recomputed = layers * tokens * h * elem, tokens * (per_token + (h + 2 * inter) * 4)
-    else:
-        kept, recomputed = layers * tokens * per_token, 0
-    return kept, recomputed
-
-
-def layer_bytes_per_token(cfg, s: Settings, recipe: Recipe) -> float:
-    """What autograd keeps per token in one Llama-style decoder layer, term by term as counted with saved-tensor
-    hooks on a layer loaded as tunekit loads it (tests/plan/test_activations.py; h hidden, q = query heads x head
-    dimension, kv key/value width, I the MLP's width, plan.shapes):
-    - each RMSNorm its fp32 input and inverse RMS, with trained norm weights (full fine-tuning) also the normalised
-      input; at fp32 its output too, which the projections after it keep;
-    - below fp32, each of q, k, v, gate and up keeps its own 16-bit cast of its input (5h). Under LoRA's fused
-      forward (models.lorafused) a 16-bit base's adapters take their input as it is: the attention's and the MLP's
-      inputs are kept once each (2h), none with dropout, whose outputs the adapters keep instead; a 4-bit base on
-      fp32 norms still casts (5h). Where peft's own forward runs (ZeRO-3) it casts the input to the adapter's fp32
-      and autocast back, o_proj's too (5h + q);
-    - attention: the rotated q and k, v, the output (2q + 2kv) and the kernel's log-sum-exp (fp32 per head);
-      eager attention also its probabilities (2 x heads x seq);
-    - the SwiGLU MLP's gate, up, SiLU(gate) and product (4I); under QLoRA below fp32 the first three in fp32
-      (bitsandbytes' 4-bit layers return their fp32 input's dtype: the norms keep fp32 weights);
-    - LoRA: each of the seven projections' r-wide adapter output (fp32 for the six whose 4-bit base returns fp32,
-      fused); with dropout an fp32 copy of each adapted input (5h + q + I), at fp32 a second one of q, k, v, gate
-      and up's (5h); fused on a 16-bit base, the dropout's output and mask in 16 bits, down_proj's output being
-      the MLP's product (10h + 2q + I);
-    - under sequence parallelism o_proj keeps the all-to-all's output (q) where it would share attention's.
-    Tensor parallelism splits what is per head or per column (plan.splitting); the norms and casts stay whole."""
-    h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
-    q, kv = q_width(cfg), kv_width(cfg)
-    full, lora = recipe.full_finetuning, recipe.lora is not None
-    fp32 = s.precision == "fp32"
-    elem = 4 if fp32 else 2
-    fused = lora and s.zero_stage != 3  # models.lorafused: ZeRO-3's partitioned adapters keep peft's forward
-    plain16 = fused and not fp32 and recipe.quantization is None  # a 16-bit base under the fused forward
-    dropout = lora and recipe.lora.dropout > 0
-    whole = 2 * (4 * h + 4) + (2 * 4 * h if full else 0)  # the two norms
-    if fp32:
-        whole += 2 * 4 * h
-    elif plain16:
-        whole += (0 if dropout else 2 * h) * elem
-    else:
-        whole += (5 * h + (q if lora and not fused else 0)) * elem
-    mlp = 4 * inter * elem if fp32 or recipe.quantization is None else 3 * inter * 4 + inter * 2
-    split = (2 * q + 2 * kv) * elem + 4 * heads + mlp
-    if recipe.model.attn_implementation == "eager":
-        split += 2 * heads * s.seq_len * elem
-    if s.sp > 1 and (fp32 or not lora):  # o_proj keeps the all-to-all's output, apart from attention's
-        split += q * elem
-    if lora:
-        whole += 7 * recipe.lora.r * elem
-        if fused and not fp32 and recipe.quantization is not None:
-            whole += 6 * recipe.lora.r * (4 - elem)
-        if dropout and plain16:
-            whole += (10 * h + 2 * q + inter) * elem
-        elif dropout:
-            whole += (5 * h + q + inter) * 4 + (5 * h * 4 if fp32 else 0)
-    return whole + split / s.tp
-
-
-def kv_cache_bytes(cfg, s: Settings) -> float:
-    """The KV cache of sampling: keys and values of every layer for each sampled sequence at full length
-    (prompt + completion), in the compute dtype (transformers' dynamic cache)."""
-    elem = 4 if s.precision == "fp32" else 2
-    return 2 * cfg.num_hidden_layers * kv_width(cfg) * elem * s.sampled * s.seq_len
-
-
-def sampling(parts: dict, cfg, s: Settings, c: Counts) -> float:
-    """GRPO's sampling before the step: its KV cache into `parts`; returns its FLOPs per micro-batch (one
-    forward's worth per sampled token, spread over the accumulation steps; with tools, each turn's generate() reads
-    the episode so far again: at most a full sequence per turn)."""
-    if not s.sampled:
-        return 0.0
-    parts["sampling: KV cache"] = kv_cache_bytes(cfg, s)
-    return 2 * c.total * s.sampled * s.seq_len * s.sample_turns / s.accumulation
-
-
-def loss_path_bytes(cfg, s: Settings, recipe: Recipe, chunked: bool) -> float:
-    """Bytes of the head + cross-entropy, every position trained (the worst case).
-
-    Stock path: logits in the compute dtype, their fp32 upcast for the loss (none when already fp32),
-    and 6 bytes per logit for the log-softmax output and the gradient temporaries of its backward
-    (measured: 9.75 bytes per logit in total at fp32, where logits are 4 of them).
-    Chunked path (losspath): the trained positions' hidden states gathered, their gradient held from
-    forward to backward, one chunk of logits (fp32, log-sum-exp, softmax and gradient in place; below
-    fp32 also the compute-dtype logits or the gradient cast back, one at a time: measured with
-    bench/plan_check.py), and an fp32 gradient for a trained head.
-    The head's width follows the method: the vocabulary for a language-model head, 1 for a score head (a reward
-    model: one number per position, the last real one's read; its loss is on those scores alone)."""
-    h = cfg.hidden_size
-    vocab = 1 if methods.spec_of(recipe).score_head else cfg.vocab_size  # the head's outputs per position
-    tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)
-    elem = 4 if s.precision == "fp32" else 2
-    # below fp32, a head stored in fp32 (full fine-tuning's master weights) is cast for the matmul; FSDP2 and
-    # ZeRO-3 gather it in the compute dtype instead (their gathered head unit, sharding.py). QLoRA keeps its
-    # head in the compute dtype (models.loader.prepare_quantized): no cast
-    gathered = s.fsdp or s.zero_stage >= 3
-    head_cast = vocab * h * elem if elem != 4 and not gathered and recipe.full_finetuning else 0
-    if not chunked:
-        return tokens * vocab * (elem + (4 if elem != 4 else 0) + 6) + head_cast
-    from tunekit.models.losspath import chunk_rows
-
-    hidden_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
-    rows = min(tokens, chunk_rows(vocab))
-    head_grad = vocab * h * 4 if recipe.full_finetuning else 0
-    per_logit = 4 if elem == 4 else 4 + elem
-    return 2 * tokens * h * hidden_elem + rows * vocab * per_logit + head_grad + head_cast
-
-
-def state_parts(recipe: Recipe, s: Settings, c: Counts) -> dict[str, float]:
-    """Weights, gradients and optimizer state on one device before any sharding."""
-    w_elem = 4 if (recipe.full_finetuning or s.precision == "fp32") else 2
-    parts: dict[str, float] = {}
-    q = recipe.quantization
-    if q is not None:
-        parts["weights (quantized, incl. constants)"] = quantized_bytes(c.quantized, q.bits, q.double_quant)
-        compute = 4 if s.precision == "fp32" else 2  # models.loader.prepare_quantized: the training precision
-        parts[embeddings_key(s)] = c.embeddings * compute
-        parts["weights (unquantized norms and biases, fp32)"] = (c.frozen_plain - c.embeddings) * 4
-    elif not recipe.full_finetuning:
-        parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
-    if s.extra_forwards and recipe.full_finetuning:  # the reference: a frozen copy in the training precision
-        parts[f"weights (frozen reference copy, {s.precision})"] = c.total * (4 if s.precision == "fp32" else 2)
-    opt_key = f"optimizer ({s.optimizer})"
-    if s.zero_stage > 0 and s.precision != "fp32":
-        # DeepSpeed mixed precision: the model trains in bf16/fp16 and the optimizer keeps fp32 masters
-        parts[f"weights (trainable, {s.precision})"] = c.trainable * 2
-        parts["gradients (fp32)"] = c.trainable * 4
-        parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
-        parts["master weights (fp32, in the optimizer)"] = c.trainable * 4
-    else:  # without DeepSpeed tunekit trains fp32 weights (FSDP2 shards them; autocast or its policy casts)
-        parts["weights (trainable, fp32)"] = c.trainable * 4
-        parts["gradients (fp32)"] = c.trainable * 4
-        parts[opt_key] = c.trainable * OPTIMIZER_BYTES.get(s.optimizer, 8)
-    return parts
-
-
-QUANTIZED = "weights (quantized, incl. constants)"
-
-
-def embeddings_key(s: Settings) -> str:
-    return f"weights (unquantized embeddings and head, {'fp32' if s.precision == 'fp32' else s.precision})"
-
-
-def remarks(recipe: Recipe, s: Settings, parts: dict) -> dict[str, str]:
-    """Notes on parts: what QLoRA's embeddings and head would take in fp32, as peft upcasts them."""
-    key = embeddings_key(s)
-    if recipe.quantization is None or s.precision == "fp32" or not parts.get(key):
-        return {}
-    return {key: f"{size_words(parts[key])} less than with peft's prepare_model_for_kbit_training, which "
-                 "upcasts them to fp32"}
-
-
-def shard(parts: dict, recipe: Recipe, s: Settings, c: Counts) -> float:
-    """Divide what ZeRO or FSDP2 shards by the world size, in place, and take out what offload moves to
-    CPU RAM; returns those bytes. FSDP2 shards what ZeRO-3 does (weights, gradients, optimizer state). A
-    quantized weight is sharded as its packed codes, not its constants (quant_state, no parameter): under
-    both, tunekit stores the codes in the compute dtype, the same bytes (sharding.py)."""
-    n = s.world_size // s.tp  # the processes holding the same weights (tp splits them first: plan.splitting)
-    stage = 3 if s.fsdp or (s.tp > 1 and n > 1) else s.zero_stage
-    optimizer_side = [k for k in parts if k.startswith(("optimizer (", "master weights"))]
-    weights = [k for k in parts if k.startswith("weights")]
-    codes = c.quantized * recipe.quantization.bits / 8 if recipe.quantization is not None else 0
-    split = {QUANTIZED: codes / n} if QUANTIZED in parts else {}  # the sharded share of a part
-    if stage >= 1:
-        for key in optimizer_side:
-            parts[key] /= n
-    if stage >= 2:
-        parts["gradients (fp32)"] /= n
-    if stage >= 3:
-        for key in weights:
-            parts[key] = parts[key] - codes + split[key] if key in split else parts[key] / n
-    if s.fsdp:  # cpu_offload moves every sharded part, gradients too
-        moved = optimizer_side + weights + ["gradients (fp32)"] if s.fsdp_offload else []
-    else:
-        moved = ((optimizer_side if s.offload_optimizer and stage >= 1 else [])
-                 + (weights if s.offload_params and stage >= 3 else []))
-    cpu = 0.0
-    for key in moved:
-        share = split.get(key, parts[key])
-        cpu += share
-        parts[key] -= share
-        if not parts[key]:
-            parts.pop(key)
-    return cpu
-
-
-def transient_terms(recipe: Recipe, s: Settings, cfg, model) -> list[sharding.Term]:
-    """FSDP2's or ZeRO-3's gathered parameters and gradient buffers (none without either)."""
-    if not (s.fsdp or s.zero_stage >= 3):
-        return []
-    elem = 4 if s.precision == "fp32" else 2
-    ps = sharding.params(recipe, model)
-    bits = recipe.quantization.bits if recipe.quantization is not None else 4
-    if s.fsdp:
-        return sharding.fsdp_terms(ps, s, elem, bits)
-    return sharding.zero3_terms(recipe, ps, s, elem, bits, cfg.hidden_size)
-
-
 def phase_groups(s: Settings, parts: dict, act_key: str, autocast_key: str | None,
                  terms: list[sharding.Term]) -> tuple[tuple, tuple]:
     """(moments, phases): the groups of parts live together, each with when, in words."""
@@ -398,8 +186,8 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     if model is None:
         cfg, model = meta_model(recipe)
     c = count(recipe, model)
-    parts = state_parts(recipe, s, c)
-    kept, recomputed = activation_bytes(cfg, s, recipe)
+    parts = modelstate.state_parts(recipe, s, c)
+    kept, recomputed = activations.activation_bytes(cfg, s, recipe)
     from tunekit.models.losspath import unsupported_reason
 
     # the method's trainer may take log-probabilities from the full logits (TRL's): the stock path
@@ -407,7 +195,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
                and unsupported_reason(model) is None)
     act_key = "activations (checkpointed: layer inputs)" if s.gradient_checkpointing else "activations"
     parts[act_key] = kept
-    parts["logits and loss"] = loss_path_bytes(cfg, s, recipe, chunked)
+    parts["logits and loss"] = activations.loss_path_bytes(cfg, s, recipe, chunked)
     if s.gradient_checkpointing:
         parts["activations (one layer recomputed)"] = recomputed
     autocast_key = None
@@ -427,17 +215,18 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
         if recipe.full_finetuning:  # fp32 masters, gathered in the compute dtype
             held *= (4 if s.precision == "fp32" else 2) / 4
         sent = splitting.communication(cfg, s, c.trainable * (share / s.tp + 1 - share), held)
-    cpu = shard(parts, recipe, s, c)
-    terms = transient_terms(recipe, s, cfg, model)
+    cpu = modelstate.shard(parts, recipe, s, c)
+    terms = sharding.transient_terms(recipe, s, cfg, model)
     parts.update({t.key: t.bytes for t in terms})
 
-    sampled = sampling(parts, cfg, s, c) + teacher.add(parts, s)
-    time = splitting.divide_time(steptime.estimate(cfg, model, s, recipe, c, layer_bytes_per_token(cfg, s, recipe),
-                                                   OPTIMIZER_BYTES.get(s.optimizer, 8), sampled), s)
+    sampled = activations.sampling(parts, cfg, s, c) + teacher.add(parts, s)
+    per_token = activations.layer_bytes_per_token(cfg, s, recipe)
+    time = splitting.divide_time(steptime.estimate(cfg, model, s, recipe, c, per_token,
+                                                   modelstate.OPTIMIZER_BYTES.get(s.optimizer, 8), sampled), s)
     moments, phases = phase_groups(s, parts, act_key, autocast_key, terms)
     plan = Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), time.flops, time.seconds, phases, moments,
-                {t.key: t.category for t in terms}, remarks(recipe, s, parts), time, vision=vision.sizes(model),
-                communication=sent)
+                {t.key: t.category for t in terms}, modelstate.remarks(recipe, s, parts), time,
+                vision=vision.sizes(model), communication=sent)
     if versus and s.world_size > 1 and s.tp * splitting.pieces(s) == 1:
         plan.versus = fsdp_versus_zero3(recipe, plan, cfg, model)
     if versus and s.world_size > 1 and recipe.training.parallelism is not None:

@@ -1,5 +1,5 @@
 """FSDP2 and ZeRO-3 in `tunekit plan`: the full parameters a device gathers, and when, and the gradient
-buffers before they are reduce-scattered, on top of the 1/world shards estimate.make divides.
+buffers before they are reduce-scattered, on top of the 1/world shards plan.modelstate.shard divides.
 
 Each term is live at one or more moments of the step (`Term.when`). How the terms follow accelerate's,
 torch's and DeepSpeed's code, and which versions were read: docs/plan.md, "What FSDP2 and ZeRO-3 gather"."""
@@ -189,3 +189,15 @@ def zero3_settings(zero: dict) -> dict:
             "zero3_reuse": size("stage3_max_reuse_distance", DEEPSPEED_DEFAULTS["stage3_max_reuse_distance"]),
             "zero3_reduce_bucket": size("reduce_bucket_size"),
             "zero3_contiguous_gradients": bool(zero.get("contiguous_gradients", True))}
+
+
+def transient_terms(recipe, s, cfg, model) -> list[Term]:
+    """FSDP2's or ZeRO-3's gathered parameters and gradient buffers (none without either)."""
+    if not (s.fsdp or s.zero_stage >= 3):
+        return []
+    elem = 4 if s.precision == "fp32" else 2
+    ps = params(recipe, model)
+    bits = recipe.quantization.bits if recipe.quantization is not None else 4
+    if s.fsdp:
+        return fsdp_terms(ps, s, elem, bits)
+    return zero3_terms(recipe, ps, s, elem, bits, cfg.hidden_size)
