@@ -17,7 +17,7 @@ from conftest import refused_in_process, reverse_rows, tiny_recipe, write_jsonl,
 from tunekit.cli import launch
 from tunekit.config import fsdpconfig, recipefile
 from tunekit.config.recipefile import to_yaml
-from tunekit.config.schema import FsdpConfig
+from tunekit.config.trainingschema import FsdpConfig
 from tunekit.core.errors import TunekitError
 from tunekit.runs import layout
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import ROOT, refused_in_process, reverse_rows, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import parallelconfig
-from tunekit.config.schema import ParallelismConfig
+from tunekit.config.trainingschema import ParallelismConfig
 from tunekit.core.errors import TunekitError
 
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")

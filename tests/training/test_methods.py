@@ -17,7 +17,7 @@ import pytest
 import tunekit
 from conftest import tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import methods as declared
-from tunekit.config import recipefile, rules, schema
+from tunekit.config import recipefile, rules, schema, trainingschema
 from tunekit.core.errors import TunekitError
 from tunekit.training import methods
 
@@ -25,13 +25,13 @@ PACKAGE = Path(tunekit.__file__).parent
 
 
 def test_the_allowed_methods_and_sections_are_the_registry():
-    allowed = typing.get_args(schema.TrainingConfig.model_fields["method"].annotation)
+    allowed = typing.get_args(trainingschema.TrainingConfig.model_fields["method"].annotation)
     assert allowed == tuple(declared.DECLARED) == tuple(methods.METHODS) and allowed[0] == declared.DEFAULT
     sections = {m.section for m in methods.METHODS.values() if m.section}
     assert sections == {m.name for m in declared.DECLARED.values() if m.settings is not None}
     assert sections <= set(schema.Recipe.model_fields) and "dpo" in sections and "sft" not in sections
     for m in methods.METHODS.values():
-        assert m.name in schema.TrainingConfig.model_fields["method"].description
+        assert m.name in trainingschema.TrainingConfig.model_fields["method"].description
 
 
 def test_an_unknown_method_is_refused_naming_the_registered_ones(tmp_path, tiny_model):

@@ -6,7 +6,7 @@ writes them with checkpointfile, which also lets a run resume on another number 
 
 from __future__ import annotations
 
-from tunekit.config.schema import FsdpConfig
+from tunekit.config.trainingschema import FsdpConfig
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

@@ -89,7 +89,8 @@ DEFAULT = "sft"  # training.method when a recipe names none
 
 
 def declare(spec: MethodSpec) -> MethodSpec:
-    """Add a method to the declarations (before the recipe schema is built: tunekit.config.schema)."""
+    """Add a method to the declarations (before the recipe schema is built: tunekit.config.trainingschema and
+    tunekit.config.schema)."""
     if spec.name in DECLARED:
         raise ValueError(f"training method {spec.name!r} is declared twice")
     unknown = [f for f in (*(spec.data_formats or ()), *spec.owned_formats) if f not in dataformats.DECLARED]

@@ -1,7 +1,7 @@
 """The recipe rules across sections, one function per topic, run in one order (RULES) by the schema's
 validation, so every command that loads a recipe refuses the same recipes. Each reads the validated recipe and
 the declarations (config.methods, config.metrickinds, config.rewardkinds) and raises ValueError with one line naming
-the setting. Rules within one section sit beside its fields (config.schema)."""
+the setting. Rules within one section sit beside its fields (config.schema, config.trainingschema)."""
 
 from __future__ import annotations
 
