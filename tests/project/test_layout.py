@@ -17,8 +17,8 @@ import tunekit
 
 PACKAGE = Path(tunekit.__file__).parent
 # lowest first: a module may import from its own package and the packages before it
-PACKAGES = ["core", "config", "models", "data", "runs", "evaluation", "plan", "training", "export", "reporting",
-            "api", "cli"]
+PACKAGES = ["core", "config", "models", "tooluse", "data", "runs", "evaluation", "plan", "training", "export",
+            "reporting", "api", "cli"]
 OPTIONAL = {"api"}  # being written: tolerated while its folder does not exist yet
 ENTRY = "__main__"  # `python -m tunekit`: above every package
 # The package root (tunekit/__init__.py: __version__ from core.version, and the API's names looked up on first use)

@@ -24,7 +24,7 @@ THROUGH = {
     "tunekit.config.modelsource": "tests/models/test_hub.py::test_every_command_names_an_uncached_model_in_one_line_"
                                   "when_offline",
     "tunekit.config.section": "tests/config/test_recipe.py::test_overrides_set_any_field_and_are_validated",
-    "tunekit.data.agent": "tests/data/test_agent_data.py::test_contradicting_agent_records_are_refused_before_any_"
+    "tunekit.tooluse.records": "tests/data/test_agent_data.py::test_contradicting_agent_records_are_refused_before_any_"
                           "weight_loads",
     "tunekit.evaluation.preference": "tests/training/test_preference.py::test_a_base_model_that_prefers_the_rejected_"
                                      "answers_scores_low",

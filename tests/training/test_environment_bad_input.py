@@ -11,8 +11,8 @@ import pytest
 from conftest import importable, refused_in_process, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config.methodsettings import GrpoSettings
 from tunekit.core.errors import TunekitError
-from tunekit.evaluation import episodes
 from tunekit.runs.layout import RunRecord
+from tunekit.tooluse import episodes
 
 ENVS = '''
 class Base:

@@ -26,7 +26,8 @@ from tunekit.evaluation import evaluator
 from tunekit.runs import history
 from tunekit.runs.layout import RunRecord
 from tunekit.training import runner, sampling
-from tunekit.training.methods import acting, rollouts
+from tunekit.training.methods import rollouts
+from tunekit.training.trainers import tooluse
 from tunekit.training.trainers.rollouts import Rollouts
 
 TOOLS = '''
@@ -102,14 +103,14 @@ def test_a_run_plays_episodes_masks_the_results_and_logs_the_tools(tmp_path, lon
         raw["training"]["method"], raw["rloo"] = "rloo", raw.pop("grpo")
     recipe = recipefile.load(write_recipe(tmp_path / "r.yaml", raw))
     masks, tok, zeroed = [], None, []
-    real_logps = acting.MaskedLogps._get_per_token_logps_and_entropies
+    real_logps = tooluse.MaskedLogps._get_per_token_logps_and_entropies
 
     def keep_logps(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         out = real_logps(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         zeroed.append(int((out[0] == 0).sum()))
         return out
 
-    monkeypatch.setattr(acting.MaskedLogps, "_get_per_token_logps_and_entropies", keep_logps)
+    monkeypatch.setattr(tooluse.MaskedLogps, "_get_per_token_logps_and_entropies", keep_logps)
 
     def scripted(trainer, prompt_ids, rows=None, turn=0, max_new_tokens=None):
         nonlocal tok
@@ -170,7 +171,7 @@ def calling_model(long_model, tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tunekit.evaluation.episodes import Continuation
+    from tunekit.tooluse.episodes import Continuation
 
     where = tmp_path_factory.mktemp("calling")
     sys.path.insert(0, str(where))  # the recipe's tools module, written beside it

@@ -56,7 +56,7 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
         from tunekit.evaluation import rewards
 
         rewards.check_loadable(settings.rewards, settings.max_completion_length, section)
-        from tunekit.evaluation.episodes import Toolkit
+        from tunekit.tooluse.episodes import Toolkit
 
         kit = Toolkit.of(settings, section)  # tools and environment import, each with a schema, the class with reset
         if kit is not None:

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tunekit.core.errors import TunekitError, first_line
-from tunekit.data import agent
+from tunekit.tooluse.records import call_json
 
 TOOLS_TEXT = ("You can call these functions, described as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
               "To call one, answer with <tool_call>\n{{\"name\": <function name>, \"arguments\": "
@@ -135,7 +135,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 def call_text(calls: list[dict]) -> str:
     """The default rendering of tool calls."""
-    return "\n".join(f"<tool_call>\n{agent.call_json(c)}\n</tool_call>" for c in calls)
+    return "\n".join(f"<tool_call>\n{call_json(c)}\n</tool_call>" for c in calls)
 
 
 class Chat:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from tunekit.config.schema import DataConfig
 from tunekit.core.errors import TunekitError
-from tunekit.data import agent
 from tunekit.data.formats import FORMATS, Parsed, Record
+from tunekit.tooluse.records import call_json
 
 DEFAULT_N = 13
 MANY = 0.1  # a share of training dropped worth a warning
@@ -184,7 +184,7 @@ def _said(message: dict) -> str:
     text = message.get("content") or ""
     if not calls:
         return text
-    written = "\n".join(agent.call_json(c, sort_keys=True) for c in calls)
+    written = "\n".join(call_json(c, sort_keys=True) for c in calls)
     return f"{text}\n{written}" if text else written
 
 

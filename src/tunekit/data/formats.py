@@ -13,6 +13,7 @@ from tunekit.config import plugins
 from tunekit.config.dataformats import DECLARED
 from tunekit.core.errors import TunekitError
 from tunekit.data import images
+from tunekit.tooluse import records as tool_records
 
 ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
 
@@ -39,7 +40,7 @@ class Parsed:
     trained on whole. `alpaca_prompt` is the prompt under the Alpaca template, for formats that have one.
     A preference pair is the conversation ending in the chosen answer, plus the `rejected` answer.
     Messages are {"role", "content"} plus, where present, "tool_calls" (OpenAI layout, arguments as objects),
-    "reasoning_content", "train" (bool), and on tool results "tool_call_id" / "name" (tunekit.data.agent)."""
+    "reasoning_content", "train" (bool), and on tool results "tool_call_id" / "name" (tunekit.tooluse.records)."""
 
     messages: list[dict] | None = None
     text: str | None = None
@@ -116,8 +117,6 @@ def prompt_completion(record: Record, f) -> Parsed:
 def chat(record: Record, f) -> Parsed:
     """OpenAI-style messages: roles system/user/assistant/tool, assistant tool_calls and reasoning, tool results
     linked to their call, and a per-example list of tool (function) schemas."""
-    from tunekit.data import agent
-
     messages, found = _messages(record, f)
     if record.values.get(f.images) not in (None, []):
         if found:
@@ -130,14 +129,12 @@ def chat(record: Record, f) -> Parsed:
         raise TunekitError(f"{record.where}: nothing to train on: every assistant message has {f.train!r}: false; "
                            "set it true on the answers to learn, or leave the record out")
     tools = _tools(record, f)
-    agent.check_offered(messages, tools, record.where)
+    tool_records.check_offered(messages, tools, record.where)
     return Parsed(messages=messages, tools=tools, images=images.checked(found))
 
 
 def _messages(record: Record, f) -> tuple[list[dict], list]:
     """The messages, each image part replaced by data.images.PLACEHOLDER in its text, and those images."""
-    from tunekit.data import agent
-
     raw = field(record, f.messages, "messages")
     if not isinstance(raw, list) or not raw:
         raise TunekitError(f"{record.where}: field {f.messages!r} must be a non-empty list of messages")
@@ -159,7 +156,7 @@ def _messages(record: Record, f) -> tuple[list[dict], list]:
         else:
             text = _content(m, f, role, where)
         message = {"role": role, "content": text}
-        message.update(agent.extras(m, f, role, where, messages))
+        message.update(tool_records.extras(m, f, role, where, messages))
         messages.append(message)
     return messages, found
 
@@ -180,10 +177,8 @@ def _content(m: dict, f, role: str, where: str) -> str:
 
 
 def _tools(record: Record, f) -> list[dict] | None:
-    from tunekit.data import agent
-
     value = record.values.get(f.tools)
-    return agent.tools(value, f"{record.where}: field {f.tools!r}") if value not in (None, "", []) else None
+    return tool_records.tools(value, f"{record.where}: field {f.tools!r}") if value not in (None, "", []) else None
 
 
 @register("text")

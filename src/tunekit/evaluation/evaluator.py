@@ -21,11 +21,12 @@ from tunekit.data.collating import collator, features
 from tunekit.data.formats import Record
 from tunekit.data.reading import read_records
 from tunekit.data.tokenizing import IGNORE, Example, build_examples
-from tunekit.evaluation import episodes, metrics, preference, rewardmodel, rewards
+from tunekit.evaluation import metrics, preference, rewardmodel, rewards
 from tunekit.evaluation.table import format_table, table_rows  # noqa: F401  (evaluation.table_rows: tests, demo)
 from tunekit.models import loader
 from tunekit.runs.layout import EVAL_DIR, RunRecord, Target, resolve_target
 from tunekit.runs.trained import load_trained
+from tunekit.tooluse import episodes
 
 log = logging.getLogger("tunekit")
 
@@ -172,7 +173,7 @@ def toolkit(recipe: Recipe) -> episodes.Toolkit | None:
 def episode_scores(model, tokenizer, recipe: Recipe, records: list[Record], cfg: EvalConfig,
                    kit: episodes.Toolkit) -> tuple[dict, list, list[str], list]:
     """(scores, rendered, final answers, episodes): the held-out episodes played greedily with the tools, as
-    training samples them (evaluation.episodes.run), each environment reset from its record."""
+    training samples them (tooluse.episodes.run), each environment reset from its record."""
     renderer = mixture.Renderers(recipe.data, tokenizer, tools=kit.schemas())
     played = [kit.start(r.values, r.where) for r in records[: cfg.limit or None]]
     rendered = [renderer.render(r, e.observation) for r, e in zip(records, played)]

@@ -33,7 +33,7 @@ class Sample:
     tokens: int  # completion tokens
     record: dict  # the raw record
     where: str  # "file line N"
-    episode: Any = None  # evaluation.episodes.Episode when the completion is an episode with tools
+    episode: Any = None  # tooluse.episodes.Episode when the completion is an episode with tools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _function(spec, max_len):
     return call
 
 
-# ---------------------------------------------------------------- episodes with tools (evaluation.episodes)
+# ---------------------------------------------------------------- episodes with tools (tooluse.episodes)
 
 def _episode(s: Sample):
     if s.episode is None:

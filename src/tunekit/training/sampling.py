@@ -42,7 +42,7 @@ class SeededSampling(LogitsProcessor):
 def generate(trainer, prompt_ids: list[list[int]], rows: list[int] | None = None, turn: int = 0,
              max_new_tokens: int | None = None) -> list[list[int]]:
     """Completion ids (through the first end-of-sequence token) for this process's prompts, sampled with
-    SeededSampling by the trainer's model (TRL's GRPOTrainer attributes). Episodes with tools (evaluation.episodes)
+    SeededSampling by the trainer's model (TRL's GRPOTrainer attributes). Episodes with tools (tooluse.episodes)
     pass each sequence's place in the step's batch of completions (`rows`), the turn (a later turn draws other
     noise) and the tokens their budget has left."""
     acc = trainer.accelerator

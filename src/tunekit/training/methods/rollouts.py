@@ -59,7 +59,7 @@ class PromptBundle(PairBundle):
 
     add_special_tokens: bool = True  # whether tokenizing a prompt adds BOS etc. (False: the chat template wrote them)
     renderer: object = None  # data.mixture.Renderers that rendered the prompts (an episode's observation re-renders)
-    toolkit: object = None  # evaluation.episodes.Toolkit with grpo.tools / grpo.environment, else None
+    toolkit: object = None  # tooluse.episodes.Toolkit with grpo.tools / grpo.environment, else None
 
 
 def prompt_rows(records: list, renderer, tokenizer, max_length: int):
@@ -89,7 +89,7 @@ def build(recipe, tokenizer) -> PromptBundle:
 
     from tunekit.config import methods
     from tunekit.data import mixture
-    from tunekit.evaluation.episodes import Toolkit
+    from tunekit.tooluse.episodes import Toolkit
 
     cfg = recipe.data
     section, settings = methods.sampled(recipe)

@@ -6,9 +6,9 @@ from trl import RLOOTrainer
 from trl.trainer import rloo_trainer
 
 from tunekit.training import sampling
-from tunekit.training.methods.acting import MaskedLogps
 from tunekit.training.trainer import TrainerAdditions
 from tunekit.training.trainers.rollouts import Rollouts
+from tunekit.training.trainers.tooluse import MaskedLogps
 
 
 class RlooTrainer(TrainerAdditions, MaskedLogps, Rollouts, RLOOTrainer):

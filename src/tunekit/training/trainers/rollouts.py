@@ -5,10 +5,10 @@ from __future__ import annotations
 from unittest import mock
 
 from tunekit.data.collating import CountingCollator
-from tunekit.training.methods.acting import Acting
+from tunekit.training.trainers.tooluse import ToolUse
 
 
-class Rollouts(Acting):
+class Rollouts(ToolUse):
     """Samples from the prompts as tunekit renders them (already templated text, tokenized as `tunekit eval`
     tokenizes it), counts the tokens sampled, scores held-out prompts by their greedy answers' rewards
     (evaluation.DuringTraining) instead of TRL's evaluation pass. `trl_module`: the TRL module whose

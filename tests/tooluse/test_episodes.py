@@ -1,4 +1,4 @@
-"""Episodes with tools (evaluation.episodes): tools loaded with their schemas or refused in one line, calls run with
+"""Episodes with tools (tooluse.episodes): tools loaded with their schemas or refused in one line, calls run with
 a timeout and an output cap, every failure an error result the model sees, results rendered by the chat template
 and masked, turns bounded; played with a scripted model so every path is known."""
 
@@ -12,8 +12,9 @@ from conftest import importable
 from tunekit.config.methodsettings import GrpoSettings
 from tunekit.core.errors import TunekitError
 from tunekit.data.chattemplate import Chat
-from tunekit.evaluation import episodes, rewards
+from tunekit.evaluation import rewards
 from tunekit.evaluation.rewards import Sample
+from tunekit.tooluse import episodes
 
 TOOLS = '''
 import time

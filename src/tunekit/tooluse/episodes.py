@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tunekit.core.errors import TunekitError, first_line
-from tunekit.evaluation.metrics import tool_calls_in
+from tunekit.tooluse.textcalls import tool_calls_in
 
 RESERVED = ("reset", "get_reward", "reward")  # an environment's methods that are not tools
 

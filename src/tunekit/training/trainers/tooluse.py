@@ -1,5 +1,5 @@
 """Episodes with tools in GRPO's rollouts (grpo.tools, grpo.environment): what tunekit's GRPO trainer adds to
-TRL's so that a sampled completion is an episode (evaluation.episodes): an episode per completion, its
+TRL's so that a sampled completion is an episode (tooluse.episodes): an episode per completion, its
 environment reset from the record, played with tunekit's seeded sampling, the tool results' tokens masked out of
 the loss (TRL's tool_mask), tool calls, failures and turns logged. TRL's own tool loop needs a chat template
 that parses tool calls itself and runs tools without a timeout; this one reads calls as tunekit's metrics do and
@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 
 
-class Acting:
+class ToolUse:
     """Mixed into training.trainers.rollouts.Rollouts; `toolkit` None leaves everything as TRL does it."""
 
-    toolkit = None  # evaluation.episodes.Toolkit
+    toolkit = None  # tooluse.episodes.Toolkit
     renderer = None  # data.mixture.Renderers that rendered the prompts
     episodes: list | None = None  # the batch being sampled
 
@@ -33,9 +33,9 @@ class Acting:
         return out
 
     def play(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """The episodes played to their end (evaluation.episodes.run) with tunekit's seeded sampling; their
+        """The episodes played to their end (tooluse.episodes.run) with tunekit's seeded sampling; their
         completion ids, tool results included."""
-        from tunekit.evaluation import episodes
+        from tunekit.tooluse import episodes
         from tunekit.training import sampling
 
         eps = self.episodes
@@ -71,7 +71,7 @@ class Acting:
 class MaskedLogps:
     """For TRL's RLOOTrainer, whose one completion mask serves both attention and loss: the tool results' log
     probabilities are zeroed where its sequence sums take them (the old, reference and current policy's), so they
-    count in neither the loss nor the KL while the model still attends to them. Mixed in after Acting."""
+    count in neither the loss nor the KL while the model still attends to them. Mixed in after ToolUse."""
 
     loss_tool_mask = None  # the micro-batch's tool_mask while _compute_loss runs
 
