@@ -25,7 +25,7 @@ from conftest import (
 from tunekit.config import recipefile
 from tunekit.core.errors import TunekitError
 from tunekit.runs.layout import RunRecord
-from tunekit.training import divergences, methods, runner
+from tunekit.training import distilldivergences, methods, runner
 from tunekit.training.trainers import distill as distiller
 
 MIN_DISTILLED = 80  # held-out exact match % the distilled student must reach (hand run: 0 -> 100; the teacher 100)
@@ -66,17 +66,17 @@ def test_divergences_are_gkds_per_token():
     g = torch.Generator().manual_seed(0)
     student, teacher = torch.randn(6, 50, generator=g) * 3, torch.randn(6, 50, generator=g) * 3
     for kind, beta in (("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.3), ("jsd", 0.5)):
-        ours = divergences.per_token(student, teacher, kind, beta, temperature=2.0)
+        ours = distilldivergences.per_token(student, teacher, kind, beta, temperature=2.0)
         theirs = GKDTrainer.generalized_jsd_loss(student[None], teacher[None], beta=beta, temperature=2.0,
                                                  reduction="sum")
         assert ours.shape == (6,) and float(ours.sum()) == pytest.approx(float(theirs), rel=1e-5)
     # top_k: both renormalised over the teacher's k most likely tokens; k = the vocabulary is the whole of it
-    whole = divergences.per_token(student, teacher, "forward_kl")
-    assert torch.allclose(divergences.per_token(student, teacher, "forward_kl", top_k=50), whole)
+    whole = distilldivergences.per_token(student, teacher, "forward_kl")
+    assert torch.allclose(distilldivergences.per_token(student, teacher, "forward_kl", top_k=50), whole)
     keep = teacher.topk(3, -1).indices
     p = torch.softmax(teacher.gather(-1, keep), -1)
     expected = (p * (p.log() - torch.log_softmax(student.gather(-1, keep), -1))).sum(-1)
-    assert torch.allclose(divergences.per_token(student, teacher, "forward_kl", top_k=3), expected, atol=1e-6)
+    assert torch.allclose(distilldivergences.per_token(student, teacher, "forward_kl", top_k=3), expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -129,7 +129,7 @@ def test_a_teacher_run_not_trained_yet_is_named_by_plan_and_train(tmp_path, tiny
 
 
 def test_an_unfinished_run_or_a_reward_model_is_no_teacher(tmp_path, tiny_model, teacher):
-    from tunekit.runs import teacher as teachers
+    from tunekit.runs import distillteacher as teachers
 
     for status, method, message in (("failed", "sft", "did not complete"), ("completed", "reward", "reward model")):
         run = tmp_path / status
@@ -145,7 +145,7 @@ def test_an_unfinished_run_or_a_reward_model_is_no_teacher(tmp_path, tiny_model,
 
 
 def test_a_teacher_loads_frozen_in_inference_mode_and_in_4_bits_when_asked(tmp_path, tiny_model, teacher):
-    from tunekit.runs import teacher as teachers
+    from tunekit.runs import distillteacher as teachers
 
     recipe = load(tmp_path, distill_raw(tiny_model, tmp_path, tmp_path / "run", teacher))
     found = teachers.resolve(recipe)
@@ -158,8 +158,8 @@ def test_a_teacher_loads_frozen_in_inference_mode_and_in_4_bits_when_asked(tmp_p
 
 
 def test_the_plan_counts_the_teacher_and_shows_where_it_is(tmp_path, tiny_model, teacher):
+    from tunekit.plan import distillteacher as planned
     from tunekit.plan import estimate
-    from tunekit.plan import teacher as planned
 
     recipe = load(tmp_path, distill_raw(tiny_model, tmp_path, tmp_path / "run", teacher,
                                         deepspeed="ds_configs/zero3.json"))

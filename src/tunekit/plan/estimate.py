@@ -15,7 +15,7 @@ import torch
 from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.schema import Recipe
 from tunekit.models import vision
-from tunekit.plan import activations, modelstate, sharding, splitting, steptime, teacher
+from tunekit.plan import activations, distillteacher, modelstate, sharding, splitting, steptime
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Settings:
     fsdp_reshard_after_forward: bool = True
     fsdp_offload: bool = False
     fsdp_auto_wrap: bool = True
-    teacher: object = None  # distill's teacher (plan.teacher.TeacherSize), else None
+    teacher: object = None  # distill's teacher (plan.distillteacher.TeacherSize), else None
     fsdp_reduce_dtype: str = "float32"
     # ZeRO-3's sizes in elements (None: "auto", filled from the hidden size); the defaults are ds_configs/zero3.json's
     zero3_prefetch: int | None = None
@@ -165,7 +165,7 @@ def phase_groups(s: Settings, parts: dict, act_key: str, autocast_key: str | Non
         return tuple(t.key for t in terms if when in t.when)
 
     groups = [("the end of the forward pass", (act_key, "logits and loss") + ((autocast_key,) if autocast_key else ())
-               + ((teacher.LOGITS,) if teacher.LOGITS in parts else ()) + at("forward"))]
+               + ((distillteacher.LOGITS,) if distillteacher.LOGITS in parts else ()) + at("forward"))]
     backward = (("activations (one layer recomputed)",) if s.gradient_checkpointing else ()) + at("backward")
     if backward:
         groups.append(("a recomputed layer's backward" if s.gradient_checkpointing else "a layer's backward",
@@ -219,7 +219,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     terms = sharding.transient_terms(recipe, s, cfg, model)
     parts.update({t.key: t.bytes for t in terms})
 
-    sampled = activations.sampling(parts, cfg, s, c) + teacher.add(parts, s)
+    sampled = activations.sampling(parts, cfg, s, c) + distillteacher.add(parts, s)
     per_token = activations.layer_bytes_per_token(cfg, s, recipe)
     time = splitting.divide_time(steptime.estimate(cfg, model, s, recipe, c, per_token,
                                                    modelstate.OPTIMIZER_BYTES.get(s.optimizer, 8), sampled), s)
@@ -299,7 +299,8 @@ def settings_from(recipe: Recipe, world_size: int, precision: str, **overrides) 
                     zero_stage=stage,
                     offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
                     offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
-                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps, teacher=teacher.of(recipe),
+                    optimizer=t.optimizer, accumulation=t.gradient_accumulation_steps,
+                    teacher=distillteacher.of(recipe),
                     **shape, **fsdp, **splitting.sizes(recipe),
                     **(sharding.zero3_settings(zero) if stage == 3 else {}))
     return dataclasses.replace(base, **overrides)

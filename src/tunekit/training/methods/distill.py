@@ -1,5 +1,5 @@
 """training.method: distill -- the student (the recipe's model, its adapter or all its weights) trained to match a
-teacher's next-token distributions (distill.teacher: runs.teacher), off-policy, on-policy (GKD) or mixed, with
+teacher's next-token distributions (distill.teacher: runs.distillteacher), off-policy, on-policy (GKD) or mixed, with
 tunekit's seeded sampling (training.sampling); its `distill:` section is declared in
 tunekit.config.methodsettings. The modes, and why not TRL's DistillationTrainer: docs/methods.md, "Distillation: a
 teacher's knowledge into a student"."""
@@ -21,7 +21,7 @@ class Distill(Method):
         """The teacher can be had and shares the student's vocabulary (plan: the teacher's files only; validate:
         a model that cannot be had here is a warning)."""
         from tunekit.models import hub
-        from tunekit.runs import teacher as teachers
+        from tunekit.runs import distillteacher as teachers
 
         if model in ("shipped", "skip"):
             teachers.resolve(recipe)
@@ -56,7 +56,7 @@ class Distill(Method):
         return args
 
     def make_trainer(self, inputs: TrainerInputs):
-        from tunekit.runs import teacher as teachers
+        from tunekit.runs import distillteacher as teachers
 
         recipe, d = inputs.recipe, inputs.recipe.distill
         teacher = teachers.check(recipe, inputs.tokenizer)

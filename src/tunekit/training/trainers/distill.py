@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tunekit.data.collating import CountingCollator, collator
 from tunekit.data.tokenizing import IGNORE
-from tunekit.training import divergences, sampling
+from tunekit.training import distilldivergences, sampling
 from tunekit.training.trainer import SafeStateTrainer
 
 
@@ -159,7 +159,7 @@ class DistillTrainer(SafeStateTrainer):
         trained = targets != IGNORE
         width = min(logits.shape[-1], teacher.shape[-1])  # rows past the tokenizer's ids pad the embeddings
         student, teacher = logits[trained][:, :width], teacher[trained][:, :width]
-        divergence = divergences.per_token(student, teacher, s.divergence, s.jsd_beta, s.temperature, s.top_k)
+        divergence = distilldivergences.per_token(student, teacher, s.divergence, s.jsd_beta, s.temperature, s.top_k)
         loss = divergence.mean() if divergence.numel() else logits.sum() * 0
         self.tally("divergence", float(divergence.detach().sum()), divergence.numel())
         if s.sft_weight:

@@ -1,6 +1,6 @@
 """distill's teacher in `tunekit plan`: its frozen weights (4-bit or the compute dtype; divided by the world size
 where ZeRO-3 or FSDP2 shard it, else a whole copy per device), its logits at the end of its forward, and its
-forward's FLOPs, counted from the teacher model's own config (runs.teacher resolves it from files)."""
+forward's FLOPs, counted from the teacher model's own config (runs.distillteacher resolves it from files)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ def of(recipe) -> TeacherSize | None:
 
     from tunekit.models import hub
     from tunekit.models.info import model_config
-    from tunekit.runs import teacher
+    from tunekit.runs import distillteacher
 
-    t = teacher.resolve(recipe)
+    t = distillteacher.resolve(recipe)
     try:
         cfg = model_config(t.model, shipped=True)
     except hub.Unavailable as e:
-        raise teacher.unavailable(t, e) from None
+        raise distillteacher.unavailable(t, e) from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=t.model.trust_remote_code)
     params = {id(p): p.numel() for p in model.parameters()}
