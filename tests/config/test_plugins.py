@@ -1,7 +1,7 @@
 """Plugins (config.plugins, docs/extending.md): the page's own toy plugin, built from its code blocks and installed
 with pip into a site directory, adds a data format, a metric, a reward kind, a training method and an export format
-that a run trains, evaluates and exports with; a plugin that fails to import is named in one line and tunekit goes
-on without it."""
+that a run trains, evaluates, exports and pushes (to a stand-in Hub) with; a plugin that fails to import is named in
+one line and tunekit goes on without it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, reverse_rows, tiny_recipe, training_rows, write_jsonl, write_recipe
+from hub_standin import StandInHub
 from tunekit.config import plugins
 
 pytestmark = pytest.mark.slow
@@ -39,8 +41,8 @@ def install(package: Path, site: Path) -> None:
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
 
 
-def python(site: Path, code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(site)}
+def python(site: Path, code: str, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}, "PYTHONPATH": str(site), **env}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=900)
 
@@ -54,6 +56,7 @@ from tunekit.evaluation import rewards
 recipe, grpo = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 run = tunekit.train(recipe)
 exported = tunekit.export_model(run.run_dir, format="recipe")
+tunekit.push(run.run_dir, "alice/toy-recipe", what="recipe")
 tunekit.validate(grpo)
 score = rewards.build([RewardSpec(reward="shorter")], 16, "grpo")[0]
 sample = lambda text: rewards.Sample("p", text, "abc", 1, {}, "line 1")
@@ -73,12 +76,20 @@ def test_the_documented_plugin_adds_one_of_each_kind_and_a_run_uses_them(tmp_pat
     alpaca = write_jsonl(tmp_path / "alpaca.jsonl", reverse_rows(8))  # GRPO takes prompts from formats it knows
     grpo = tiny_recipe(tiny_model, alpaca, tmp_path / "grpo", training={"method": "grpo", "max_steps": 2},
                        grpo={"rewards": [{"reward": "shorter"}], "max_completion_length": 8})
-    res = python(site, USE_EVERY_KIND, json.dumps(recipe), json.dumps(grpo), cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    with StandInHub({"hf_good": {"name": "alice", "orgs": [], "role": "write"}}) as hub:
+        res = python(site, USE_EVERY_KIND, json.dumps(recipe), json.dumps(grpo), cwd=tmp_path, HF_ENDPOINT=hub.url,
+                     HF_TOKEN="hf_good", HF_HUB_DISABLE_XET="1", HF_HOME=str(tmp_path / "hf"))
+        assert res.returncode == 0, res.stderr[-3000:]
+        pushed = hub.files("alice/toy-recipe")
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["method"] == "sft_toy" and 0 <= out["scores"]["first_word"] <= 100, out
     assert "eval_loss" in out["scores"] or "loss" in out["scores"], out
     assert Path(out["exported"]).read_text() == (tmp_path / "run" / "recipe.yaml").read_text()
+    exported = Path(out["exported"]).name
+    assert pushed[exported] == Path(out["exported"]).read_bytes() and "README.md" in pushed, sorted(pushed)
+    head, body = pushed["README.md"].decode().removeprefix("---\n").split("\n---\n", 1)
+    assert "sft_toy" in yaml.safe_load(head)["tags"], head
+    assert "# recipe model: run" in body and f"Weights: recipe file `{exported}`" in body, body
     assert out["rewards"] == [1.0, 0.0]
     assert [r["step"] for r in training_rows(tmp_path / "run")] == [1, 2, 3, 4]
 

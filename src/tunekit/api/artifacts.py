@@ -84,13 +84,14 @@ def push(target: str | os.PathLike, repo: str, what: str | None = None, private:
          revision: str | None = None, force: bool = False, baseline: str | os.PathLike | None = None,
          base_model: str | None = None) -> Pushed:
     """Upload a run's adapter, merged weights or a GGUF file to the Hub repo `repo` as one commit, with a model
-    card. `what`: adapter, merged or gguf (default: what the target is). `baseline`: a base-model eval directory,
-    for the card's before/after table. The token comes from HF_TOKEN or `huggingface-cli login`."""
+    card. `what`: adapter, merged, gguf or another pushable export format (default: what the target is).
+    `baseline`: a base-model eval directory, for the card's before/after table. The token comes from HF_TOKEN or
+    `huggingface-cli login`."""
     arguments.path("target", target)
     arguments.text("repo", repo)
-    from tunekit.export.writers import WHATS
+    from tunekit.export.writers import whats
 
-    arguments.choice("what", what, WHATS, optional=True)
+    arguments.choice("what", what, whats(), optional=True)
     arguments.flag("private", private)
     arguments.text("revision", revision, optional=True)
     arguments.flag("force", force)

@@ -275,13 +275,13 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 def _push_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="run directory, merged directory (tunekit merge) or .gguf file (tunekit export)")
     p.add_argument("--repo", required=True, metavar="OWNER/NAME", help="the Hugging Face Hub model repo to push to")
-    from tunekit.export.writers import WHATS
+    from tunekit.export.writers import whats
 
-    p.add_argument("--what", choices=WHATS,
+    p.add_argument("--what", choices=whats(),
                    help="adapter: a LoRA/QLoRA run's adapter; merged: the merged weights (a LoRA run is merged first, "
-                        "as tunekit merge does); gguf: the GGUF file tunekit export wrote and its Modelfile (default: "
-                        "adapter for a LoRA/QLoRA run, merged for a full fine-tuning run or merged directory, gguf for "
-                        "a .gguf file)")
+                        "as tunekit merge does); gguf (or another pushable export format): the file tunekit "
+                        "export wrote and its Modelfile (default: adapter for a LoRA/QLoRA run, merged for a full "
+                        "fine-tuning run or merged directory, a file's own format for a file)")
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--revision", metavar="BRANCH", help="commit to this branch (created from main when missing)")
     p.add_argument("--force", action="store_true",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -25,8 +26,8 @@ from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RECIPE_FILE, RunRecord, i
 
 CURVES_FILE = "training_curves.svg"
 ADAPTERS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tuning"}
-TITLES = {"adapter": "LoRA adapter", "merged": "Merged model", "gguf": "GGUF model"}
-LIBRARY = {"adapter": "peft", "merged": "transformers", "gguf": None}  # the Hub tells GGUF files apart itself
+TITLES = {"adapter": "LoRA adapter", "merged": "Merged model"}
+LIBRARY = {"adapter": "peft", "merged": "transformers"}
 # the Hub's metric ids for the scores `tunekit eval` writes
 HUB_METRICS = {"bleu": "bleu", "chrf": "chrf", "rouge1": "rouge", "rougeL": "rouge", "exact_match": "exact_match",
                "perplexity": "perplexity", "tool_call_args": "accuracy"}
@@ -35,7 +36,7 @@ HUB_METRICS = {"bleu": "bleu", "chrf": "chrf", "rouge1": "rouge", "rougeL": "rou
 @dataclass
 class Card:
     name: str  # the model's name: the run's, or the file's
-    what: str  # adapter | merged | gguf
+    what: str  # adapter | merged | a pushable export format's name
     base_model: str  # as the recipe (or the source) names it
     base_model_id: str | None = None  # its hub id, for the front matter; None where it is only a local path
     recipe: object | None = None  # the run's recipe
@@ -48,6 +49,7 @@ class Card:
     repo: str | None = None  # where it is loaded from: a hub id, else "this_dir"
     curves: bool = False  # CURVES_FILE sits beside the card
     title: str | None = None  # default: what it is and its name
+    format: Any = None  # the export format (export.writers.ExportFormat) of a pushed file: title, tags, usage
 
 
 def hub_id(spec: str) -> str | None:
@@ -92,12 +94,13 @@ def front_matter(card: Card) -> dict:
     meta: dict = {}
     if card.base_model_id:
         meta["base_model"] = card.base_model_id
-    if LIBRARY[card.what]:
-        meta["library_name"] = LIBRARY[card.what]
+    library = card.format.library if card.format is not None else LIBRARY[card.what]
+    if library:
+        meta["library_name"] = library
     if card.license:
         meta["license"] = card.license
     tags = ["tunekit", method, "full-fine-tuning" if adapter == "full" else adapter]
-    tags += ["gguf"] if card.what == "gguf" else []
+    tags += list(card.format.tags) if card.format is not None else []
     meta["tags"] = list(dict.fromkeys(t for t in tags if t))
     datasets = [s for s in data_sources(card.recipe) if _hub_dataset(s)] if card.recipe is not None else []
     if datasets:
@@ -116,7 +119,8 @@ def scores_sequences(card: Card) -> bool:
 
 def render(card: Card) -> str:
     header = yaml.safe_dump(front_matter(card), sort_keys=False, allow_unicode=True)
-    title = card.title or f"{TITLES[card.what]}: {card.name}"
+    what = f"{card.format.label} model" if card.format is not None else TITLES[card.what]
+    title = card.title or f"{what}: {card.name}"
     parts = [f"---\n{header}---\n", f"# {title}\n", _summary(card)]
     parts += [section for section in (_usage(card), _data(card), _evaluation(card), _contamination(card),
                                       _curves(card), _recipe(card)) if section]
@@ -174,10 +178,7 @@ def _usage(card: Card) -> str:
         return (f"## How to load\n\n```python\nfrom transformers import AutoModelFor{task}, AutoTokenizer\n\n"
                 f'model = AutoModelFor{task}.from_pretrained("{where}")\n'
                 f'tokenizer = AutoTokenizer.from_pretrained("{where}")\n```\n')
-    run = (f"ollama run hf.co/{card.repo}\nllama-cli -hf {card.repo}" if card.repo else
-           "ollama create NAME -f NAME.Modelfile\nllama-cli -m NAME.gguf")
-    return ("## How to run\n\nllama.cpp, Ollama and LM Studio read the GGUF file; the Ollama Modelfile beside it holds "
-            f"the chat template, stop tokens and greedy settings.\n\n```bash\n{run}\n```\n")
+    return card.format.usage(card.repo)
 
 
 def _data(card: Card) -> str:

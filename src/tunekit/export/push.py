@@ -1,8 +1,8 @@
-"""`tunekit push TARGET --repo OWNER/NAME`: a run's LoRA adapter, its merged weights or a GGUF file, with a model
-card (export.card) and the training curves (runs.curves), to the Hugging Face Hub as ONE commit, so that the
-repo holds the whole upload or none of it. Everything that can be checked here is checked before any network
-call, and the Hub before anything is merged; each failure is one line (TunekitError). The order of the checks:
-docs/merge-export.md, "The Hub"."""
+"""`tunekit push TARGET --repo OWNER/NAME`: a run's LoRA adapter, its merged weights or a file of a pushable export
+format (export.writers: GGUF), with a model card (export.card) and the training curves (runs.curves), to the Hugging
+Face Hub as ONE commit, so that the repo holds the whole upload or none of it. Everything that can be checked here
+is checked before any network call, and the Hub before anything is merged; each failure is one line (TunekitError).
+The order of the checks: docs/merge-export.md, "The Hub"."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
 from tunekit.evaluation.table import baseline_scores
 from tunekit.export import card as cards
-from tunekit.export.writers import WHATS
+from tunekit.export.writers import ExportFormat, pushable, whats
 from tunekit.models.hubclient import Hub, check_repo_id, token
 from tunekit.runs import curves, history
 from tunekit.runs.layout import (
@@ -42,7 +42,7 @@ KEPT_HERE = {MERGED_MARKER, RECIPE_FILE, "README.md"}
 
 @dataclass
 class Upload:
-    what: str  # adapter | merged | gguf
+    what: str  # adapter | merged | a pushable export format's name (export.writers.pushable)
     target: Path
     run: Path | None  # the run the card describes; None for a file or directory whose run is not here
     files: dict[str, Path] = field(default_factory=dict)  # path in the repo -> local file
@@ -74,21 +74,16 @@ def _files(folder: Path, skip: set[str] = frozenset()) -> dict[str, Path]:
     return found
 
 
-def _gguf_files(gguf: Path) -> dict[str, Path]:
-    """The GGUF file and, where `tunekit export` wrote it, its Ollama Modelfile (FROM ./NAME.gguf)."""
-    modelfile = gguf.with_suffix(".Modelfile")
-    return {gguf.name: gguf, **({modelfile.name: modelfile} if modelfile.is_file() else {})}
-
-
-def _one_gguf(folder: Path) -> Path:
-    found = sorted(folder.glob("*.gguf"))
+def _one_written(folder: Path, fmt: ExportFormat) -> dict[str, Path]:
+    """The one file of `fmt` in `folder`, with the files beside it."""
+    found = sorted(p for p in folder.iterdir() if p.is_file() and fmt.is_written(p))
     if not found:
-        raise TunekitError(f"{folder}: no GGUF file here; write one with `tunekit export {folder}` first, or push "
-                           "--what adapter or --what merged")
+        raise TunekitError(f"{folder}: no {fmt.label} file here; write one with `tunekit export {folder} --format "
+                           f"{fmt.name}` first, or push --what adapter or --what merged")
     if len(found) > 1:
-        raise TunekitError(f"{folder}: {len(found)} GGUF files ({', '.join(p.name for p in found)}); give the one "
-                           "to push as TARGET")
-    return found[0]
+        raise TunekitError(f"{folder}: {len(found)} {fmt.label} files ({', '.join(p.name for p in found)}); give the "
+                           "one to push as TARGET")
+    return fmt.files(found[0])
 
 
 def _run_of(folder: Path) -> Path | None:
@@ -106,13 +101,13 @@ def _from_run(path: Path, what: str | None) -> Upload:
         raise TunekitError(f"{path}: the run did not complete (status {record.status!r}); nothing to push")
     lora = not (path / MODEL_DIR).is_dir()
     what = what or ("adapter" if lora else "merged")
-    if what == "gguf":
-        return Upload("gguf", path, path, _gguf_files(_one_gguf(path)))
+    if what in pushable():
+        return Upload(what, path, path, _one_written(path, pushable()[what]))
     completed_run(path, "push target")  # the weights pushed, or merged to push
     if not lora:
         if what == "adapter":
             raise TunekitError(f"{path}: a full fine-tuning run has no adapter; push --what merged (its weights in "
-                               f"{MODEL_DIR}/) or --what gguf")
+                               f"{MODEL_DIR}/) or --what " + " or --what ".join(pushable()))
         return Upload("merged", path, path, _files(path / MODEL_DIR, {"README.md"}))
     if what == "merged":
         return Upload("merged", path, path, merge_run=path)
@@ -121,32 +116,34 @@ def _from_run(path: Path, what: str | None) -> Upload:
 
 def resolve(target: str, what: str | None) -> Upload:
     """What TARGET holds and which of it --what pushes (default: a LoRA run's adapter, a full fine-tuning run's
-    or merged directory's weights, a GGUF file)."""
+    or merged directory's weights, a file's own format)."""
     path = Path(target).expanduser()
+    files = " or ".join(f"{fmt.suffix} file" for fmt in pushable().values())
     if not path.exists():
         raise TunekitError(f"push target {target}: does not exist; give a run directory, a merged directory or a "
-                           ".gguf file")
+                           f"{files}")
     if path.is_file():
-        with open(path, "rb") as f:
-            if path.suffix != ".gguf" or f.read(4) != b"GGUF":
-                raise TunekitError(f"push target {target}: not a GGUF file; give a run directory, a merged "
-                                   "directory or a .gguf file")
-        if what not in (None, "gguf"):
-            raise TunekitError(f"push target {target}: a GGUF file pushes as --what gguf, not {what}; for the "
-                               f"{what} give the run directory")
-        return Upload("gguf", path, _run_of(path.parent), _gguf_files(path), merged_dir=_merged(path.parent))
+        fmt = next((f for f in pushable().values() if f.is_written(path)), None)
+        if fmt is None:
+            raise TunekitError(f"push target {target}: not a file tunekit pushes; give a run directory, a merged "
+                               f"directory or a {files}")
+        if what not in (None, fmt.name):
+            raise TunekitError(f"push target {target}: a {fmt.label} file pushes as --what {fmt.name}, not {what}; "
+                               f"for the {what} give the run directory")
+        return Upload(fmt.name, path, _run_of(path.parent), fmt.files(path), merged_dir=_merged(path.parent))
     if is_run(path):
         return _from_run(path, what)
     if not (path / MERGED_MARKER).is_file():
         raise TunekitError(f"push target {target}: not a tunekit run directory ({RUN_FILE}), merged directory "
-                           f"({MERGED_MARKER}) or .gguf file")
+                           f"({MERGED_MARKER}) or {files}")
     if what == "adapter":
         raise TunekitError(f"push target {target}: a merged directory holds no adapter; push its run directory "
                            "with --what adapter")
-    if what == "gguf":
-        return Upload("gguf", path, _run_of(path), _gguf_files(_one_gguf(path)), merged_dir=path)
-    files = {k: v for k, v in _files(path, KEPT_HERE).items() if not k.endswith((".gguf", ".Modelfile"))}
-    return Upload("merged", path, _run_of(path), files, merged_dir=path)
+    if what in pushable():
+        return Upload(what, path, _run_of(path), _one_written(path, pushable()[what]), merged_dir=path)
+    written = tuple(s for fmt in pushable().values() for s in (fmt.suffix, *fmt.beside))  # pushed on their own
+    weights = {k: v for k, v in _files(path, KEPT_HERE).items() if not k.endswith(written)}
+    return Upload("merged", path, _run_of(path), weights, merged_dir=path)
 
 
 def _merged(folder: Path) -> Path | None:
@@ -159,9 +156,8 @@ def _merged(folder: Path) -> Path | None:
 def _weights(upload: Upload, files: dict[str, Path]) -> str:
     if upload.what == "adapter":
         return "LoRA adapter, safetensors (adapter_model.safetensors)"
-    if upload.what == "gguf":
-        return "GGUF file `" + next(k for k in files if k.endswith(".gguf")) + "`" + (
-            " and its Ollama Modelfile" if any(k.endswith(".Modelfile") for k in files) else "")
+    if upload.what in pushable():
+        return pushable()[upload.what].weights(files)
     config = files.get("config.json")
     dtype = json.loads(config.read_text(encoding="utf-8")).get("dtype") if config else None
     return f"{dtype}, safetensors" if dtype else "safetensors"
@@ -180,24 +176,19 @@ def _notes(merged_dir: Path | None) -> list[str]:
             f"over {parity.get('positions')} {'sequences' if scores else 'positions'}"]
 
 
-def _gguf_base(path: Path) -> str | None:
-    from tunekit.models.info import gguf_keys
-
-    return gguf_keys(path, lambda found: "general.base_model.0.name" in found, f"push target {path}").get(
-        "general.base_model.0.name")
-
-
 def card_for(upload: Upload, repo: str, base_id: str | None, baseline: dict | None) -> cards.Card:
-    """The card's facts: from the run where it is here, else the merged directory's recipe, else the GGUF file."""
+    """The card's facts: from the run where it is here, else the merged directory's recipe, else the file."""
     from tunekit.export.license import license_of
 
-    fields = {"repo": repo, "baseline": baseline, "weights": _weights(upload, upload.files),
+    fmt = pushable().get(upload.what)
+    fields = {"repo": repo, "baseline": baseline, "weights": _weights(upload, upload.files), "format": fmt,
               "notes": _notes(upload.merged_dir), **({"base_model_id": base_id} if base_id else {})}
     if upload.run is not None:
         return cards.from_run(upload.run, upload.what, **fields)
     recipe_file = upload.merged_dir / RECIPE_FILE if upload.merged_dir is not None else None
     recipe = load_recipe(recipe_file) if recipe_file is not None and recipe_file.is_file() else None
-    base = recipe.model.name_or_path if recipe is not None else _gguf_base(upload.target) or "not recorded"
+    named = fmt.base_model(upload.target) if fmt is not None and upload.target.is_file() else None
+    base = recipe.model.name_or_path if recipe is not None else named or "not recorded"
     fields.setdefault("base_model_id", cards.hub_id(base))
     return cards.Card(name=upload.name, what=upload.what, base_model=base, recipe=recipe, license=license_of(base),
                       **fields)
@@ -242,8 +233,8 @@ def _files_to_send(upload: Upload, card: cards.Card, staging: Path) -> dict[str,
 def push(target: str, repo: str, what: str | None = None, private: bool = False, revision: str | None = None,
          force: bool = False, baseline: str | None = None, base_model: str | None = None) -> str:
     """Push TARGET to hub repo `repo` as one commit; returns the repo's address."""
-    if what is not None and what not in WHATS:
-        raise TunekitError(f"--what {what}: choose one of {', '.join(WHATS)}")
+    if what is not None and what not in whats():
+        raise TunekitError(f"--what {what}: choose one of {', '.join(whats())}")
     upload = resolve(target, what)
     check_repo_id(repo)
     if base_model:

@@ -55,6 +55,35 @@ class ExportFormat:
     def write(self, source: Source, out: Path, options: dict, force: bool) -> Path:
         raise NotImplementedError
 
+    # Pushable (`tunekit push --what NAME`) when `suffix` is set: the file written ends in it, files ending in
+    # `beside` in place of it go along, and `label`, `library`, `tags` and `usage` make the model card.
+    suffix: str | None = None
+    beside: tuple[str, ...] = ()
+    label: str = ""  # what the file is called in a sentence: "GGUF"
+    library: str | None = None  # the card's library_name, where one library loads the file
+    tags: tuple[str, ...] = ()  # the card's tags beside tunekit's own
+
+    def is_written(self, path: Path) -> bool:
+        """`path` is a file of this format (by its name; a format may read its header too)."""
+        return path.name.endswith(self.suffix or "\0")
+
+    def files(self, path: Path) -> dict[str, Path]:
+        """The files a push uploads for the written file `path`: it and those beside it, by name."""
+        found = [path, *(path.with_name(path.name.removesuffix(self.suffix or "") + s) for s in self.beside)]
+        return {f.name: f for f in found if f.is_file()}
+
+    def weights(self, files: dict[str, Path]) -> str:
+        """The card's line on what the files are."""
+        return f"{self.label} file `{next(iter(files))}`"
+
+    def usage(self, repo: str | None) -> str:
+        """The card's section on how to run the file, pushed to `repo` (None: a local copy)."""
+        return ""
+
+    def base_model(self, path: Path) -> str | None:
+        """The base model the file names, for the card of a file whose run is not here."""
+        return None
+
 
 class Gguf(ExportFormat):
     name = "gguf"
@@ -62,8 +91,30 @@ class Gguf(ExportFormat):
     options = (Option("--quant", tuple(QUANTS), "q8_0", "weight type of the 2-D tensors (default q8_0; norms stay "
                       "f32); the k-quants q6_k, q5_k_m, q4_k_m are written by llama.cpp (llama-cpp-python)"),)
 
+    suffix, beside, label, tags = ".gguf", (".Modelfile",), "GGUF", ("gguf",)  # the Hub tells GGUF apart itself
+
     def default_out(self, source: Source, options: dict) -> Path:
         return source.home / f"{source.facts.name}-{options['quant']}.gguf"
+
+    def is_written(self, path: Path) -> bool:
+        with open(path, "rb") as f:
+            return path.suffix == self.suffix and f.read(4) == b"GGUF"
+
+    def weights(self, files: dict[str, Path]) -> str:
+        return "GGUF file `" + next(k for k in files if k.endswith(".gguf")) + "`" + (
+            " and its Ollama Modelfile" if any(k.endswith(".Modelfile") for k in files) else "")
+
+    def usage(self, repo: str | None) -> str:
+        run = (f"ollama run hf.co/{repo}\nllama-cli -hf {repo}" if repo else
+               "ollama create NAME -f NAME.Modelfile\nllama-cli -m NAME.gguf")
+        return ("## How to run\n\nllama.cpp, Ollama and LM Studio read the GGUF file; the Ollama Modelfile beside it "
+                f"holds the chat template, stop tokens and greedy settings.\n\n```bash\n{run}\n```\n")
+
+    def base_model(self, path: Path) -> str | None:
+        from tunekit.models.info import gguf_keys
+
+        key = "general.base_model.0.name"
+        return gguf_keys(path, lambda found: key in found, f"push target {path}").get(key)
 
     def check(self, source: Source, out: Path, options: dict, target: str) -> None:
         from tunekit.export import source as export_source
@@ -199,7 +250,16 @@ def model_card(source: Source, model_dir: Path, dtype: str) -> str:
 
 
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (Gguf(), Safetensors())}
-WHATS = ("adapter", "merged", "gguf")  # what `tunekit push --what` uploads (export.push)
+
+
+def pushable() -> dict[str, ExportFormat]:
+    """The formats `tunekit push --what` uploads, beside a run's adapter and merged weights (export.push)."""
+    return {name: fmt for name, fmt in FORMATS.items() if fmt.suffix}
+
+
+def whats() -> tuple[str, ...]:
+    """`tunekit push --what`'s choices."""
+    return ("adapter", "merged", *pushable())
 
 
 def register(fmt: ExportFormat) -> ExportFormat:
