@@ -6,7 +6,11 @@ before the schema is built is a valid training.method, with its section."""
 from __future__ import annotations
 
 import ast
+import json
 import logging
+import os
+import re
+import shutil
 import subprocess
 import sys
 import typing
@@ -15,10 +19,11 @@ from pathlib import Path
 import pytest
 
 import tunekit
-from conftest import tiny_recipe, write_jsonl, write_recipe
+from conftest import ROOT, history, tiny_recipe, write_jsonl, write_recipe
 from tunekit.config import methods as declared
 from tunekit.config import recipefile, rules, schema, trainingschema
 from tunekit.core.errors import TunekitError
+from tunekit.runs.layout import RunRecord
 from tunekit.training import methods
 
 PACKAGE = Path(tunekit.__file__).parent
@@ -213,3 +218,51 @@ def test_the_method_page_names_every_declared_field_and_every_stage():
     stages = [n for n, v in vars(Method).items() if callable(v) and not n.startswith("_")]
     missing += [n for n in stages if f"`{n}(" not in implements]
     assert not missing, f"docs/adding-a-method.md does not describe: {missing}"
+
+
+BLOCK = re.compile(r"```python\n# (ADD TO|FILE|REPLACE IN): (\S+)\n(.*?)```", re.S)
+TRAIN_CPO = """
+import json, sys
+from tunekit.config import recipefile
+from tunekit.training import runner
+
+result = runner.run(recipefile.load(sys.argv[1]))
+print(json.dumps({"module": type(result.trainer).__module__, "method": result.trainer.args.__class__.__name__}))
+"""
+
+
+@pytest.mark.slow  # a training run in a fresh process
+def test_the_pages_whole_example_is_all_a_method_needs(tmp_path, tiny_model):
+    """docs/adding-a-method.md's example, block by block, applied to a copy of src/: the recipe takes the new
+    method and its section, and a run trains with it through TRL's CPO trainer (held-out loss falls)."""
+    src = shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    blocks = BLOCK.findall((ROOT / "docs" / "adding-a-method.md").read_text(encoding="utf-8"))
+    assert [how for how, _, _ in blocks] == ["ADD TO", "ADD TO", "FILE", "FILE", "REPLACE IN"], blocks
+    for how, path, body in blocks:
+        target = src.parent / path
+        if how == "FILE":
+            assert not target.exists(), f"{path} exists: the example must add a module of its own"
+            target.write_text(body, encoding="utf-8")
+        elif how == "ADD TO":
+            target.write_text(target.read_text(encoding="utf-8") + "\n\n" + body, encoding="utf-8")
+        else:
+            head = body.split(" import ")[0] + " import "
+            lines = target.read_text(encoding="utf-8").splitlines(keepends=True)
+            found = [k for k, line in enumerate(lines) if line.startswith(head)]
+            assert len(found) == 1, f"{path}: no one line starting {head!r}"
+            lines[found[0]] = body
+            target.write_text("".join(lines), encoding="utf-8")
+    pairs = [{"prompt": f"Reverse the word.\n\n{w}", "chosen": w[::-1], "rejected": w}
+             for w in ["stone", "river", "planet", "garden", "window", "silver"] * 4]
+    data = write_jsonl(tmp_path / "p.jsonl", pairs)
+    raw = tiny_recipe(tiny_model, data, tmp_path / "run", training={"method": "cpo", "max_steps": 12,
+                                                                     "learning_rate": 5e-3, "eval_steps": 6},
+                      cpo={"beta": 0.2}, data={"format": "preference", "eval": str(data)})
+    res = subprocess.run([sys.executable, "-c", TRAIN_CPO, str(write_recipe(tmp_path / "r.yaml", raw))],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(src)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"module": "tunekit.training.trainers.cpo", "method": "CPOConfig"}, out
+    assert RunRecord.load(tmp_path / "run").training_method == "cpo"
+    evals = history(tmp_path / "run", "eval_loss")
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] and evals[-1]["eval_nll_loss"] < evals[0]["eval_nll_loss"]
