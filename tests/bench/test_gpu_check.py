@@ -54,8 +54,8 @@ def test_shapes_are_the_shipped_configs_with_the_check_tokenizer_ids():
     assert tiny["model_type"] == "qwen2" and tiny["num_hidden_layers"] == 2 and tiny["vocab_size"] == 152064
 
 
-# Its CPU run (--tiny, tunekit against the TRL script) is tests/bench/test_gpu_kit.py's, from the kit, as on a
-# GPU machine.
+# Its CPU run of a text row (--tiny, tunekit against the TRL script) is tests/bench/test_gpu_kit.py's, from the kit,
+# as on a GPU machine (make test-full).
 
 
 def test_the_vision_check_trains_on_image_batches_on_a_cpu(tmp_path):

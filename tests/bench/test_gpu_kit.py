@@ -116,12 +116,26 @@ def test_tunekit_from_the_kit_validates_a_shipped_recipe(installed):
     assert "adapter: lora" in res.stdout and "# DeepSpeed config for world size 2" in res.stdout
 
 
-def test_the_gpu_check_runs_from_the_kit_with_no_index(installed, here_kit_dir, tmp_path):
-    """bench/gpu_check.sh, the one command of an offline GPU machine, on this machine's kit: installs it with no
-    index (all there already: nothing changes), then runs the check's CPU plumbing (--tiny) on the venv's
-    packages, TRL's script included."""
+def gpu_check_env(installed: Path, kit: Path) -> dict:
+    """bench/gpu_check.sh's surroundings on an offline GPU machine: the venv's Python, the kit, no pip index."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env |= {"PIP_CONFIG_FILE": os.devnull, "PYTHON": str(installed / "bin" / "python"), "GPU_KIT": str(here_kit_dir)}
+    return env | {"PIP_CONFIG_FILE": os.devnull, "PYTHON": str(installed / "bin" / "python"), "GPU_KIT": str(kit)}
+
+
+def test_the_gpu_check_installs_the_kit_with_no_index_and_starts(installed, here_kit_dir):
+    """bench/gpu_check.sh, the one command of an offline GPU machine, on this machine's kit: it installs the kit
+    with no index (all there already: nothing changes) and starts the check on the venv's Python, which finds no
+    GPU here and stops. Its CPU plumbing from the kit, TRL's script included, is the `full` test below (its
+    vision and varlen rows from the repository's venv: tests/bench/test_gpu_check.py)."""
+    res = run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=gpu_check_env(installed, here_kit_dir))
+    assert "gpu-check: kit installed" in res.stdout and "no CUDA GPU on this machine" in res.stdout, res.stdout
+
+
+@pytest.mark.full  # two minutes: a tunekit run and TRL's script in the kit's fresh venv
+def test_the_gpu_check_runs_from_the_kit_with_no_index(installed, here_kit_dir, tmp_path):
+    """bench/gpu_check.sh on this machine's kit runs the check's CPU plumbing (--tiny) on the venv's packages, TRL's
+    script included."""
+    env = gpu_check_env(installed, here_kit_dir)
     out = tmp_path / "gpu_check.json"
     res = run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--tiny", "--only", "lora-bf16", "--steps", "2",
                "--work", str(tmp_path / "work"), "--out", str(out)], cwd=ROOT, env=env)
