@@ -118,9 +118,9 @@ def test_recipe_run_logs_tool_call_scores_while_training_and_in_its_eval(tiny_mo
     assert "tool call arguments %" in res.stdout
 
 
-# The README's tool-use figures: SmolLM2-135M-Instruct zero-shot and after recipes/smollm2_tools.yaml as shipped,
-# on the 40 held-out examples (28 that call a tool, 12 that should not)
-README = {"before": {"tool_call_valid_json": 10.71, "tool_call_name": 10.71, "tool_call_args": 0.0},
+# The tool-use figures docs/results.md and docs/data.md quote: SmolLM2-135M-Instruct zero-shot and after
+# recipes/smollm2_tools.yaml as shipped, on the 40 held-out examples (28 that call a tool, 12 that should not)
+QUOTED = {"before": {"tool_call_valid_json": 10.71, "tool_call_name": 10.71, "tool_call_args": 0.0},
           "after": {"tool_call_valid_json": 92.86, "tool_call_name": 85.71, "tool_call_args": 64.29}}
 
 
@@ -131,14 +131,14 @@ def test_real_model_learns_the_tool_calls(tmp_path):
     """recipes/smollm2_tools.yaml as shipped (40 steps: 20 min on a 2-core CPU shared with other work, evals
     included), against `tunekit eval` of the base on the same 40 held-out examples:
     the base rarely writes a call and never with the right arguments; the run calls the right function with the
-    right arguments on most, and its scores are the README's (within a few examples: CPU threads and bf16
+    right arguments on most, and its scores are the quoted ones (within a few examples: CPU threads and bf16
     support change low bits)."""
     base, tuned, run_dir = base_and_tuned(SMOLLM2, RECIPE, tmp_path)
     assert base["examples"] == tuned["examples"] == 40
-    for key, value in README["before"].items():
-        assert abs(base[key] - value) <= 8, (key, base, README)
-    for key, value in README["after"].items():
-        assert abs(tuned[key] - value) <= 12, (key, tuned, README)
+    for key, value in QUOTED["before"].items():
+        assert abs(base[key] - value) <= 8, (key, base, QUOTED)
+    for key, value in QUOTED["after"].items():
+        assert abs(tuned[key] - value) <= 12, (key, tuned, QUOTED)
     assert tuned["tool_call_args"] >= base["tool_call_args"] + 45, (base, tuned)
     assert tuned["tool_call_valid_json"] >= base["tool_call_valid_json"] + 50, (base, tuned)
     assert tuned["tool_call_spurious"] <= base["tool_call_spurious"] + 10, (base, tuned)
@@ -147,15 +147,15 @@ def test_real_model_learns_the_tool_calls(tmp_path):
 
 
 def test_readme_and_docs_quote_the_figures_the_full_test_checks():
-    """The README's and docs/data.md's tool-use rows are README above, which the full test holds the model to."""
+    """docs/results.md's and docs/data.md's tool-use rows are QUOTED above, which the full test holds the model to."""
     rows = {"right function %": "tool_call_name", "right function and arguments %": "tool_call_args",
             "tool call parsed %": "tool_call_valid_json"}
-    for page, wanted in (("README.md", 2), ("docs/data.md", 3)):
+    for page, wanted in (("docs/results.md", 2), ("docs/data.md", 3)):
         found = 0
         for line in (ROOT / page).read_text().splitlines():
             cells = [c.strip() for c in line.strip("|").split("|")]
             if cells[0] in rows:
                 key = rows[cells[0]]
-                assert [float(cells[1]), float(cells[2])] == [README["before"][key], README["after"][key]], (page, line)
+                assert [float(cells[1]), float(cells[2])] == [QUOTED["before"][key], QUOTED["after"][key]], (page, line)
                 found += 1
         assert found == wanted, page

@@ -76,7 +76,7 @@ def sets(out: Path, overrides) -> list[str]:
 
 
 def node_command(launcher: str, rank: int, port: int, recipe: Path, out: Path, overrides, flags=()) -> list[str]:
-    """Node `rank`'s command, as the README's multi-node section writes it."""
+    """Node `rank`'s command, as docs/multi-gpu.md's "Several nodes" writes it."""
     rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job", "--rdzv-conf", "join_timeout=60"]
     train = ["train", str(recipe), *sets(out, overrides), *flags]

@@ -318,13 +318,31 @@ def test_links_commands_and_paths_in_the_docs_are_valid(path, at_root):
     assert not problems, "\n".join(problems)
 
 
-def test_the_readme_is_one_screen_with_the_two_commands_and_links_into_the_docs():
+# what a user runs, in order: the README shows each on a shipped recipe (and under each launcher)
+MISSION = ["validate", "plan", "data", "train", "eval", "merge", "export", "chat", "launch"]
+LAUNCHERS_SHOWN = {"accelerate", "torchrun"}
+
+
+def test_the_readme_is_a_front_door_of_one_screen():
+    """Install, the mission's commands in the order a user runs them on a shipped recipe shown whole, several
+    GPUs, the demo and the tests, then links into every docs page; each command parses and each recipe it names
+    validates (test_links_commands_and_paths_in_the_docs_are_valid[README.md])."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "make demo" in text and "make test" in text
+    assert "make setup" in text and "pip install" in text and "make demo" in text and "make test" in text
     assert len(text.splitlines()) <= 85, "the README is one screen; topics belong in docs/"
     linked = {(ROOT / m).resolve() for m in re.findall(r"\]\((docs/[^)#\s]+)", text)}
     topics = {p for p in DOCS.glob("*.md") if p.name != "index.md"}
     assert topics <= linked, f"README links none of: {sorted(_rel(p) for p in topics - linked)}"
+    prose, blocks = split_markdown(text)
+    shell = [words for lang, _, body in blocks if lang == "bash" for line in body.splitlines()
+             for words in _commands(line)]
+    shown = [w[1] for w in shell if w[0] == "tunekit"]
+    assert [m for m in shown if m in MISSION] == MISSION, shown
+    assert LAUNCHERS_SHOWN <= {w[0] for w in shell if w[-2:] == ["train", "recipes/llama_qlora.yaml"]}, shell
+    named = re.search(r"`(recipes/[\w.]+\.yaml)`'s settings, all of them", prose)
+    shown_recipe = [body for lang, _, body in blocks if lang == "yaml"]
+    assert named and len(shown_recipe) == 1, "the README shows one shipped recipe whole"
+    assert yaml.safe_load(shown_recipe[0]) == yaml.safe_load((ROOT / named.group(1)).read_text(encoding="utf-8"))
 
 
 def test_mkdocs_nav_lists_every_page():
