@@ -352,6 +352,31 @@ def cmd_launch(a) -> int:
     return launch.main(a.torchrun_options_and_command, check_command)
 
 
+def cmd_recipes(a) -> int:
+    from pathlib import Path
+
+    from tunekit.config import shipped
+
+    if a.names:
+        for path in shipped.copy_out(a.names, Path(a.out), a.force):
+            print(f"copied {path}")
+        return 0
+    width = max(len(p.name) for p in shipped.recipes())
+    print(f"shipped recipes ({shipped.HOME / 'recipes'}):")
+    print("\n".join(f"  {p.name:<{width}}  {shipped.summary(p)}" for p in shipped.recipes()))
+    print(f"configs ({shipped.HOME / 'ds_configs'}): " + ", ".join(map(shipped.name_of, shipped.configs())))
+    print("copy one out: tunekit recipes NAME [--out DIR]; a copy runs from any directory: its recipes/... and "
+          "ds_configs/... paths resolve to the shipped files")
+    return 0
+
+
+def _recipes_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", nargs="*", metavar="NAME", help="shipped recipes or configs to copy out "
+                   "(smollm2_lora.yaml, zero3.json, accelerate/fsdp2.yaml); none: list them")
+    p.add_argument("--out", default=".", help="directory to copy into (default: the current one)")
+    p.add_argument("--force", action="store_true", help="replace files of the same name there")
+
+
 def _runs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default runs/)")
     p.add_argument("--sort", metavar="METRIC",
@@ -383,6 +408,8 @@ VERBS = {
     "eval": ("generate on held-out data and score BLEU, chrF, ROUGE, exact match, loss", _eval_args, cmd_eval),
     "chat": ("talk to a run, merged directory or base model in the terminal, prompts and answers as eval makes "
              "them; history kept, /reset, /exit; --once TEXT for one answer", _chat_args, cmd_chat),
+    "recipes": ("list the recipes and DeepSpeed/accelerate configs tunekit ships, or copy some out",
+                _recipes_args, cmd_recipes),
     "runs": ("list the runs under a directory: status, steps, scores, wall time, output", _runs_args, cmd_runs),
     "report": ("one self-contained HTML page: curves, scores, best step, predictions; several runs overlaid",
                _report_args, cmd_report),

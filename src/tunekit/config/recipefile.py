@@ -14,7 +14,7 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tunekit.config import methods
+from tunekit.config import methods, shipped
 from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import DATA_SUFFIXES, Recipe
 from tunekit.core.errors import TunekitError
@@ -108,14 +108,15 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def _resolve_file(value: str, base: Path) -> Path | None:
-    """A relative path is looked up in the current directory first, then beside the recipe."""
+    """A relative path is looked up in the current directory first, then beside the recipe, then (recipes/...,
+    ds_configs/...) among the files tunekit ships."""
     p = Path(value).expanduser()
     if p.is_absolute():
         return p if p.exists() else None
     for root in (Path.cwd(), base):
         if (root / p).exists():
             return (root / p).resolve()
-    return None
+    return shipped.find(value)
 
 
 def _data_file(value: str, base: Path, key: str) -> str:
