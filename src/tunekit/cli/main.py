@@ -352,6 +352,29 @@ def cmd_launch(a) -> int:
     return launch.main(a.torchrun_options_and_command, check_command)
 
 
+def cmd_init(a) -> int:
+    from tunekit import api
+    from tunekit.plan import fitrecipe
+
+    out, fitted, target = fitrecipe.write(a.model, a.data, a.target, a.out, a.tokens_per_step, a.force)
+    print(f"wrote {out}: {fitted.choice.label}, micro-batch {fitted.micro}, accumulation "
+          f"{fitted.raw['training']['gradient_accumulation_steps']}; the plan:")
+    print(api.plan(out, world_size=target.world, gpu_memory=fitted.budget).report())
+    return 0
+
+
+def _init_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="hub id, model directory or GGUF file")
+    p.add_argument("--data", required=True, help="training data file (.jsonl, .json, .csv, .parquet)")
+    p.add_argument("--target", required=True, help="cpu, the memory of one GPU (24GiB), GPUs x memory (8x80GiB) or "
+                   "nodes x GPUs x memory (2x8x80GiB)")
+    p.add_argument("--tokens-per-step", type=positive_int, default=65536,
+                   help="tokens per optimizer step the accumulation aims at (default %(default)s)")
+    p.add_argument("--out", help="recipe file to write (default: MODEL-TARGET.yaml here, e.g. "
+                   "Llama-3.1-8B-Instruct-24GiB.yaml)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+
+
 def cmd_recipes(a) -> int:
     from pathlib import Path
 
@@ -393,6 +416,8 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 
 # verb -> (help, its arguments, its function), in the order `tunekit --help` lists them
 VERBS = {
+    "init": ("write a recipe that fits a target (GPU memory, GPUs, nodes, or cpu) from a model and a data file, each "
+             "choice explained, then print its plan", _init_args, cmd_init),
     "validate": ("check a recipe and print it with every default filled", _validate_args, cmd_validate),
     "train": ("train a recipe into its run directory", _train_args, cmd_train),
     "launch": ("run a tunekit command in several processes on one or several nodes: torchrun's options and "
