@@ -20,6 +20,7 @@ THROUGH = {
     "tunekit.api.previews": "tests/api/test_python_api.py::test_plan_returns_the_plan",
     "tunekit.api.recipeargs": "tests/api/test_python_api.py::test_a_recipe_is_a_path_a_dict_or_a_recipe_with_list_or_"
                               "dict_overrides",
+    "tunekit.cli.argtypes": "tests/cli/test_bad_input.py::test_bad_argument",
     "tunekit.cli.demo": "tests/e2e/test_e2e_smollm2.py::test_demo_pipeline_shows_a_clear_gain",
     "tunekit.config.modelsource": "tests/models/test_hub.py::test_every_command_names_an_uncached_model_in_one_line_"
                                   "when_offline",

@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 
+from tunekit.cli import argtypes
 from tunekit.core.errors import TunekitError
 from tunekit.core.version import VERSION as __version__
 
@@ -22,75 +23,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-# Argument types: each refuses a bad value with a message argparse prefixes with the argument's name.
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _finite(text: str) -> float:
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text!r}")
-    return value
-
-
-def fraction(text: str) -> float:
-    value = _finite(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
-
-
-def size(text: str) -> int:
-    from tunekit.plan.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def override(text: str) -> str:
-    from tunekit.config.recipefile import parse_override
-
-    try:
-        parse_override(text)
-    except TunekitError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--set {text!r}: ")) from None
-    return text
-
-
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="YAML recipe file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", type=override,
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", type=argtypes.override,
                    help="override a recipe field by dotted key, e.g. --set training.learning_rate=1e-4 (repeatable)")
 
 
@@ -203,7 +138,7 @@ def cmd_push(a) -> int:
 
 def _validate_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
-    p.add_argument("--world-size", type=positive_int, metavar="N",
+    p.add_argument("--world-size", type=argtypes.positive_int, metavar="N",
                    help="also print the DeepSpeed config resolved for N processes, and refuse training.parallelism "
                         "sizes that do not divide N")
 
@@ -217,17 +152,17 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
-    p.add_argument("--world-size", type=positive_int, metavar="N",
+    p.add_argument("--world-size", type=argtypes.positive_int, metavar="N",
                    help="number of devices (default 1; under training.parallelism, the fewest its sizes run on); "
                         "training.parallelism's tp x sp x cp must divide it, as at launch")
-    p.add_argument("--gpu-memory", type=size, metavar="SIZE",
+    p.add_argument("--gpu-memory", type=argtypes.size, metavar="SIZE",
                    help="memory per device, e.g. 24GiB: prints a verdict and fixes")
-    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
+    p.add_argument("--peak-tflops", type=argtypes.positive_float, default=989.0,
                    help="peak TFLOP/s per device (default: H100 bf16)")
-    p.add_argument("--utilization", type=fraction, default=0.4,
+    p.add_argument("--utilization", type=argtypes.fraction, default=0.4,
                    help="fraction of peak the matmuls reach (default 0.4, an assumption for steps bound by their "
                         "matmuls; see docs/plan.md, Step time)")
-    p.add_argument("--memory-bandwidth", type=positive_float, metavar="GB_PER_S",
+    p.add_argument("--memory-bandwidth", type=argtypes.positive_float, metavar="GB_PER_S",
                    help="GB/s the elementwise work (activations, casts, dropout, the optimizer) reaches, for a CPU: "
                         "the step is then the matmuls plus that work (default: a GPU's step, the longer of the "
                         "matmuls and the host's work fitted to measured GPU runs; see docs/plan.md)")
@@ -240,7 +175,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 def _data_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
-    p.add_argument("--show", type=non_negative_int, default=3, metavar="N",
+    p.add_argument("--show", type=argtypes.non_negative_int, default=3, metavar="N",
                    help="examples shown with their trained tokens marked (default 3; 0: counts only)")
     p.add_argument("--json", action="store_true",
                    help="JSON lines: a summary, then one line per shown example with its trained and untrained "
@@ -251,7 +186,7 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run directory written by `tunekit train`")
     p.add_argument("--out", help="output directory (default: RUN_DIR/merged)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="saved dtype (default: the base model's)")
-    p.add_argument("--tolerance", type=positive_float, default=1e-3,
+    p.add_argument("--tolerance", type=argtypes.positive_float, default=1e-3,
                    help="largest max |logit difference| between adapter and merged model accepted (default 1e-3)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
 
@@ -297,9 +232,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="run directory, merged directory, or base model (hub id, directory, GGUF)")
     p.add_argument("--recipe", help="recipe whose data and prompt settings a base-model target uses")
     p.add_argument("--data", help="eval file (default: the recipe's eval data)")
-    p.add_argument("--limit", type=positive_int, help="score only the first N examples")
-    p.add_argument("--batch-size", type=positive_int, help="prompts per generate() call")
-    p.add_argument("--max-new-tokens", type=positive_int, help="generation length cap")
+    p.add_argument("--limit", type=argtypes.positive_int, help="score only the first N examples")
+    p.add_argument("--batch-size", type=argtypes.positive_int, help="prompts per generate() call")
+    p.add_argument("--max-new-tokens", type=argtypes.positive_int, help="generation length cap")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="model dtype for eval (auto: bf16/fp16 on GPU, fp32 on CPU)")
     p.add_argument("--compare", metavar="OTHER_TARGET", help="evaluate a second target and print both side by side")
@@ -320,7 +255,7 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", metavar="PATH", action="append",
                    help="an image sent with --once (repeat for more; vision-language models)")
     p.add_argument("--system", metavar="TEXT", help="system message (default: the recipe's data.system_prompt)")
-    p.add_argument("--max-new-tokens", type=positive_int,
+    p.add_argument("--max-new-tokens", type=argtypes.positive_int,
                    help="answer length cap (default: the recipe's eval.max_new_tokens, else 64)")
     p.add_argument("--recipe", help="recipe whose prompt settings a base-model target uses (default: its chat "
                                     "template, else the bare text)")
@@ -368,7 +303,7 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="training data file (.jsonl, .json, .csv, .parquet)")
     p.add_argument("--target", required=True, help="cpu, the memory of one GPU (24GiB), GPUs x memory (8x80GiB) or "
                    "nodes x GPUs x memory (2x8x80GiB)")
-    p.add_argument("--tokens-per-step", type=positive_int, default=65536,
+    p.add_argument("--tokens-per-step", type=argtypes.positive_int, default=65536,
                    help="tokens per optimizer step the accumulation aims at (default %(default)s)")
     p.add_argument("--out", help="recipe file to write (default: MODEL-TARGET.yaml here, e.g. "
                    "Llama-3.1-8B-Instruct-24GiB.yaml)")
