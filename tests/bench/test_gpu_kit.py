@@ -27,6 +27,9 @@ _spec = importlib.util.spec_from_file_location("gpu_kit", ROOT / "bench" / "gpu_
 gpu_kit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_kit)
 pytestmark = pytest.mark.slow
+# The tests in a fresh venv (torch installed into it, then the kit: about three minutes of a 2-core machine) run in
+# make test-full; make test checks what the kits hold and that they install where they are meant to (below).
+IN_VENV = pytest.mark.full
 HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 TORCH = "torch==2.13.0"  # the Makefile's pin: here, the CPU build on disk
 
@@ -95,6 +98,7 @@ def installed(here_kit_dir, tmp_path_factory):
     remove_in_background(venv)  # ~2 GB
 
 
+@IN_VENV
 def test_the_kit_installs_offline_into_a_venv_with_only_torch(installed, here_kit_dir):
     python = str(installed / "bin" / "python")
     run([python, "-m", "pip", "check"])
@@ -107,6 +111,7 @@ def test_the_kit_installs_offline_into_a_venv_with_only_torch(installed, here_ki
     assert versions["torch"].startswith("2.13.0")
 
 
+@IN_VENV
 def test_tunekit_from_the_kit_validates_a_shipped_recipe(installed):
     """The flagship GPU recipe (its model named on the Hub, which validate lets pass offline), with the DeepSpeed
     config resolved for two processes: that imports the training stack (torch, transformers, peft, trl)."""
@@ -122,6 +127,7 @@ def gpu_check_env(installed: Path, kit: Path) -> dict:
     return env | {"PIP_CONFIG_FILE": os.devnull, "PYTHON": str(installed / "bin" / "python"), "GPU_KIT": str(kit)}
 
 
+@IN_VENV
 def test_the_gpu_check_installs_the_kit_with_no_index_and_starts(installed, here_kit_dir):
     """bench/gpu_check.sh, the one command of an offline GPU machine, on this machine's kit: it installs the kit
     with no index (all there already: nothing changes) and starts the check on the venv's Python, which finds no
@@ -131,7 +137,7 @@ def test_the_gpu_check_installs_the_kit_with_no_index_and_starts(installed, here
     assert "gpu-check: kit installed" in res.stdout and "no CUDA GPU on this machine" in res.stdout, res.stdout
 
 
-@pytest.mark.full  # two minutes: a tunekit run and TRL's script in the kit's fresh venv
+@IN_VENV  # two minutes more: a tunekit run and TRL's script in the kit's fresh venv
 def test_the_gpu_check_runs_from_the_kit_with_no_index(installed, here_kit_dir, tmp_path):
     """bench/gpu_check.sh on this machine's kit runs the check's CPU plumbing (--tiny) on the venv's packages, TRL's
     script included."""
@@ -149,6 +155,7 @@ def test_the_gpu_check_runs_from_the_kit_with_no_index(installed, here_kit_dir, 
     assert len(chat) > 100 and {m["role"] for m in chat[0]["messages"]} == {"user", "assistant"}
 
 
+@IN_VENV
 def test_the_kits_packages_import_and_the_repacked_bitsandbytes_works_on_cpu(installed):
     code = (
         "import importlib.metadata as md, pathlib, torch, tunekit, trl, peft, datasets, deepspeed, rouge_score, gguf,"
