@@ -114,14 +114,8 @@ def ladder(target: Target) -> list[Choice]:
 
 
 def _set(raw: dict, changes: dict) -> dict:
-    out = json.loads(json.dumps(raw))
-    for dotted, value in changes.items():
-        node = out
-        *parents, last = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return out
+    """A copy of `raw` with dotted keys set, as --set sets them (JSON values read as YAML)."""
+    return recipefile.apply_overrides(json.loads(json.dumps(raw)), [f"{k}={json.dumps(v)}" for k, v in changes.items()])
 
 
 @dataclass
