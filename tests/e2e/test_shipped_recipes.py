@@ -77,7 +77,7 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 # runs under DDP and ZeRO-3 (and under ZeRO-2 as llama_dpo.yaml), KTO under ZeRO-3 (its KL and reference forwards
 # on partitioned weights), ORPO under ZeRO-2; their 2-process equality with one process is tested on the tiny
 # model (tests/training/test_preference.py: DPO under DDP and ZeRO-2, ORPO under DDP). GRPO samples before each
-# step: under ZeRO-3 (make test) the partitioned weights are gathered for it, as for on-policy distillation (whose
+# step: under ZeRO-3 (make test-full) the partitioned weights are gathered for it, as for on-policy distillation (whose
 # teacher ZeRO-3 shards too); its DDP and ZeRO-2 equality with one
 # process is tested on the tiny model (tests/training/test_grpo.py). llama_grpo.yaml ships without DeepSpeed, so it
 # runs under DDP, its completions cut to 16 tokens.
@@ -88,11 +88,11 @@ ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo
         "smollm2_distill.yaml": ["zero3", "ddp"], "llama_long_sp.yaml": ["zero3"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
-# KTO under ZeRO-3 for its extra forwards on partitioned weights, GRPO for its sampling from them; distill under
-# DDP (its teacher under ZeRO-3, sharded and replicated, is tests/training/test_distill.py's on the tiny model);
-# the other launches are `full`.
+# KTO under ZeRO-3 for its extra forwards on partitioned weights; GRPO and distill under DDP. Sampling from weights
+# ZeRO-3 partitions, which both do, is tests/training/test_distill.py's on the tiny model (on-policy answers under
+# ZeRO-3, the teacher sharded and replicated, equal to one process); the other launches are `full`.
 IN_MAKE_TEST = {("smollm2_lora.yaml", "ddp"), ("smollm2_dpo.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2"),
-                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "zero3"), ("smollm2_reward.yaml", "ddp"),
+                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "ddp"), ("smollm2_reward.yaml", "ddp"),
                 ("smollm2_distill.yaml", "ddp")}
 
 

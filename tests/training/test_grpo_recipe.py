@@ -1,7 +1,7 @@
 """The GRPO recipe (recipes/smollm2_grpo.yaml) on the real SmolLM2-135M-Instruct: the mean reward on the 40 held-out
 prompts rises from the base model's to the figure docs/results.md quotes
 (test_real_model_raises_the_held_out_reward, marked full; its last run is in tests/grpo-full-last-run.json), and the
-docs quote what that test checks. The recipe as shipped also runs under ZeRO-3 in make test
+docs quote what that test checks. The recipe as shipped also runs under DDP in make test (and ZeRO-3 in make test-full)
 (tests/e2e/test_shipped_recipes.py)."""
 
 from __future__ import annotations
