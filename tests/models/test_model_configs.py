@@ -22,6 +22,7 @@ PUBLISHED = {
     "Qwen/Qwen2.5-7B": "7.62B", "Qwen/Qwen2.5-14B": "14.8B", "Qwen/Qwen2.5-32B": "32.8B", "Qwen/Qwen2.5-72B": "72.7B",
     "Qwen/Qwen3-0.6B": "0.6B", "Qwen/Qwen3-1.7B": "1.7B", "Qwen/Qwen3-4B": "4.0B", "Qwen/Qwen3-8B": "8.2B",
     "Qwen/Qwen3-14B": "14.8B", "Qwen/Qwen3-32B": "32.8B",
+    "Qwen/Qwen3-30B-A3B": "30.5B",  # a mixture of experts, its total (3.3B active: tests/models/test_experts.py)
     "mistralai/Mistral-7B-v0.3": "7.25B",
     "google/gemma-2-2b": "2.61B", "google/gemma-2-9b": "9.24B", "google/gemma-2-27b": "27.2B",
     "google/gemma-3-1b-pt": "1.0B", "google/gemma-3-4b-pt": "4.3B", "google/gemma-3-12b-pt": "12.2B",

@@ -51,6 +51,10 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
     trainers.of(recipe).check(recipe, needs.model)  # the method's own: distillation's teacher
     if recipe.training.parallelism is not None and needs.model != "skip":
         parallelism(recipe, needs.model)
+    if (recipe.quantization is not None or recipe.moe is not None) and needs.model != "skip":
+        from tunekit.models import experts
+
+        experts.check_recipe(recipe)
     section, settings = methods.sampled(recipe)
     if settings is not None:  # a reward's own code imports (trust_local_code: the recipe asked for it)
         from tunekit.evaluation import rewards

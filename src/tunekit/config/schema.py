@@ -251,6 +251,20 @@ class VisionConfig(Section):
                               "adapter, in full without one): for images far from what the tower saw.")
 
 
+class MoeConfig(Section):
+    """What trains in a mixture-of-experts model beside attention, and its router's balancing loss
+    (models.experts)."""
+
+    experts: bool = Field(True, description="LoRA on the experts' weights too (one low-rank pair per expert, peft's "
+                          "target_parameters); false: attention (the lora.target_modules) alone.")
+    router: Literal["frozen", "trained"] = Field("frozen", description="trained: the routers train in full and are "
+                                                 "saved beside the adapter.")
+    aux_loss: bool = Field(True, description="Add the router's load-balancing loss to the loss (logged as aux_loss), "
+                           "as the model was pre-trained with.")
+    aux_loss_coef: float | None = Field(None, ge=0.0, description="Its weight; null: the model config's "
+                                        "router_aux_loss_coef.")
+
+
 class RecipeBase(Section):
     """The sections every recipe has; `Recipe` adds each training method's section (tunekit.config.methods)."""
 
@@ -266,6 +280,8 @@ class RecipeBase(Section):
     eval: EvalConfig | None = Field(None, description="Generate and score at the end of training.")
     vision: VisionConfig | None = Field(None, description="Vision-language models only: what trains beside the "
                                         "language model; left out, the language model alone.")
+    moe: MoeConfig | None = Field(None, description="Mixture-of-experts models only: whether the experts and the "
+                                  "router train, the router's balancing loss; left out, the defaults below.")
 
     @model_validator(mode="before")
     @classmethod

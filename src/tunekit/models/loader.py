@@ -31,7 +31,7 @@ from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core import distributed
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
-from tunekit.models import hub, kernels, lorafused, vision
+from tunekit.models import experts, hub, kernels, lorafused, vision
 from tunekit.models.ggufread import one_reader
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 
@@ -308,6 +308,12 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
         vision.freeze_for_full(model, recipe.vision)
     if images:
         log.info("%s", vision.describe(model, recipe.vision, recipe.adapter))
+    elif peft_cfg is not None:
+        peft_cfg = experts.scope_lora(model, peft_cfg, recipe.moe)
+    coef = experts.balance_router(model, recipe.moe)
+    if coef is not None:
+        log.info("moe: the router's load-balancing loss %s", f"is added to the loss at {coef:g} (moe.aux_loss_coef)"
+                 if coef else "is off (moe.aux_loss)")
     if start_adapter is not None:
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     elif peft_cfg is not None:

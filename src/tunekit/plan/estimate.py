@@ -14,7 +14,7 @@ import torch
 
 from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.schema import Recipe
-from tunekit.models import vision
+from tunekit.models import experts, vision
 from tunekit.plan import activations, distillteacher, modelstate, sharding, splitting, steptime
 
 
@@ -26,6 +26,8 @@ class Counts:
     frozen_plain: int  # frozen weights kept in a float dtype
     tied_trainable_head: int = 0  # output head shared with the input embeddings, and trained
     embeddings: int = 0  # of frozen_plain: the embeddings and the output head (tied ones once)
+    inactive: int = 0  # a mixture of experts: expert weights a token does not use (the experts not picked for it)
+    experts: str = ""  # a mixture of experts, in words: "top-8 of 128 experts in 48 layers"
 
 
 @dataclass
@@ -125,6 +127,8 @@ def meta_model(recipe: Recipe, cfg=None):
 
         if images:
             peft_cfg = vision.scope_lora(model, peft_cfg, recipe.vision)
+        else:
+            peft_cfg = experts.scope_lora(model, peft_cfg, recipe.moe, say=False)
         model = get_peft_model(model, peft_cfg)
     elif images:
         vision.freeze_for_full(model, recipe.vision)
@@ -155,7 +159,10 @@ def count(recipe: Recipe, model) -> Counts:
     tied = 0
     if recipe.full_finetuning and output is not None and inputs is not None and output.weight is inputs.weight:
         tied = output.weight.numel()
-    return Counts(total, trainable, quantized, total - trainable - quantized, tied, embeddings)
+    found = experts.layout(model)
+    return Counts(total, trainable, quantized, total - trainable - quantized, tied, embeddings,
+                  found.inactive if found else 0,
+                  f"top-{found.top_k} of {found.count} experts in {found.layers} layers" if found else "")
 
 
 def phase_groups(s: Settings, parts: dict, act_key: str, autocast_key: str | None,

@@ -93,7 +93,9 @@ def text(recipe: Recipe, plan: Plan, budget: int | None, fixes: list[tuple[str, 
     s, c = plan.settings, plan.counts
     lines = [
         f"model: {recipe.model.name_or_path}  adapter: {recipe.adapter_kind}  precision: {s.precision}",
-        f"parameters: {c.total:,} total, {c.trainable:,} trainable ({100 * c.trainable / max(c.total, 1):.2f}%)",
+        f"parameters: {c.total:,} total, "
+        + (f"{c.total - c.inactive:,} active per token ({c.experts}), " if c.experts else "")
+        + f"{c.trainable:,} trainable ({100 * c.trainable / max(c.total, 1):.2f}%)",
         f"per device: world size {s.world_size}, micro-batch {s.micro_batch}"
         + (f" pairs ({s.micro_batch * s.sequences} sequences)" if s.sequences > 1 else "")
         + (f", {s.extra_forwards} no-grad forward(s) (reference, KL)" if s.extra_forwards else "")

@@ -63,7 +63,8 @@ def matmul_parameters(model, c) -> int:
 def step_flops(cfg, model, s, recipe, c) -> float:
     tokens = s.micro_batch * s.sequences * s.seq_len
     image = vision.image_work(model)
-    weights = matmul_parameters(model, c) - (image.parameters if image else 0)
+    # a mixture of experts: each token goes through its top-k experts only
+    weights = matmul_parameters(model, c) - (image.parameters if image else 0) - c.inactive
     trainable = c.trainable - (image.trained if image else 0)
     trained = weights if recipe.full_finetuning else min(trainable, weights)  # weights with a gradient matmul
     forward = 2 * weights * tokens + attention_flops(cfg, s, recipe)

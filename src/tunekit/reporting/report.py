@@ -15,7 +15,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json, read_jsonl
 from tunekit.data.preview import EXAMPLES_FILE
 from tunekit.evaluation.table import baseline_scores, table_rows
-from tunekit.reporting import dataview, listing
+from tunekit.reporting import dataview, expertload, listing
 from tunekit.runs import curves, history
 from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RUN_FILE, RunRecord
 
@@ -56,7 +56,8 @@ def load(run_dir: Path) -> dict:
     return {"name": run_dir.name, "path": str(run_dir), "status": row.status, "steps": row.steps,
             "wall": listing._duration(row.wall_s), "output": row.output, "record": record,
             "series": history.series(history.rows(run_dir), record.effective_batch or 1), "scores": scores,
-            "predictions": _predictions(run_dir), "examples": _examples(run_dir)}
+            "predictions": _predictions(run_dir), "examples": _examples(run_dir),
+            "expert_load": expertload.read(run_dir)}
 
 
 def marked_diff(reference: str, prediction: str) -> tuple[str, str]:
@@ -198,6 +199,11 @@ def render(runs: list[dict], baseline: dict | None = None) -> str:
                          f"<p>training.learning_rate: auto chose {found['value']:.3g} after a range test of "
                          f"{found['steps']} steps ({html.escape(found['rule'])}).</p>",
                          f'<div class="range-test">{curves.range_test_svg(found)}</div>']
+    for r in runs:
+        if load := expertload.rows(r.get("expert_load") or []):
+            sections += [f"<h2>Expert load: {html.escape(r['name'])}</h2>",
+                         f"<p>{html.escape(expertload.note(r['expert_load']))}</p>",
+                         _table(expertload.headers(r["expert_load"]), load, "expert-load")]
     for r in runs:
         if r.get("examples"):
             sections += [f"<h2>Training examples: {html.escape(r['name'])} (first {len(r['examples'])})</h2>",

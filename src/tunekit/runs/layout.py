@@ -29,6 +29,7 @@ MODEL_DIR = "model"  # full fine-tuning runs
 EVAL_DIR = "eval"  # end-of-training eval: metrics.json, predictions.jsonl
 CHECKPOINTS_DIR = "checkpoints"
 HISTORY_FILE = "loss_history.jsonl"
+EXPERT_LOAD_FILE = "expert_load.jsonl"  # a mixture of experts: each evaluation's tokens per expert, per layer
 SAMPLES_FILE = "samples.jsonl"  # each evaluation during training: its held-out generations (and GRPO's rewards)
 DEEPSPEED_FILE = "deepspeed.json"
 MERGED_MARKER = "tunekit.json"  # in a directory written by `tunekit merge`

@@ -30,6 +30,7 @@ from tunekit.runs import checkpoints, layout
 from tunekit.runs.layout import (
     ADAPTER_DIR,
     CHECKPOINTS_DIR,
+    EXPERT_LOAD_FILE,
     HISTORY_FILE,
     INITIAL_ADAPTER_DIR,
     MODEL_DIR,
@@ -186,6 +187,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     inputs.callbacks = run_callbacks(recipe, run_dir)
     inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None, run_dir / SAMPLES_FILE)
     trainer, collate = build_trainer(method, inputs)
+    trainer.expert_load_file = run_dir / EXPERT_LOAD_FILE
     progress.install(trainer, lambda: collate.real)
     for callback in inputs.callbacks:
         if isinstance(callback, losshistory.LossHistory):
@@ -251,7 +253,7 @@ def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path 
         outputs.claim(run_dir, force, "output_dir")
     else:
         log.info("resuming from %s", resume_from.name)
-        for kept in (HISTORY_FILE, SAMPLES_FILE):
+        for kept in (HISTORY_FILE, SAMPLES_FILE, EXPERT_LOAD_FILE):
             checkpoints.truncate_history(run_dir / kept, checkpoints.step_of(resume_from))
 
 

@@ -26,6 +26,7 @@ from tunekit.models import kernels, losspath
 from tunekit.runs.checkpoints import OPTIMIZER
 from tunekit.training.cpuprocesses import ParallelOnCpu
 from tunekit.training.loraplus import LoraPlusOptimizer
+from tunekit.training.routerbalance import RouterBalance
 from tunekit.training.sequencepieces import over_sequence_pieces, skip_first_batches
 
 log = logging.getLogger("tunekit")
@@ -208,9 +209,11 @@ def loss_head(model, chunked: bool, stock_only: bool) -> losspath.TrainedPositio
     return losspath.install(model) if chunked and not stock_only else None
 
 
-class TrainerAdditions(LoraPlusOptimizer, ParallelOnCpu, SafeState, GenerationEval):
+class TrainerAdditions(LoraPlusOptimizer, ParallelOnCpu, SafeState, GenerationEval, RouterBalance):
     """What every tunekit trainer mixes into its upstream trainer (transformers' or TRL's), first among its
-    bases: LoRA+, FSDP2 and tensor parallelism on CPU processes, pickle-free checkpoints, generation metrics."""
+    bases: LoRA+, FSDP2 and tensor parallelism on CPU processes, pickle-free checkpoints, generation metrics,
+    a mixture-of-experts model's expert load (counted over the loss pass only: RouterBalance comes after
+    GenerationEval)."""
 
 
 class SafeStateTrainer(TrainerAdditions, Trainer):
@@ -242,7 +245,9 @@ class SafeStateTrainer(TrainerAdditions, Trainer):
         inputs = dict(inputs)
         keep = inputs.pop(TRAINED_POSITIONS, None)  # found by the collator; the model never sees them
         if self.loss_head is None or not (pieces or "labels" in inputs):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            self.keep_aux_loss(outputs)  # a mixture of experts' router loss, logged beside the loss
+            return (loss, outputs) if return_outputs else loss
         targets = inputs.pop("shift_labels") if pieces else losspath.shift_targets(inputs.pop("labels"))
         inputs.pop("labels", None)
         with self.loss_head.active(targets, keep):

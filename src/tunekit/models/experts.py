@@ -1,0 +1,168 @@
+"""Mixture-of-experts models: their experts and routers found from the model itself, LoRA aimed at them as the
+recipe's `moe` section says, and the router's load-balancing loss switched on.
+
+In transformers 5 a sparse block keeps all its experts in one module as 3-D parameters (experts x out x in:
+Qwen3-MoE's, OLMoE's, Mixtral's and gpt-oss's `mlp.experts.gate_up_proj` and `down_proj`) beside a router module
+that returns (logits, scores, indices). Neither is an nn.Linear, so peft's all-linear reaches attention only; peft
+trains LoRA on the 3-D parameters themselves (`target_parameters`, one low-rank pair per expert), which is what is
+used here rather than unpacking the experts into Linear layers. The model's config keeps the router's balancing
+loss off (`output_router_logits: false`) unless asked; training turns it on at the config's coefficient."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from tunekit.config.schema import MoeConfig
+from tunekit.core.errors import TunekitError
+
+log = logging.getLogger("tunekit")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a model's experts and routers are: names relative to a decoder layer ("mlp.experts.gate_up_proj"),
+    the count of sparse layers, experts per layer and experts each token uses."""
+
+    experts: tuple[str, ...]  # the experts' 3-D parameters
+    routers: tuple[str, ...]  # the router modules
+    layers: int
+    count: int
+    top_k: int
+    parameters: int  # all the experts' parameters, every layer
+
+    @property
+    def inactive(self) -> int:
+        """Expert parameters a token does not use (those of the experts its router did not pick)."""
+        return self.parameters - self.parameters * self.top_k // self.count
+
+
+def _relative(name: str) -> str:
+    """"model.layers.3.mlp.experts.down_proj" -> "mlp.experts.down_proj": the name inside a decoder layer."""
+    parts = name.split(".")
+    digits = [i for i, p in enumerate(parts) if p.isdigit()]
+    return ".".join(parts[digits[0] + 1:]) if digits else name
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def experts_per_token(config) -> int | None:
+    return getattr(config.get_text_config(), "num_experts_per_tok", None)
+
+
+def is_sparse(config) -> bool:
+    """Whether a model's config is a mixture of experts (read before any weight loads)."""
+    text = config.get_text_config()
+    count = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    return bool(count) and bool(experts_per_token(config))
+
+
+def layout(model: nn.Module) -> Layout | None:
+    """The model's experts and routers, or None for a dense model. An experts module is one that holds 3-D
+    parameters of its own; its router is the sibling whose weight has one row per expert."""
+    base = _base(model)
+    top_k = experts_per_token(base.config)
+    if not top_k:
+        return None
+    experts, routers, total, layers, count = set(), set(), 0, 0, 0
+    modules = dict(base.named_modules())
+    for found_at, module in modules.items():
+        own = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+        if not own:
+            continue
+        name = found_at.replace(".base_layer", "")  # under peft's wrappers (LoRA on the experts) as before them
+        layers += 1
+        count = next(iter(own.values())).shape[0]
+        # the experts' biases (gpt-oss) and their LoRA pairs (under peft's wrappers) too: each expert's own
+        total += sum(p.numel() for p in modules[name].parameters())
+        experts.update(_relative(f"{name}.{n}") for n in own)
+        block = name.rsplit(".", 1)[0]
+        for child, sub in modules[block].named_children():
+            weight = getattr(sub, "weight", None)
+            if sub is not module and isinstance(weight, nn.Parameter) and weight.shape[0] == count:
+                routers.add(_relative(f"{block}.{child}"))
+    if not layers:
+        return None
+    return Layout(tuple(sorted(experts)), tuple(sorted(routers)), layers, count, top_k, total)
+
+
+def scope_lora(model: nn.Module, peft_cfg, moe: MoeConfig | None, say: bool = True):
+    """`peft_cfg` for a mixture-of-experts model: LoRA on the experts' 3-D weights with moe.experts, the routers
+    trained in full (saved beside the adapter) with moe.router: trained; one line says what trains (`say`)."""
+    found = layout(model)
+    if found is None:
+        if moe is not None:
+            raise TunekitError(f"moe: {type(_base(model)).__name__} is not a mixture-of-experts model (no 3-D expert "
+                               "weights); remove the moe section")
+        return peft_cfg
+    moe = moe or MoeConfig()
+    head = _base(model).get_output_embeddings()
+    shown = peft_cfg.target_modules if isinstance(peft_cfg.target_modules, str) else "the listed modules"
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in _base(model).named_modules()
+                     if isinstance(m, nn.Linear) and m is not head and _reached(n, peft_cfg.target_modules)})
+    if not isinstance(peft_cfg.target_modules, str):
+        missed = sorted(set(peft_cfg.target_modules) - set(linear))
+        if missed:
+            raise TunekitError(f"lora.target_modules: {', '.join(missed)} names no linear layer of "
+                               f"{type(_base(model)).__name__} (its experts are 3-D weights, trained by moe.experts); "
+                               f"name its linear layers ({', '.join(linear) or 'none reached'}) or use all-linear")
+    # the linear layers by name: peft reads all-linear on a model it knows as a mixture of experts in transformers 4's
+    # terms and would add LoRA on the router and on the experts (at twice the rank on gate_up_proj) on its own
+    peft_cfg.target_modules = linear
+    if moe.experts:
+        peft_cfg.target_parameters = list(found.experts)
+    if moe.router == "trained":
+        peft_cfg.modules_to_save = [*(peft_cfg.modules_to_save or ()), *found.routers]
+    say_it = log.info if say else log.debug
+    say_it("lora: %s reaches the linear layers %s; the %d experts x %d layers (%s) %s; the router (%s) %s",
+           shown, ", ".join(linear) or "(none)", found.count, found.layers, ", ".join(found.experts),
+           "train through LoRA on their 3-D weights (moe.experts)" if moe.experts
+           else "stay frozen (moe.experts: false)", ", ".join(found.routers),
+           "trains in full (moe.router: trained)" if moe.router == "trained" else "stays frozen (moe.router)")
+    return peft_cfg
+
+
+def _reached(name: str, targets) -> bool:
+    """Whether peft's target_modules reach the Linear layer `name` (all-linear: every one but the output head)."""
+    return targets == "all-linear" or any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
+    """The router's load-balancing loss on (moe.aux_loss, the default), at moe.aux_loss_coef or the config's own
+    coefficient; returns the coefficient (0 with the loss off), or None for a dense model. The model reads the
+    coefficient into an attribute when it is built, so that attribute is set too."""
+    base = _base(model)
+    if layout(base) is None:
+        return None
+    moe = moe or MoeConfig()
+    config = base.config
+    coef = moe.aux_loss_coef if moe.aux_loss_coef is not None else getattr(config, "router_aux_loss_coef", 0.0)
+    coef = coef if moe.aux_loss else 0.0  # TRL's trainers add the loss whenever the coefficient is not 0
+    config.output_router_logits = coef > 0
+    config.router_aux_loss_coef = coef
+    if hasattr(base, "router_aux_loss_coef"):
+        base.router_aux_loss_coef = coef
+    return coef
+
+
+def check_recipe(recipe) -> None:
+    """Before weights load: a moe section for a dense model, and a quantized base (QLoRA) of a mixture-of-experts
+    model, refused: bitsandbytes quantizes nn.Linear layers only, so the experts (most of the model) would silently
+    stay in 16 bits."""
+    from tunekit.models import hub, info
+
+    try:
+        config = info.model_config(recipe.model, shipped=True)
+    except hub.Unavailable:
+        return  # the load that follows says why the model cannot be had
+    name = recipe.model.name_or_path
+    if recipe.moe is not None and not is_sparse(config):
+        raise TunekitError(f"moe: {name} is not a mixture-of-experts model; remove the moe section")
+    if recipe.quantization is not None and is_sparse(config):
+        raise TunekitError(f"quantization: {name} is a mixture-of-experts model whose experts are 3-D weights that "
+                           "bitsandbytes' 4-bit loading leaves unquantized (in 16 bits); remove the quantization "
+                           "section to train LoRA on the 16-bit model")

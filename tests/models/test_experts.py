@@ -1,0 +1,207 @@
+"""Mixture-of-experts models (models.experts, training.routerbalance): tiny random Qwen3-MoE, OLMoE, Mixtral and gpt-oss
+models of their real configurations scaled down, with their tokenizers (models.families.MOE_FAMILIES), trained from
+a recipe: LoRA on the 3-D expert weights, the router's balancing loss added at the config's coefficient and logged,
+each evaluation's expert load written and reported, the merge equal to the adapter."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import history, in_full, refused_in_process, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from tunekit.models import experts
+from tunekit.models.families import MOE_FAMILIES, build_family_model
+from tunekit.runs.layout import EXPERT_LOAD_FILE
+
+# make test trains Qwen3-MoE; gpt-oss (its experts stored transposed, with biases, its router `router`: 40-70 s for
+# its 200k-token vocabulary and long template), OLMoE and Mixtral train in make test-full; all four are found above
+IN_FULL = {"olmoe", "mixtral", "gpt_oss"}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    built = {}
+
+    def get(family):
+        if family not in built:
+            build_family_model(root / family, family)
+            built[family] = root / family
+        return built[family]
+    return get
+
+
+def _tiny_meta(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tunekit.models.families import _SMALL
+
+    _, model_type, extra = MOE_FAMILIES[family]
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**_SMALL, **extra},
+                                                                     vocab_size=1000))
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_the_experts_and_routers_are_found_from_the_model(family):
+    model = _tiny_meta(family)
+    found = experts.layout(model)
+    cfg = model.config
+    count = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    assert (found.count, found.top_k, found.layers) == (count, cfg.num_experts_per_tok, 2)
+    assert found.experts == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    assert found.routers == (("mlp.router",) if family == "gpt_oss" else ("mlp.gate",))
+    held = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert found.parameters == held and found.inactive == held - held * found.top_k // count
+
+
+def test_a_dense_model_has_no_experts_and_refuses_a_moe_section(tiny_model):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.config.schema import MoeConfig
+    from tunekit.core.errors import TunekitError
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    assert experts.layout(model) is None and experts.balance_router(model, None) is None
+    assert experts.scope_lora(model, LoraConfig(), None).target_parameters in (None, [])
+    with pytest.raises(TunekitError, match="moe: LlamaForCausalLM is not a mixture-of-experts model"):
+        experts.scope_lora(model, LoraConfig(), MoeConfig())
+
+
+def test_the_recipe_says_what_trains():
+    from peft import LoraConfig, get_peft_model
+
+    from tunekit.config.schema import MoeConfig
+    from tunekit.core.errors import TunekitError
+
+    model = _tiny_meta("qwen3_moe")
+    both = experts.scope_lora(model, LoraConfig(target_modules="all-linear"), MoeConfig(router="trained"))
+    assert set(both.target_parameters) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    assert both.modules_to_save == ["mlp.gate"]
+    attention = experts.scope_lora(model, LoraConfig(target_modules="all-linear"), MoeConfig(experts=False))
+    assert not attention.target_parameters and not attention.modules_to_save
+    trained = {n for n, p in get_peft_model(model, attention).named_parameters() if p.requires_grad}
+    assert trained and all(".self_attn." in n for n in trained)
+    model = _tiny_meta("qwen3_moe")
+    trained = {n for n, p in get_peft_model(model, both).named_parameters() if p.requires_grad}
+    assert {n.split(".layers.0.")[1].split(".")[:2] == ["mlp", "gate"] for n in trained if ".layers.0.mlp." in n}
+    assert any(".mlp.gate.modules_to_save." in n for n in trained)
+    with pytest.raises(TunekitError, match="lora.target_modules: gate_proj names no linear layer of Qwen3MoeForCausal"):
+        experts.scope_lora(_tiny_meta("qwen3_moe"), LoraConfig(target_modules=["q_proj", "gate_proj"]), None)
+
+
+def test_the_balancing_loss_is_added_at_the_configs_coefficient(family_models):
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.config.schema import MoeConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(family_models("qwen3_moe")), dtype=torch.float32)
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = model(input_ids=ids, labels=ids).loss
+    assert experts.balance_router(model, None) == 0.001  # Qwen3-30B-A3B's router_aux_loss_coef
+    out = model(input_ids=ids, labels=ids)
+    assert torch.allclose(out.loss, plain + 0.001 * out.aux_loss)
+    assert experts.balance_router(model, MoeConfig(aux_loss_coef=0.5)) == 0.5
+    assert torch.allclose(model(input_ids=ids, labels=ids).loss, plain + 0.5 * out.aux_loss)
+    assert experts.balance_router(model, MoeConfig(aux_loss=False)) == 0.0
+    assert torch.allclose(model(input_ids=ids, labels=ids).loss, plain)
+
+
+def test_a_quantized_base_of_a_moe_model_is_refused_before_it_loads(tmp_path, family_models, capsys, monkeypatch):
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(family_models("qwen3_moe"), data, tmp_path / "run",
+                                                          quantization={}))
+    for verb in ("train", "validate"):
+        line = refused_in_process([verb, str(recipe)], tmp_path, capsys, monkeypatch)
+        assert "quantization:" in line and "mixture-of-experts" in line and "remove the quantization section" in line
+
+
+def test_a_moe_section_for_a_dense_model_is_refused(tmp_path, tiny_model, capsys, monkeypatch):
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, tmp_path / "run",
+                                                          moe={"router": "trained"}))
+    line = refused_in_process(["validate", str(recipe)], tmp_path, capsys, monkeypatch)
+    assert line.endswith("is not a mixture-of-experts model; remove the moe section")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [in_full(f) if f in IN_FULL else f for f in sorted(MOE_FAMILIES)])
+def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_adapter(tmp_path, family_models,
+                                                                                        family, caplog, monkeypatch):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.cli import main
+
+    model_dir = family_models(family)
+    train = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+    held = write_jsonl(tmp_path / "eval.jsonl", reverse_rows(40)[32:])
+    run = tmp_path / "run"
+    # gpt-oss's chat template opens with a system preamble of ~100 tokens
+    raw = tiny_recipe(model_dir, train, run, data={"eval": str(held), "max_length": 256},
+                      training={"max_steps": 6, "eval_steps": 3})
+    log = logging.getLogger("tunekit")
+    monkeypatch.setattr(log, "handlers", [caplog.handler])  # its lines, whatever an earlier test left attached
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        assert main.main(["train", str(write_recipe(tmp_path / "r.yaml", raw))]) == 0
+    finally:
+        log.setLevel(level)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lora: all-linear")]
+    assert len(said) == 1 and "q_proj" in said[0] and "mlp.experts.gate_up_proj" in said[0], said
+
+    adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert any(".mlp.experts." in k and "lora_A" in k for k in adapter)  # one pair per expert, peft's layout
+    assert not any(".gate." in k or ".router." in k for k in adapter)  # the router stays frozen
+    steps = [r for r in history(run, "loss") if "eval_loss" not in r]
+    assert all(r["aux_loss"] > 0 for r in steps) and steps[-1]["loss"] < steps[0]["loss"]
+    evals = history(run, "eval_loss")
+    assert [r["step"] for r in evals] == [3, 6] and all(r["eval_expert_imbalance"] >= 1.0 for r in evals)
+    loads = [json.loads(line) for line in (run / EXPERT_LOAD_FILE).read_text().splitlines()]
+    tokens = {sum(t) for line in loads for t in line["layers"].values()}
+    assert [line["step"] for line in loads] == [3, 6] and len(loads[0]["layers"]) == 2
+    assert len(tokens) == 1 and tokens.pop() % loads[0]["top_k"] == 0  # top-k picks per held-out token, per layer
+    assert "Expert load" in (run / "report.html").read_text()
+
+    merged = tmp_path / "merged"
+    assert main.main(["merge", str(run), "--out", str(merged)]) == 0
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        tuned = PeftModel.from_pretrained(base, str(run / "adapter"))(input_ids=ids).logits
+        after = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)(input_ids=ids).logits
+    assert (tuned - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, tuned, atol=1e-4, rtol=1e-4)
+
+
+def test_the_plan_counts_the_active_experts_of_qwen3_30b_a3b(plan_recipe):
+    from tunekit.models.info import shipped_config
+    from tunekit.plan import estimate, report
+
+    cfg = shipped_config("Qwen/Qwen3-30B-A3B")
+    full = plan_recipe("adapter=none", "lora=null", "training.precision=bf16", "training.micro_batch_size=1")
+    plan = estimate.make(full, estimate.settings_from(full, 1, "bf16"), *estimate.meta_model(full, cfg))
+    c = plan.counts
+    # the model card's "30.5B in total and 3.3B activated" (3.35B: the card cuts it to 3.3)
+    assert round(c.total / 1e9, 1) == 30.5 and int((c.total - c.inactive) / 1e8) == 33
+    assert "3,353,032,704 active per token (top-8 of 128 experts in 48 layers)" in report.text(full, plan, None, [])
+    # the matmuls' FLOPs follow the active weights (all trained): 2 forward + 4 backward per weight and token
+    tokens = 256  # plan_recipe's data.max_length, one sequence
+    active = c.total - c.inactive - cfg.vocab_size * cfg.hidden_size  # the input embeddings do no matmul
+    assert 6 * active * tokens <= plan.flops_per_step < 1.5 * 6 * active * tokens
+
+    # LoRA reaches the experts: a pair per expert on both 3-D weights of each of the 48 layers, 8 of 128 used per token
+    lora = plan_recipe("training.precision=bf16", "training.micro_batch_size=1")
+    model = estimate.meta_model(lora, cfg)[1]
+    with_lora = estimate.count(lora, model)
+    on_experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n and "lora_" in n)
+    r, layers, experts_count = lora.lora.r, 48, 128
+    assert on_experts == layers * experts_count * r * ((2 * 768 + 2048) + (768 + 2048))
+    assert with_lora.inactive == c.inactive + on_experts - on_experts * 8 // 128
