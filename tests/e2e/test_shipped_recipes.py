@@ -15,8 +15,8 @@ take one step of one micro-batch (llama_long_sp.yaml's rows split 3 ways on 3 pr
 with accumulation 8 are trained by
 tests/training/test_train.py::test_flagship_recipe_settings_run_on_cpu_with_a_local_model.
 
-`make test` runs five of these launches, one per training method with the three launchers spread among them
-(IN_MAKE_TEST); the others are marked `full` and run in `make test-all`, whose last run
+`make test` runs three of these launches, one per launcher (IN_MAKE_TEST), and trains the other methods' recipes in
+one process (IN_ONE_PROCESS); the other launches are marked `full` and run in `make test-all`, whose last run
 tests/test-full-last-run.json records."""
 
 from __future__ import annotations
@@ -74,26 +74,26 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 
 # The Llama recipes run under the launcher they ship with (ZeRO-2); the SmolLM2 SFT recipes under all three.
 # The preference recipes share one trainer path (training/methods/pairs.py) and each step costs 3-4 forwards, so DPO
-# runs under DDP and ZeRO-3 (and under ZeRO-2 as llama_dpo.yaml), KTO under ZeRO-3 (its KL and reference forwards
-# on partitioned weights), ORPO under ZeRO-2; their 2-process equality with one process is tested on the tiny
+# runs under DDP and ZeRO-3 (and under ZeRO-2 as llama_dpo.yaml), KTO under DDP and ZeRO-3 (its KL and reference
+# forwards on partitioned weights), ORPO under ZeRO-2; their 2-process equality with one process is tested on the tiny
 # model (tests/training/test_preference.py: DPO under DDP and ZeRO-2, ORPO under DDP). GRPO samples before each
 # step: under ZeRO-3 (make test-full) the partitioned weights are gathered for it, as for on-policy distillation (whose
 # teacher ZeRO-3 shards too); its DDP and ZeRO-2 equality with one
 # process is tested on the tiny model (tests/training/test_grpo.py). llama_grpo.yaml ships without DeepSpeed, so it
 # runs under DDP, its completions cut to 16 tokens.
 ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
-        "smollm2_kto.yaml": ["zero3"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
+        "smollm2_kto.yaml": ["zero3", "ddp"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
         "llama_grpo.yaml": ["ddp"], "smollm2_grpo_tools.yaml": ["ddp"], "smollm2_reward.yaml": ["ddp", "zero3"],
         "smollm2_vision.yaml": ["ddp", "zero3"], "qwen_vl_qlora.yaml": ["ddp"],
         "smollm2_distill.yaml": ["zero3", "ddp"], "llama_long_sp.yaml": ["zero3"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
-# make test: each training method once (SFT by the LoRA recipe), DDP, ZeRO-2 and ZeRO-3 each at least once,
-# KTO under ZeRO-3 for its extra forwards on partitioned weights; GRPO and distill under DDP. Sampling from weights
-# ZeRO-3 partitions, which both do, is tests/training/test_distill.py's on the tiny model (on-policy answers under
-# ZeRO-3, the teacher sharded and replicated, equal to one process); the other launches are `full`.
-IN_MAKE_TEST = {("smollm2_lora.yaml", "ddp"), ("smollm2_dpo.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2"),
-                ("smollm2_kto.yaml", "zero3"), ("smollm2_grpo.yaml", "ddp"), ("smollm2_reward.yaml", "ddp"),
-                ("smollm2_distill.yaml", "ddp")}
+# make test launches three, one per launcher: SFT (the LoRA recipe) under ZeRO-3, KTO under DDP, ORPO under ZeRO-2.
+# The other methods' recipes train in make test as shipped in one process (IN_ONE_PROCESS, in-process: no launch,
+# no second import of the stack), their 2-process equality with one process tested on the tiny model
+# (tests/training/test_preference.py, test_grpo.py, test_distill.py: on-policy answers under ZeRO-3, the teacher
+# sharded and replicated; test_reward_model.py); their launches are `full`.
+IN_MAKE_TEST = {("smollm2_lora.yaml", "zero3"), ("smollm2_kto.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2")}
+IN_ONE_PROCESS = ["smollm2_dpo.yaml", "smollm2_grpo.yaml", "smollm2_reward.yaml", "smollm2_distill.yaml"]
 
 
 def method_of(recipe: str) -> str:
@@ -110,19 +110,16 @@ def score_key(recipe: str) -> str:
     return "rougeL" if "rouge" in metrics else metrics[0]
 
 
-def test_make_test_keeps_a_launch_per_method_and_per_launcher():
+def test_make_test_keeps_a_launch_per_launcher_and_a_run_per_method():
     kept = [case for case in CASES if case in IN_MAKE_TEST]
     assert len(kept) == len(IN_MAKE_TEST), IN_MAKE_TEST - set(CASES)
-    assert {method_of(r) for r, _ in kept} == {method_of(r) for r in RECIPES}
+    assert {method_of(r) for r, _ in kept} | {method_of(r) for r in IN_ONE_PROCESS} == {method_of(r) for r in RECIPES}
     assert {launcher for _, launcher in kept} == set(LAUNCHERS)
 
 
-@pytest.mark.slow
-@NEEDS_SMOLLM2
-@pytest.mark.parametrize("recipe, launcher", [
-    (r, launcher) if (r, launcher) in IN_MAKE_TEST else in_full(r, launcher) for r, launcher in CASES])
-def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, recipe, launcher):
-    out = tmp_path / "run"
+def shortened(tmp_path, recipe: str) -> list[str]:
+    """The overrides every run of a shipped recipe here takes: the Hub's files swapped for packaged ones (OFFLINE), a
+    composed base model (BUILT), a few steps and an eval of the first rows of its eval data."""
     steps = STEPS.get(recipe, 2)
     offline = OFFLINE.get(recipe, [])
     eval_file = dict(o.split("=", 1) for o in offline).get("data.eval") or \
@@ -135,9 +132,10 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
         subprocess.run([sys.executable, "-c", f"import sys; from pathlib import Path; {BUILT[recipe]}", str(base)],
                        cwd=ROOT, check=True, capture_output=True, timeout=1800)
         offline = [*offline, f"model.name_or_path={base}"]
-    processes = PROCESSES.get(recipe, 2)
-    res = launch(ROOT / "recipes" / recipe, out, processes, *offline, *LAUNCHERS[launcher],
-                 f"training.max_steps={steps}", f"data.eval={four}", "eval.limit=4")
+    return [*offline, f"training.max_steps={steps}", f"data.eval={four}", "eval.limit=4"]
+
+
+def check_run(out, recipe: str, processes: int, steps: int) -> None:
     info = RunRecord.load(out)
     assert info.status == "completed" and info.world_size == processes and info.global_step == steps
     weights = out / ("model/model.safetensors" if info.adapter == "full" else "adapter/adapter_model.safetensors")
@@ -145,4 +143,28 @@ def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, reci
     metrics = json.loads((out / "eval" / "metrics.json").read_text())
     assert metrics["scores"]["examples"] == 4 and score_key(recipe) in metrics["scores"]
     assert len((out / "eval" / "predictions.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.slow
+@NEEDS_SMOLLM2
+@pytest.mark.parametrize("recipe", IN_ONE_PROCESS)
+def test_shipped_recipe_trains_and_evaluates_in_one_process(tmp_path, recipe, monkeypatch):
+    from tunekit.cli import main
+
+    out = tmp_path / "run"
+    monkeypatch.chdir(ROOT)
+    sets = [a for o in (f"output_dir={out}", *shortened(tmp_path, recipe)) for a in ("--set", o)]
+    assert main.main(["train", str(ROOT / "recipes" / recipe), *sets]) == 0
+    check_run(out, recipe, 1, STEPS.get(recipe, 2))
+
+
+@pytest.mark.slow
+@NEEDS_SMOLLM2
+@pytest.mark.parametrize("recipe, launcher", [
+    (r, launcher) if (r, launcher) in IN_MAKE_TEST else in_full(r, launcher) for r, launcher in CASES])
+def test_shipped_recipe_trains_and_evaluates_under_every_launcher(tmp_path, recipe, launcher):
+    out = tmp_path / "run"
+    processes = PROCESSES.get(recipe, 2)
+    res = launch(ROOT / "recipes" / recipe, out, processes, *shortened(tmp_path, recipe), *LAUNCHERS[launcher])
+    check_run(out, recipe, processes, STEPS.get(recipe, 2))
     assert not hidden_lines(res.stdout + res.stderr)  # e.g. DeepSpeed's "Setting accelerator to CPU" on every rank

@@ -228,6 +228,7 @@ def acting_raw(model, tmp_path, out, **training):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 50-60 s; make test resumes GRPO in test_grpo.py, its draws seeded by key (test_seeded_sampling...)
 def test_resume_with_tools_ends_where_the_uninterrupted_run_ends(tmp_path, calling_model, monkeypatch):
     """Episodes are seeded per row, turn and position: a run killed after its step-1 checkpoint and resumed plays
     the same episodes for step 2 (the same calls, rewards, loss) and ends with the same adapter."""

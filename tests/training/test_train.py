@@ -188,8 +188,8 @@ def test_flagship_recipe_settings_run_on_cpu_with_a_local_model(tmp_path, tiny_m
     paged 8-bit AdamW), with only the model, data and length swapped for local, small ones."""
     overrides = [
         f"model.name_or_path={tiny_model}", f"data.train={data_file}", "data.eval_fraction=0.25",
-        "data.max_length=64", "training.max_steps=3", "training.logging_steps=1", "training.eval_steps=3",
-        "training.save_steps=3", f"output_dir={tmp_path / 'run'}", "model.attn_implementation=null",
+        "data.max_length=64", "training.max_steps=2", "training.logging_steps=1", "training.eval_steps=2",
+        "training.save_steps=2", f"output_dir={tmp_path / 'run'}", "model.attn_implementation=null",
     ]
     recipe = recipefile.load(ROOT / "recipes" / "llama_qlora.yaml", overrides)
     assert recipe.adapter_kind == "qlora" and recipe.training.deepspeed.endswith("ds_configs/zero2.json")
@@ -200,7 +200,7 @@ def test_flagship_recipe_settings_run_on_cpu_with_a_local_model(tmp_path, tiny_m
     run_dir = tmp_path / "run"
     info = RunRecord.load(run_dir)
     assert info.status == "completed" and info.precision["name"] == "bf16"
-    assert info.effective_batch == 16 and info.global_step == 3
+    assert info.effective_batch == 16 and info.global_step == 2
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
 
 
