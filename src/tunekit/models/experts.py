@@ -131,6 +131,12 @@ def _reached(name: str, targets) -> bool:
     return targets == "all-linear" or any(name == t or name.endswith(f".{t}") for t in targets)
 
 
+def implementation(model: nn.Module) -> str:
+    """How transformers runs the experts: "grouped_mm" (its grouped matmul, the default wherever torch can dispatch
+    it, CPU included) or "eager" (a loop over the experts a batch reaches)."""
+    return getattr(_base(model).config, "_experts_implementation", None) or "eager"
+
+
 def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
     """The router's load-balancing loss on (moe.aux_loss, the default), at moe.aux_loss_coef or the config's own
     coefficient; returns the coefficient (0 with the loss off), or None for a dense model. The model reads the

@@ -79,10 +79,25 @@ class RouterBalance:
 
     expert_load_file = None  # where each evaluation's expert load is appended (the run's file), set by the runner
 
-    def keep_aux_loss(self, outputs) -> None:
+    def keep_aux_loss(self, outputs, loss, num_items_in_batch):
+        """The loss with the router's term at its coefficient, kept for the log. transformers adds coefficient x
+        auxiliary loss to a loss normalized by the whole step's token count, which is then not divided by the
+        accumulation steps and, tokens averaged across devices, is multiplied by the process count: the router's
+        term would weigh accumulation x processes times its coefficient. It is scaled back here, so that a step
+        weighs the mean of its micro-batches' auxiliary losses at the coefficient, however they are spread."""
         aux = outputs.get("aux_loss") if hasattr(outputs, "get") else None
-        if aux is not None and self.model.training:
+        if aux is None:
+            return loss
+        if self.model.training:
             self.__dict__.setdefault("_aux_losses", []).append(aux.detach().float())
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            coef = self.accelerator.unwrap_model(self.model).config.get_text_config().router_aux_loss_coef
+            spread, args = 1, self.args  # what Trainer.compute_loss multiplied the loss by
+            if args.average_tokens_across_devices:
+                spread = args.n_gpu if args.n_gpu > 1 else self.accelerator.num_processes // self.get_tp_size()
+            steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+            loss = loss + coef * aux.to(loss.dtype) * (1 / steps - spread)
+        return loss
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         kept = self.__dict__.pop("_aux_losses", None)

@@ -246,7 +246,7 @@ class SafeStateTrainer(TrainerAdditions, Trainer):
         keep = inputs.pop(TRAINED_POSITIONS, None)  # found by the collator; the model never sees them
         if self.loss_head is None or not (pieces or "labels" in inputs):
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-            self.keep_aux_loss(outputs)  # a mixture of experts' router loss, logged beside the loss
+            loss = self.keep_aux_loss(outputs, loss, num_items_in_batch)  # a mixture of experts' router loss
             return (loss, outputs) if return_outputs else loss
         targets = inputs.pop("shift_labels") if pieces else losspath.shift_targets(inputs.pop("labels"))
         inputs.pop("labels", None)
