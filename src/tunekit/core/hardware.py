@@ -21,6 +21,12 @@ class Precision:
         return DTYPES[self.name]
 
 
+def available_memory() -> int:
+    """Bytes of memory this machine has free (Linux's MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
 def cpu_has_bf16() -> bool:
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)

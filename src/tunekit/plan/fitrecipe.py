@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunekit.config import recipefile
+from tunekit.config.schema import FieldMap
 from tunekit.core.errors import TunekitError
 from tunekit.plan.sizes import parse_size
 
@@ -24,10 +25,11 @@ MICRO_BATCHES = (8, 4, 2, 1)
 CHARS_PER_TOKEN = 3.0  # conservative for English text with a BPE vocabulary: lengths come out longer, not shorter
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
 # the data formats a first record's keys tell apart (data.fields' default names), most specific first
-FORMATS = [({"messages"}, "chat", "sft"), ({"prompt", "chosen", "rejected"}, "preference", "dpo"),
-           ({"prompt", "completion", "label"}, "unpaired_preference", "kto"),
-           ({"instruction", "output"}, "alpaca", "sft"), ({"prompt", "completion"}, "prompt_completion", "sft"),
-           ({"text"}, "text", "sft")]
+_KEYS = FieldMap()  # the data formats' default column names
+FORMATS = [({_KEYS.messages}, "chat", "sft"), ({_KEYS.prompt, _KEYS.chosen, _KEYS.rejected}, "preference", "dpo"),
+           ({_KEYS.prompt, _KEYS.completion, _KEYS.label}, "unpaired_preference", "kto"),
+           ({_KEYS.instruction, _KEYS.output}, "alpaca", "sft"),
+           ({_KEYS.prompt, _KEYS.completion}, "prompt_completion", "sft"), ({_KEYS.text}, "text", "sft")]
 
 
 @dataclass(frozen=True)
@@ -164,8 +166,9 @@ def _name(model: str) -> str:
 def budget_of(target: Target) -> int:
     if target.memory is not None:
         return target.memory
-    with open("/proc/meminfo") as f:  # a CPU run holds everything in the machine's memory
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    from tunekit.core.hardware import available_memory
+
+    return available_memory()  # a CPU run holds everything in the machine's memory
 
 
 def fit(model: str, data: str, target: Target, tokens_per_step: int = 65536) -> Fitted:
