@@ -236,21 +236,27 @@ def test_a_step_weighs_its_micro_batches_router_loss_at_the_coefficient(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.full  # 45-50 s: two launches and a resume
-def test_two_processes_and_a_resumed_run_train_a_moe_as_one_uninterrupted_process(tmp_path, family_models):
-    """DDP over two processes equals one process accumulating the same micro-batches (loss, aux_loss, the expert
-    LoRA); a run killed after its step-2 checkpoint and resumed ends at the uninterrupted run's adapter."""
+def test_ddp_zero3_and_a_resumed_run_train_a_moe_as_one_uninterrupted_process(tmp_path, family_models):
+    """DDP and ZeRO-3 over two processes (the experts partitioned as they load) equal one process accumulating the
+    same micro-batches (loss, aux_loss, expert load, the expert LoRA); a run killed after its step-2 checkpoint and
+    resumed ends at the uninterrupted run's adapter."""
     from conftest import assert_resume_ends_as_uninterrupted, launch, logged
 
     model_dir = family_models("qwen3_moe")
-    steps = {"max_steps": 4, "micro_batch_size": 4, "save_steps": 2}
-    one = _moe_run(tmp_path, model_dir, "one", training={**steps, "gradient_accumulation_steps": 2})
+    steps = {"max_steps": 4, "micro_batch_size": 4, "save_steps": 2, "eval_steps": 2}
+    held = {"eval": str(write_jsonl(tmp_path / "eval.jsonl", reverse_rows(40)[32:]))}
+    one = _moe_run(tmp_path, model_dir, "one", training={**steps, "gradient_accumulation_steps": 2}, data=held)
     recipe = write_recipe(tmp_path / "two.yaml", tiny_recipe(model_dir, tmp_path / "train.jsonl", tmp_path / "two",
-                                                             training=steps))
-    launch(recipe, tmp_path / "two", 2)
-    assert logged(one, "loss") == pytest.approx(logged(tmp_path / "two", "loss"), rel=1e-4)
-    assert logged(one, "aux_loss") == pytest.approx(logged(tmp_path / "two", "aux_loss"), rel=1e-3)
-    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (one, tmp_path / "two"))
-    assert a.keys() == b.keys() and any(".experts." in k for k in a)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
+                                                             training=steps, data=held))
+    a = load_file(str(one / "adapter" / "adapter_model.safetensors"))
+    assert any(".experts." in k for k in a)
+    for name, sets in (("two", []), ("zero3", ["training.deepspeed=ds_configs/zero3.json"])):
+        launch(recipe, tmp_path / name, 2, *sets)
+        assert logged(one, "loss") == pytest.approx(logged(tmp_path / name, "loss"), rel=1e-4)
+        assert logged(one, "aux_loss") == pytest.approx(logged(tmp_path / name, "aux_loss"), rel=1e-3)
+        assert logged(one, "eval_expert_imbalance") == logged(tmp_path / name, "eval_expert_imbalance") != []
+        b = load_file(str(tmp_path / name / "adapter" / "adapter_model.safetensors"))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
     assert_resume_ends_as_uninterrupted(one, 2)

@@ -46,6 +46,11 @@ def _relative(name: str) -> str:
     return ".".join(parts[digits[0] + 1:]) if digits else name
 
 
+def _shape(p) -> tuple:
+    """A parameter's shape, also where ZeRO-3 partitioned it as the model loaded (its data then empty)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
 def _base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -71,19 +76,19 @@ def layout(model: nn.Module) -> Layout | None:
     experts, routers, total, layers, count = set(), set(), 0, 0, 0
     modules = dict(base.named_modules())
     for found_at, module in modules.items():
-        own = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+        own = {n: p for n, p in module.named_parameters(recurse=False) if len(_shape(p)) == 3}
         if not own:
             continue
         name = found_at.replace(".base_layer", "")  # under peft's wrappers (LoRA on the experts) as before them
         layers += 1
-        count = next(iter(own.values())).shape[0]
+        count = _shape(next(iter(own.values())))[0]
         # the experts' biases (gpt-oss) and their LoRA pairs (under peft's wrappers) too: each expert's own
-        total += sum(p.numel() for p in modules[name].parameters())
+        total += sum(getattr(p, "ds_numel", p.numel()) for p in modules[name].parameters())
         experts.update(_relative(f"{name}.{n}") for n in own)
         block = name.rsplit(".", 1)[0]
         for child, sub in modules[block].named_children():
             weight = getattr(sub, "weight", None)
-            if sub is not module and isinstance(weight, nn.Parameter) and weight.shape[0] == count:
+            if sub is not module and isinstance(weight, nn.Parameter) and _shape(weight)[0] == count:
                 routers.add(_relative(f"{block}.{child}"))
     if not layers:
         return None
