@@ -28,7 +28,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import NEEDS_SMOLLM2, ROOT, hidden_lines, in_full, launch
+from conftest import NEEDS_SMOLLM2, ROOT, hidden_lines, in_full, launch, run_cli
 from tunekit.runs.layout import RunRecord
 
 STEPS = {"llama_qlora.yaml": 1, "llama_dpo.yaml": 1, "smollm2_dpo.yaml": 1, "smollm2_kto.yaml": 1,
@@ -88,8 +88,8 @@ ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo
         "smollm2_distill.yaml": ["zero3", "ddp"], "llama_long_sp.yaml": ["zero3"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test launches three, one per launcher: SFT (the LoRA recipe) under ZeRO-3, KTO under DDP, ORPO under ZeRO-2.
-# The other methods' recipes train in make test as shipped in one process (IN_ONE_PROCESS, in-process: no launch,
-# no second import of the stack), their 2-process equality with one process tested on the tiny model
+# The other methods' recipes train in make test as shipped in one process (IN_ONE_PROCESS: no second process to
+# start, no gloo), their 2-process equality with one process tested on the tiny model
 # (tests/training/test_preference.py, test_grpo.py, test_distill.py: on-policy answers under ZeRO-3, the teacher
 # sharded and replicated; test_reward_model.py); their launches are `full`.
 IN_MAKE_TEST = {("smollm2_lora.yaml", "zero3"), ("smollm2_kto.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2")}
@@ -148,13 +148,12 @@ def check_run(out, recipe: str, processes: int, steps: int) -> None:
 @pytest.mark.slow
 @NEEDS_SMOLLM2
 @pytest.mark.parametrize("recipe", IN_ONE_PROCESS)
-def test_shipped_recipe_trains_and_evaluates_in_one_process(tmp_path, recipe, monkeypatch):
-    from tunekit.cli import main
-
+def test_shipped_recipe_trains_and_evaluates_in_one_process(tmp_path, recipe):
+    # a `tunekit train` process of its own: run inside a pytest-xdist worker, the same run took 5-10x as long
     out = tmp_path / "run"
-    monkeypatch.chdir(ROOT)
     sets = [a for o in (f"output_dir={out}", *shortened(tmp_path, recipe)) for a in ("--set", o)]
-    assert main.main(["train", str(ROOT / "recipes" / recipe), *sets]) == 0
+    res = run_cli("train", str(ROOT / "recipes" / recipe), *sets, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
     check_run(out, recipe, 1, STEPS.get(recipe, 2))
 
 

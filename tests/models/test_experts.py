@@ -6,13 +6,21 @@ each evaluation's expert load written and reported, the merge equal to the adapt
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import history, in_full, refused_in_process, reverse_rows, tiny_recipe, write_jsonl, write_recipe
+from conftest import (
+    history,
+    in_full,
+    refused_in_process,
+    reverse_rows,
+    run_cli,
+    tiny_recipe,
+    write_jsonl,
+    write_recipe,
+)
 from tunekit.models import experts
 from tunekit.models.families import MOE_FAMILIES, build_family_model
 from tunekit.runs.layout import EXPERT_LOAD_FILE
@@ -133,11 +141,10 @@ def test_a_moe_section_for_a_dense_model_is_refused(tmp_path, tiny_model, capsys
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [in_full(f) if f in IN_FULL else f for f in sorted(MOE_FAMILIES)])
 def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_adapter(tmp_path, family_models,
-                                                                                        family, caplog, monkeypatch):
+                                                                                        family):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tunekit.cli import main
 
     model_dir = family_models(family)
     train = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
@@ -146,18 +153,12 @@ def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_a
     # gpt-oss's chat template opens with a system preamble of ~100 tokens
     raw = tiny_recipe(model_dir, train, run, data={"eval": str(held), "max_length": 256},
                       training={"max_steps": 6, "eval_steps": 3})
-    log = logging.getLogger("tunekit")
-    monkeypatch.setattr(log, "handlers", [caplog.handler])  # its lines, whatever an earlier test left attached
-    monkeypatch.setattr(log, "propagate", False)  # and once: caplog's handler is on the root logger too
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
-        assert main.main(["train", str(write_recipe(tmp_path / "r.yaml", raw))]) == 0
-    finally:
-        log.setLevel(level)
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lora: all-linear")]
-    assert any(r.getMessage().startswith("moe: the experts run through transformers' grouped_mm path; the router's "
-                                         "load-balancing loss is added to the loss at") for r in caplog.records)
+    res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)))  # its own process: see _moe_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line.removeprefix("tunekit: ") for line in res.stderr.splitlines()]
+    said = [line for line in lines if line.startswith("lora: all-linear")]
+    assert any(line.startswith("moe: the experts run through transformers' grouped_mm path; the router's "
+                               "load-balancing loss is added to the loss at") for line in lines)
     assert len(said) == 1 and "q_proj" in said[0] and "mlp.experts.gate_up_proj" in said[0], said
 
     adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
@@ -174,7 +175,8 @@ def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_a
     assert "Expert load" in (run / "report.html").read_text()
 
     merged = tmp_path / "merged"
-    assert main.main(["merge", str(run), "--out", str(merged)]) == 0
+    res = run_cli("merge", str(run), "--out", str(merged))
+    assert res.returncode == 0, res.stderr[-3000:]
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
@@ -212,12 +214,13 @@ def test_the_plan_counts_the_active_experts_of_qwen3_30b_a3b(plan_recipe):
 
 
 def _moe_run(tmp_path, model_dir, name, *sets, **sections):
-    from tunekit.cli import main
-
+    """`tunekit train` in a process of its own: inside a pytest-xdist worker beside another, training took 4x as
+    long."""
     train = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
     raw = tiny_recipe(model_dir, train, tmp_path / name, **sections)
     recipe = write_recipe(tmp_path / f"{name}.yaml", raw)
-    assert main.main(["train", str(recipe), *[a for s in sets for a in ("--set", s)]]) == 0
+    res = run_cli("train", str(recipe), *[a for s in sets for a in ("--set", s)])
+    assert res.returncode == 0, res.stderr[-3000:]
     return tmp_path / name
 
 

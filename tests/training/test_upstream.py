@@ -44,7 +44,9 @@ TRAINER_HOOKS = [
 ]
 # (public name, why) overridden by a tunekit trainer but not a documented extension point
 TRAINER_OVERRIDES = [
-    ("evaluation_loop", "GenerationEval adds the generation metrics to the stock loss pass"),
+    ("evaluation_loop", "GenerationEval adds the generation metrics to the stock loss pass; RouterBalance counts a "
+                        "mixture of experts' tokens per expert over it"),
+    ("log", "RouterBalance adds a mixture of experts' aux_loss beside the loss"),
     ("compute_loss", "SafeStateTrainer's chunked loss over trained positions; OrpoTrainer keeps the step's count"),
     ("create_optimizer", "LoRA+ through peft's optimizer builder"),
     ("train", "SafeStateTrainer resumes mid-epoch past DeepSpeed's Ulysses loader (training.parallelism.sp), which "
