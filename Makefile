@@ -35,7 +35,7 @@ $(VOCABS): $(STAMP) Makefile
 	touch $(VOCABS)
 
 # make test: everything but the tests marked `full` (real-model results such as the README's demo and DPO
-# figures, and the shipped-recipe launches beyond one per launcher); what CI runs, within 25 minutes.
+# figures, and the shipped-recipe launches beyond one per training method); what CI runs, within 25 minutes.
 # make test-full: only the tests marked `full`, recorded in tests/test-full-last-run.json (commit that file after a run);
 # make test-all: make test, then make test-full (CI's runs record make test; the record holds the rest).
 # Two pytest-xdist workers: much of a test's time is one core busy (a `tunekit` command spends ~10 s importing

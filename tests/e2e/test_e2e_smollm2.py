@@ -4,7 +4,7 @@ Every test here is marked `full`: they check results of the real model (the READ
 QLoRA learning across eval passes, full fine-tuning's saved weights), 1 to 6 minutes each on 2 CPU cores, and
 run in `make test-all`, whose last run tests/test-full-last-run.json records. `make test` keeps the behaviour
 on the tiny model (tests/training/test_train.py: QLoRA after generate() and eval passes, full fine-tuning) and a
-real-model run of each training method's shipped recipe (tests/e2e/test_shipped_recipes.py)."""
+real-model launch of each training method's shipped recipe (tests/e2e/test_shipped_recipes.py)."""
 
 from __future__ import annotations
 
