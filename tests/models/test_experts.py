@@ -121,6 +121,26 @@ def test_the_balancing_loss_is_added_at_the_configs_coefficient(family_models):
     assert torch.allclose(model(input_ids=ids, labels=ids).loss, plain)
 
 
+def test_each_experts_kernel_computes_the_same_logits_and_the_one_that_ran_is_read_back(family_models, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.config.schema import MoeConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(family_models("qwen3_moe")), dtype=torch.float32)
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for kernel in ("eager", "batched_mm", "grouped_mm"):
+        assert experts.choose_kernel(model, MoeConfig(kernel=kernel)) == kernel
+        with torch.no_grad():
+            logits[kernel] = model(input_ids=ids).logits
+    assert experts.choose_kernel(model, MoeConfig(kernel="eager")) == "eager"
+    assert experts.choose_kernel(model, None) == "grouped_mm"  # auto: transformers' default, dispatched on CPU too
+    for kernel in ("batched_mm", "grouped_mm"):
+        torch.testing.assert_close(logits[kernel], logits["eager"], atol=1e-5, rtol=1e-5)
+    dense = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    assert experts.choose_kernel(dense, None) is None
+
+
 def test_a_quantized_base_of_a_moe_model_is_refused_before_it_loads(tmp_path, family_models, capsys, monkeypatch):
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(family_models("qwen3_moe"), data, tmp_path / "run",
@@ -157,8 +177,8 @@ def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_a
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [line.removeprefix("tunekit: ") for line in res.stderr.splitlines()]
     said = [line for line in lines if line.startswith("lora: all-linear")]
-    assert any(line.startswith("moe: the experts run through transformers' grouped_mm path; the router's "
-                               "load-balancing loss is added to the loss at") for line in lines)
+    assert any(line.startswith("moe: the experts run through transformers' grouped_mm path (moe.kernel); the "
+                               "router's load-balancing loss is added to the loss at") for line in lines)
     assert len(said) == 1 and "q_proj" in said[0] and "mlp.experts.gate_up_proj" in said[0], said
 
     adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))

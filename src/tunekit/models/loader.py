@@ -312,8 +312,8 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
         peft_cfg = experts.scope_lora(model, peft_cfg, recipe.moe)
     coef = experts.balance_router(model, recipe.moe)
     if coef is not None:
-        log.info("moe: the experts run through transformers' %s path; the router's load-balancing loss %s",
-                 experts.implementation(model),
+        log.info("moe: the experts run through transformers' %s path (moe.kernel); the router's load-balancing "
+                 "loss %s", experts.choose_kernel(model, recipe.moe),
                  f"is added to the loss at {coef:g} (moe.aux_loss_coef)" if coef else "is off (moe.aux_loss)")
     if start_adapter is not None:
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
