@@ -232,6 +232,17 @@ def test_the_plan_counts_the_active_experts_of_qwen3_30b_a3b(plan_recipe):
     assert on_experts == layers * experts_count * r * ((2 * 768 + 2048) + (768 + 2048))
     assert with_lora.inactive == c.inactive + on_experts - on_experts * 8 // 128
 
+    # the frozen experts (128 x 48 x 3 x 768 x 2048) on a line of their own, sharded by ZeRO-3 and FSDP2 on 8 devices
+    frozen = layers * experts_count * 3 * 768 * 2048
+    assert with_lora.frozen_experts == frozen
+    one = estimate.make(lora, estimate.settings_from(lora, 1, "bf16"), cfg, model, versus=False)
+    assert one.parts["weights (frozen experts, bf16)"] == frozen * 2
+    assert one.parts["weights (frozen base, bf16)"] == (with_lora.frozen_plain - frozen) * 2
+    for sharded in ("training.deepspeed=ds_configs/zero3.json", "training.fsdp={}"):
+        eight = plan_recipe(sharded, "training.precision=bf16", "training.micro_batch_size=1")
+        plan = estimate.make(eight, estimate.settings_from(eight, 8, "bf16"), cfg, model, versus=False)
+        assert plan.parts["weights (frozen experts, bf16)"] == frozen * 2 / 8, sharded
+
 
 def _moe_run(tmp_path, model_dir, name, *sets, **sections):
     """`tunekit train` in a process of its own: inside a pytest-xdist worker beside another, training took 4x as
@@ -258,9 +269,10 @@ def test_a_step_weighs_its_micro_batches_router_loss_at_the_coefficient(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.full  # 45-50 s: two launches and a resume
-def test_ddp_zero3_and_a_resumed_run_train_a_moe_as_one_uninterrupted_process(tmp_path, family_models):
-    """DDP and ZeRO-3 over two processes (the experts partitioned as they load) equal one process accumulating the
+@pytest.mark.full  # 60-70 s: three launches and a resume
+def test_ddp_zero3_fsdp2_and_a_resumed_run_train_a_moe_as_one_uninterrupted_process(tmp_path, family_models):
+    """DDP, ZeRO-3 and FSDP2 over two processes (the experts partitioned as they load under ZeRO-3, sharded per
+    decoder layer under FSDP2) equal one process accumulating the
     same micro-batches (loss, aux_loss, expert load, the expert LoRA); a run killed after its step-2 checkpoint and
     resumed ends at the uninterrupted run's adapter."""
     from conftest import assert_resume_ends_as_uninterrupted, launch, logged
@@ -273,7 +285,8 @@ def test_ddp_zero3_and_a_resumed_run_train_a_moe_as_one_uninterrupted_process(tm
                                                              training=steps, data=held))
     a = load_file(str(one / "adapter" / "adapter_model.safetensors"))
     assert any(".experts." in k for k in a)
-    for name, sets in (("two", []), ("zero3", ["training.deepspeed=ds_configs/zero3.json"])):
+    for name, sets in (("two", []), ("zero3", ["training.deepspeed=ds_configs/zero3.json"]),
+                       ("fsdp2", ["training.fsdp={}"])):
         launch(recipe, tmp_path / name, 2, *sets)
         assert logged(one, "loss") == pytest.approx(logged(tmp_path / name, "loss"), rel=1e-4)
         assert logged(one, "aux_loss") == pytest.approx(logged(tmp_path / name, "aux_loss"), rel=1e-3)
@@ -283,3 +296,4 @@ def test_ddp_zero3_and_a_resumed_run_train_a_moe_as_one_uninterrupted_process(tm
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
     assert_resume_ends_as_uninterrupted(one, 2)
+

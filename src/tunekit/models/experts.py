@@ -66,6 +66,11 @@ def is_sparse(config) -> bool:
     return bool(count) and bool(experts_per_token(config))
 
 
+def holds_experts(module: nn.Module) -> bool:
+    """Whether a module is a sparse block's experts: it holds 3-D parameters of its own (experts x out x in)."""
+    return any(len(_shape(p)) == 3 for p in module.parameters(recurse=False))
+
+
 def layout(model: nn.Module) -> Layout | None:
     """The model's experts and routers, or None for a dense model. An experts module is one that holds 3-D
     parameters of its own; its router is the sibling whose weight has one row per expert."""
@@ -76,9 +81,9 @@ def layout(model: nn.Module) -> Layout | None:
     experts, routers, total, layers, count = set(), set(), 0, 0, 0
     modules = dict(base.named_modules())
     for found_at, module in modules.items():
-        own = {n: p for n, p in module.named_parameters(recurse=False) if len(_shape(p)) == 3}
-        if not own:
+        if not holds_experts(module):
             continue
+        own = {n: p for n, p in module.named_parameters(recurse=False) if len(_shape(p)) == 3}
         name = found_at.replace(".base_layer", "")  # under peft's wrappers (LoRA on the experts) as before them
         layers += 1
         count = _shape(next(iter(own.values())))[0]

@@ -28,6 +28,7 @@ class Counts:
     embeddings: int = 0  # of frozen_plain: the embeddings and the output head (tied ones once)
     inactive: int = 0  # a mixture of experts: expert weights a token does not use (the experts not picked for it)
     experts: str = ""  # a mixture of experts, in words: "top-8 of 128 experts in 48 layers"
+    frozen_experts: int = 0  # of frozen_plain: a mixture of experts' frozen expert weights (their own line in the plan)
 
 
 @dataclass
@@ -136,7 +137,7 @@ def meta_model(recipe: Recipe, cfg=None):
 
 
 def count(recipe: Recipe, model) -> Counts:
-    total = trainable = quantized = embeddings = 0
+    total = trainable = quantized = embeddings = frozen_experts = 0
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     head = {id(p) for p in output.parameters()} if output is not None else set()
     # kept in the compute dtype under QLoRA (models.loader.prepare_quantized): embeddings, head, and a
@@ -156,13 +157,16 @@ def count(recipe: Recipe, model) -> Counts:
             quantized += n if kind == "quantized" else 0
             if kind == "frozen" and (id(p) in embedding or isinstance(module, torch.nn.Embedding)):
                 embeddings += n
+            elif kind == "frozen" and experts.holds_experts(module):
+                frozen_experts += n
     tied = 0
     if recipe.full_finetuning and output is not None and inputs is not None and output.weight is inputs.weight:
         tied = output.weight.numel()
     found = experts.layout(model)
     return Counts(total, trainable, quantized, total - trainable - quantized, tied, embeddings,
                   found.inactive if found else 0,
-                  f"top-{found.top_k} of {found.count} experts in {found.layers} layers" if found else "")
+                  f"top-{found.top_k} of {found.count} experts in {found.layers} layers" if found else "",
+                  frozen_experts)
 
 
 def phase_groups(s: Settings, parts: dict, act_key: str, autocast_key: str | None,

@@ -25,7 +25,10 @@ def state_parts(recipe: Recipe, s, c) -> dict[str, float]:
         parts[embeddings_key(s)] = c.embeddings * compute
         parts["weights (unquantized norms and biases, fp32)"] = (c.frozen_plain - c.embeddings) * 4
     elif not recipe.full_finetuning:
-        parts[f"weights (frozen base, {'fp32' if w_elem == 4 else s.precision})"] = c.frozen_plain * w_elem
+        dtype = 'fp32' if w_elem == 4 else s.precision
+        parts[f"weights (frozen base, {dtype})"] = (c.frozen_plain - c.frozen_experts) * w_elem
+        if c.frozen_experts:  # a mixture of experts: most of its weights, apart
+            parts[f"weights (frozen experts, {dtype})"] = c.frozen_experts * w_elem
     if s.extra_forwards and recipe.full_finetuning:  # the reference: a frozen copy in the training precision
         parts[f"weights (frozen reference copy, {s.precision})"] = c.total * (4 if s.precision == "fp32" else 2)
     opt_key = f"optimizer ({s.optimizer})"
