@@ -121,6 +121,24 @@ def test_the_balancing_loss_is_added_at_the_configs_coefficient(family_models):
     assert torch.allclose(model(input_ids=ids, labels=ids).loss, plain)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_model_balancing_its_router_generates_a_padded_batch_as_without(family_models, family):
+    """Generation (eval, chat, GRPO's sampling) passes no labels: no balancing loss is computed, which under a KV
+    cache failed on the attention mask in transformers' loss function."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(family_models(family)), dtype=torch.float32)
+    ids = torch.randint(3, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(**args)  # as loaded: output_router_logits false
+    assert experts.balance_router(model, None) > 0
+    assert torch.equal(model.generate(**args), want)
+    assert model(input_ids=ids, labels=ids).aux_loss is not None  # with labels the term is still there
+    assert model(input_ids=ids, output_router_logits=True).aux_loss is not None  # and when asked (TRL's trainers)
+
+
 def test_each_experts_kernel_computes_the_same_logits_and_the_one_that_ran_is_read_back(family_models, tiny_model):
     from transformers import AutoModelForCausalLM
 

@@ -175,7 +175,20 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
     config.router_aux_loss_coef = coef
     if hasattr(base, "router_aux_loss_coef"):
         base.router_aux_loss_coef = coef
+    if coef and not getattr(base, "_tunekit_router_logits_for_losses", False):
+        base.register_forward_pre_hook(_router_logits_for_losses_only, with_kwargs=True)
+        base._tunekit_router_logits_for_losses = True
     return coef
+
+
+def _router_logits_for_losses_only(module, args, kwargs):
+    """A forward without labels (generation: eval, chat, GRPO's sampling) computes no loss for the balancing term to
+    join, and under a KV cache transformers' balancing loss fails on the attention mask (the whole sequence's,
+    beside the router logits of the new tokens only); TRL's trainers ask for the logits by argument where they
+    add the term themselves."""
+    if kwargs.get("labels") is None and kwargs.get("output_router_logits") is None:
+        kwargs["output_router_logits"] = False
+    return args, kwargs
 
 
 def check_recipe(recipe) -> None:
