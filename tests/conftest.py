@@ -197,13 +197,14 @@ def plan_recipe(tmp_path, tiny_model):
     return _make
 
 
-def base_and_tuned(model: str, recipe: Path, tmp_path: Path) -> tuple[dict, dict, Path]:
-    """`tunekit eval` of the base `model` on the recipe's held-out data, then the recipe trained as shipped:
-    (base scores, the run's end-of-training scores, its run directory)."""
-    base_out, run_dir = tmp_path / "base", tmp_path / "run"
+def base_and_tuned(model: str, recipe: Path, tmp_path: Path, *sets: str) -> tuple[dict, dict, Path]:
+    """`tunekit eval` of the base `model` on the recipe's held-out data, then the recipe trained as shipped (with
+    `sets`, KEY=VALUE overrides): (base scores, the run's end-of-training scores, its run directory)."""
+    base_out, run_dir = tmp_path / "base-eval", tmp_path / "run"
     res = run_cli("eval", model, "--recipe", str(recipe), "--out", str(base_out), timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
-    res = run_cli("train", str(recipe), "--set", f"output_dir={run_dir}", timeout=3600)
+    overrides = [a for s in (*sets, f"output_dir={run_dir}") for a in ("--set", s)]
+    res = run_cli("train", str(recipe), *overrides, timeout=3600)
     assert res.returncode == 0, res.stderr[-3000:]
     scores = [json.loads((d / "metrics.json").read_text())["scores"] for d in (base_out, run_dir / "eval")]
     return scores[0], scores[1], run_dir

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from conftest import (
     NEEDS_SMOLLM2,
     ROOT,
+    base_and_tuned,
     history,
     in_full,
     refused_in_process,
@@ -335,7 +336,7 @@ def test_smollm2_upcycled_into_a_mixtral_learns_the_extraction_with_its_routers_
 
     from tunekit.models.loader import materialize
 
-    base, base_eval, run = tmp_path / "base", tmp_path / "base-eval", tmp_path / "run"
+    base = tmp_path / "base"
     build = subprocess.run([sys.executable, "recipes/moe_upcycle.py", str(base)], cwd=ROOT, capture_output=True,
                            text=True, timeout=1800)
     assert build.returncode == 0, build.stderr[-3000:]
@@ -347,12 +348,8 @@ def test_smollm2_upcycled_into_a_mixtral_learns_the_extraction_with_its_routers_
         assert experts.layout(moe).count == 8 and experts.layout(moe).top_k == 2
         torch.testing.assert_close(moe(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
     del dense, moe
-    res = run_cli("eval", str(base), "--recipe", "recipes/smollm2_moe.yaml", "--out", str(base_eval), timeout=1800)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = run_cli("train", "recipes/smollm2_moe.yaml", "--set", f"model.name_or_path={base}", "--set",
-                  f"output_dir={run}", timeout=3600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    before, after = (json.loads((d / "metrics.json").read_text())["scores"] for d in (base_eval, run / "eval"))
+    before, after, run = base_and_tuned(str(base), ROOT / "recipes" / "smollm2_moe.yaml", tmp_path,
+                                        f"model.name_or_path={base}")
     assert before["examples"] == after["examples"] == 40
     assert before["exact_match"] <= 10 and after["exact_match"] >= 80, (before, after)
     imbalance = [r["eval_expert_imbalance"] for r in history(run, "eval_expert_imbalance")]
