@@ -354,3 +354,15 @@ def test_smollm2_upcycled_into_a_mixtral_learns_the_extraction_with_its_routers_
     assert before["exact_match"] <= 10 and after["exact_match"] >= 80, (before, after)
     imbalance = [r["eval_expert_imbalance"] for r in history(run, "eval_expert_imbalance")]
     assert len(imbalance) == 1 and 1.0 <= imbalance[0] <= 4.0, imbalance  # 8 experts, top-2: at most 8 / 2
+
+
+def test_base_of_reads_through_peft_and_leaves_a_plain_model_as_it_is(tiny_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.models.unwrap import base_of
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    assert base_of(plain) is plain
+    wrapped = get_peft_model(plain, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    assert base_of(wrapped) is plain

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tunekit.models.unwrap import base_of
+
 log = logging.getLogger("tunekit")
 
 NAME = "varlen"  # model.attn_implementation's value, and the name registered with transformers
@@ -256,7 +258,7 @@ def choose(model, requested: str | None, precision: str, packed: bool, max_lengt
     with."""
     from tunekit.core.errors import TunekitError
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     current = base.config._attn_implementation
     if requested not in (None, NAME):
         return Choice(current, f"model.attn_implementation: {requested}")

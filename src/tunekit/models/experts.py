@@ -17,6 +17,7 @@ from torch import nn
 
 from tunekit.config.schema import MoeConfig
 from tunekit.core.errors import TunekitError
+from tunekit.models.unwrap import base_of
 
 log = logging.getLogger("tunekit")
 
@@ -51,10 +52,6 @@ def _shape(p) -> tuple:
     return tuple(getattr(p, "ds_shape", p.shape))
 
 
-def _base(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def experts_per_token(config) -> int | None:
     return getattr(config.get_text_config(), "num_experts_per_tok", None)
 
@@ -74,7 +71,7 @@ def holds_experts(module: nn.Module) -> bool:
 def layout(model: nn.Module) -> Layout | None:
     """The model's experts and routers, or None for a dense model. An experts module is one that holds 3-D
     parameters of its own; its router is the sibling whose weight has one row per expert."""
-    base = _base(model)
+    base = base_of(model)
     top_k = experts_per_token(base.config)
     if not top_k:
         return None
@@ -106,19 +103,20 @@ def scope_lora(model: nn.Module, peft_cfg, moe: MoeConfig | None, say: bool = Tr
     found = layout(model)
     if found is None:
         if moe is not None:
-            raise TunekitError(f"moe: {type(_base(model)).__name__} is not a mixture-of-experts model (no 3-D expert "
+            raise TunekitError(f"moe: {type(base_of(model)).__name__} is not a mixture-of-experts model (no 3-D expert "
                                "weights); remove the moe section")
         return peft_cfg
     moe = moe or MoeConfig()
-    head = _base(model).get_output_embeddings()
+    head = base_of(model).get_output_embeddings()
     shown = peft_cfg.target_modules if isinstance(peft_cfg.target_modules, str) else "the listed modules"
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in _base(model).named_modules()
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_of(model).named_modules()
                      if isinstance(m, nn.Linear) and m is not head and _reached(n, peft_cfg.target_modules)})
     if not isinstance(peft_cfg.target_modules, str):
         missed = sorted(set(peft_cfg.target_modules) - set(linear))
         if missed:
             raise TunekitError(f"lora.target_modules: {', '.join(missed)} names no linear layer of "
-                               f"{type(_base(model)).__name__} (its experts are 3-D weights, trained by moe.experts); "
+                               f"{type(base_of(model)).__name__} (its experts are 3-D weights, trained by "
+                               "moe.experts); "
                                f"name its linear layers ({', '.join(linear) or 'none reached'}) or use all-linear")
     # the linear layers by name: peft reads all-linear on a model it knows as a mixture of experts in transformers 4's
     # terms and would add LoRA on the router and on the experts (at twice the rank on gate_up_proj) on its own
@@ -148,7 +146,7 @@ def choose_kernel(model: nn.Module, moe: MoeConfig | None) -> str | None:
     trained a Qwen3-MoE-shaped model 2.3x as fast as eager in bf16 and fp32 (bench/moe_kernels.json); batched_mm 3x
     slower than eager. transformers falls back to eager where grouped_mm cannot dispatch; the value read back is
     what runs."""
-    base = _base(model)
+    base = base_of(model)
     if layout(base) is None:
         return None
     wanted = (moe or MoeConfig()).kernel
@@ -164,7 +162,7 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
     """The router's load-balancing loss on (moe.aux_loss, the default), at moe.aux_loss_coef or the config's own
     coefficient; returns the coefficient (0 with the loss off), or None for a dense model. The model reads the
     coefficient into an attribute when it is built, so that attribute is set too."""
-    base = _base(model)
+    base = base_of(model)
     if layout(base) is None:
         return None
     moe = moe or MoeConfig()

@@ -14,6 +14,7 @@ import torch
 from tunekit.config.schema import Recipe
 from tunekit.core.errors import TunekitError
 from tunekit.models import hub, info, losspath
+from tunekit.models.unwrap import base_of
 
 log = logging.getLogger("tunekit")
 
@@ -109,5 +110,5 @@ def apply(model, name: str):
 
 def applied(model) -> str | None:
     """The kernels `apply` patched into `model` (or the model an adapter wraps), or None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     return getattr(base, MARK, None)

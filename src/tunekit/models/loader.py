@@ -34,6 +34,7 @@ from tunekit.core.outputs import cache_root
 from tunekit.models import experts, hub, kernels, lorafused, vision
 from tunekit.models.ggufread import one_reader
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
+from tunekit.models.unwrap import base_of
 
 log = logging.getLogger("tunekit")
 
@@ -232,7 +233,7 @@ def prepare_quantized(model, compute: torch.dtype, gradient_checkpointing: bool 
     freeze, norms and other small weights in fp32, free the cache, checkpointing without reentry (its
     input-gradient hook serves reentrant checkpointing only). The held-out loss is unchanged
     (tests/models/test_qlora_dtypes.py; numbers in docs/precision-and-speed.md)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     embeddings = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
     kept = {id(p) for m in embeddings + [m for m in base.modules() if isinstance(m, nn.Embedding)]
             for p in m.parameters(recurse=False)}

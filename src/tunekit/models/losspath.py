@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tunekit.models.unwrap import base_of
+
 log = logging.getLogger("tunekit")
 
 IGNORE = -100
@@ -110,7 +112,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     a plain nn.Linear whose output the model's forward returns as the logits unchanged, with no other loss
     term (models that scale or soft-cap logits after the head, mixture-of-experts models with a router
     loss, a LoRA-wrapped or quantized head keep the stock path)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return f"its output head is {type(head).__name__}, not a plain Linear layer"
@@ -135,7 +137,7 @@ class TrainedPositionsHead:
     (models.kernels, training.kernels)."""
 
     def __init__(self, model: nn.Module, loss_sum=None):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_of(model)
         self.head: nn.Linear = base.get_output_embeddings()
         self.rows = chunk_rows(self.head.out_features)
         self.targets: torch.Tensor | None = None

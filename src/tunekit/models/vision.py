@@ -19,6 +19,7 @@ from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import ModelConfig, VisionConfig
 from tunekit.core.errors import TunekitError
 from tunekit.models import hub, info
+from tunekit.models.unwrap import base_of
 
 log = logging.getLogger("tunekit")
 
@@ -204,7 +205,7 @@ def parts(model) -> Parts:
     """The parts of a loaded vision-language model (a PEFT wrapper looked through)."""
     from transformers import PreTrainedModel
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     decoder = base.get_decoder()
     names = {id(m): n for n, m in base.named_modules()}
     language = names.get(id(decoder))
@@ -274,7 +275,7 @@ def scope_lora(model, peft_cfg, vision: VisionConfig | None):
 
 def image_side(model) -> set[int]:
     """ids of the vision tower's and projector's parameters (none for a text-only model)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     if getattr(base.config, "vision_config", None) is None:
         return set()
     found = parts(base)
@@ -308,7 +309,7 @@ class ImageWork:
 
 def image_work(model) -> ImageWork | None:
     """The tower's and projector's work per image; None for a text-only model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     vc = getattr(base.config, "vision_config", None)
     if vc is None:
         return None
@@ -326,7 +327,7 @@ def image_work(model) -> ImageWork | None:
 def sizes(model) -> str | None:
     """One line for `tunekit plan`: the tower's and projector's parameters and whether they train; None for a
     text-only model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     if getattr(base.config, "vision_config", None) is None:
         return None
     found = parts(base)

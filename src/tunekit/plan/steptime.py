@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tunekit.config import methods
 from tunekit.models import vision
+from tunekit.models.unwrap import base_of
 from tunekit.plan import gpu_fit, shapes, sharding
 
 
@@ -94,7 +95,7 @@ def host_work(cfg, model, s, recipe) -> HostWork:
     of plan.gpu_fit."""
     forwards = 1 + int(s.gradient_checkpointing) + s.extra_forwards
     adapted = sum(1 for name, _ in model.named_parameters() if "lora_A." in name)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     tower = getattr(base.config, "vision_config", None)
     tower_layers = (getattr(tower, "num_hidden_layers", None) or getattr(tower, "depth", 0)) if tower else 0
     ps = sharding.params(recipe, model)

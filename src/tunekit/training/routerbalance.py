@@ -15,13 +15,14 @@ import json
 import torch
 
 from tunekit.models import experts
+from tunekit.models.unwrap import base_of
 
 
 class ExpertLoad:
     """Tokens per expert, per sparse layer, counted while active (padding positions left out)."""
 
     def __init__(self, model):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_of(model)
         found = experts.layout(base)
         self.routers = {} if found is None else {
             name: module for name, module in base.named_modules()
