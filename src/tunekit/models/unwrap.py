@@ -1,8 +1,12 @@
-"""The transformers model inside a peft wrapper: what its config, modules and forward hooks are read from."""
+"""The transformers model inside a peft wrapper: what its config, modules and forward hooks are read from. Imports
+nothing heavy: commands that refuse bad input before loading torch reach it (models.vision)."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def base_of(model: nn.Module) -> nn.Module:
