@@ -38,7 +38,7 @@ $(VOCABS): $(STAMP) Makefile
 # figures, and the shipped-recipe launches beyond one per training method); what CI runs, within 25 minutes.
 # make test-full: only the tests marked `full`, recorded in tests/test-full-last-run.json (commit that file after a run);
 # make test-all: make test, then make test-full (CI's runs record make test; the record holds the rest).
-# Two pytest-xdist workers: much of a test's time is one core busy (a `tunekit` command spends ~10 s importing
+# Two pytest-xdist workers: much of a test's time is one core busy (a launched `tunekit` process spends 5-10 s importing
 # torch, transformers and peft), so a second worker uses the other core. --dist loadfile keeps each file's
 # tests, and so its module-scoped runs, on one worker, files with the most tests first (xdist's default). Starting
 # the longest files first was slower (36 min 32 s against 35 min 3 s): two multi-process launches then shared the

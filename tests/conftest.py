@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import cliserver
 from tunekit.models.tiny import build_model, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,10 +211,17 @@ def base_and_tuned(model: str, recipe: Path, tmp_path: Path, *sets: str) -> tupl
     return scores[0], scores[1], run_dir
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 900):
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 900, fresh: bool = False):
+    """`python -m tunekit *args` in a process of its own (tests/cliserver.py: forked from a server that has imported
+    the libraries, or with `fresh` a new interpreter), its output captured as text."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "tunekit", *args], cwd=cwd or ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return cliserver.run(list(args), cwd or ROOT, full_env, timeout, fresh=fresh)
+
+
+def start_cli(*args: str, env: dict | None = None, fresh: bool = False) -> cliserver.Command:
+    """`python -m tunekit *args` started, not awaited (pid, poll, wait, send_signal, communicate), as run_cli runs
+    it."""
+    return cliserver.Command(list(args), ROOT, {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}, fresh)
 
 
 _WATCHING = """

@@ -77,8 +77,9 @@ def test_deepspeed_note_hidden_unless_verbose():
     """The flagship recipe names a ZeRO config: validating it for a world size runs DeepSpeed's own check of
     that config, which imports DeepSpeed, which prints its note."""
     env = {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": ""}
-    quiet_run = run_cli("validate", "recipes/llama_qlora.yaml", "--world-size", "2", env=env)
-    loud_run = run_cli("validate", "recipes/llama_qlora.yaml", "--world-size", "2", "--verbose", env=env)
+    quiet_run = run_cli("validate", "recipes/llama_qlora.yaml", "--world-size", "2", env=env, fresh=True)
+    loud_run = run_cli("validate", "recipes/llama_qlora.yaml", "--world-size", "2", "--verbose", env=env,
+                       fresh=True)
     assert quiet_run.returncode == loud_run.returncode == 0, quiet_run.stderr
     assert "Setting accelerator to CPU" not in quiet_run.stdout + quiet_run.stderr
     assert "Setting accelerator to CPU" in loud_run.stdout + loud_run.stderr

@@ -9,8 +9,6 @@ import logging
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -27,6 +25,7 @@ from conftest import (
     logged,
     reverse_rows,
     run_cli,
+    start_cli,
     tiny_recipe,
     write_jsonl,
     write_recipe,
@@ -63,8 +62,7 @@ def uninterrupted(resume_recipe, tmp_path_factory):
 
 
 def start_and_kill(recipe_file, out, wait_for: Path):
-    cmd = [sys.executable, "-m", "tunekit", "train", str(recipe_file), "--set", f"output_dir={out}", *RESUME_ARGS]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli("train", str(recipe_file), "--set", f"output_dir={out}", *RESUME_ARGS)
     deadline = time.time() + 300
     while not wait_for.exists():
         assert proc.poll() is None, "training ended before the kill point"
@@ -77,8 +75,7 @@ def start_and_kill(recipe_file, out, wait_for: Path):
 def test_sigterm_ends_training_as_an_error_does(resume_recipe, tmp_path):
     """A scheduler's stop (SIGTERM) is recorded: run.json says failed with the signal, never "running"."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tunekit", "train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS)
     deadline = time.time() + 300
     while not (out / "checkpoints" / "checkpoint-2" / "tunekit-complete").exists():
         assert proc.poll() is None and time.time() < deadline, "training ended before the stop"
@@ -215,7 +212,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tm
 def wait_until(proc, ready, what: str, timeout: float = 300):
     deadline = time.time() + timeout
     while not ready():
-        assert proc.poll() is None, f"the process ended before {what}: " + (proc.stderr.read() if proc.stderr else "")
+        assert proc.poll() is None, f"the process ended before {what}: " + proc.output()[1][-2000:]
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
 
@@ -233,8 +230,7 @@ def test_kill_during_end_of_training_eval_then_resume_finishes_only_the_eval(res
     EVAL_ARGS = ["--set", "training.max_steps=4", "--set", "training.save_steps=2", "--set", "eval.limit=16",
                  "--set", "eval.batch_size=1", "--set", "eval.max_new_tokens=200",
                  "--set", f"eval.data={resume_recipe.parent / 'train.jsonl'}"]
-    cmd = [sys.executable, "-m", "tunekit", "train", str(resume_recipe), "--set", f"output_dir={out}", *EVAL_ARGS]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *EVAL_ARGS)
     wait_until(proc, lambda: _eval_pending(out), "the end-of-training eval")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -258,8 +254,7 @@ def test_kill_during_end_of_training_eval_then_resume_finishes_only_the_eval(res
 def test_merge_killed_mid_way_is_rerun_cleanly(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, run_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "tunekit", "merge", str(run_dir)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli("merge", str(run_dir))
     wait_until(proc, lambda: (run_dir / ".merged.lock").exists(), "merge started")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -284,8 +279,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(resume_
 
     out = tmp_path / "run"
     args = ["--set", f"output_dir={out}", "--set", "training.max_steps=100000", "--set", "training.save_steps=1000"]
-    first = subprocess.Popen([sys.executable, "-m", "tunekit", "train", str(resume_recipe), *args], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = start_cli("train", str(resume_recipe), *args)
     try:
         wait_until(first, lambda: (out / "run.json").is_file(), "the first run started")
         for extra in ([], ["--force"], ["--resume"]):  # --force must not wipe a run in progress either
@@ -311,8 +305,7 @@ def test_full_disk_while_checkpointing_ends_clearly_and_resumes(resume_recipe, u
     import resource
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tunekit", "train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_cli("train", str(resume_recipe), "--set", f"output_dir={out}", *RESUME_ARGS)
     wait_until(proc, lambda: (out / "checkpoints" / "checkpoint-2" / checkpoints.MARKER).exists(), "checkpoint-2")
     resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))  # the adapter alone is larger
     stderr = proc.communicate(timeout=300)[1]
