@@ -15,9 +15,9 @@ take one step of one micro-batch (llama_long_sp.yaml's rows split 3 ways on 3 pr
 with accumulation 8 are trained by
 tests/training/test_train.py::test_flagship_recipe_settings_run_on_cpu_with_a_local_model.
 
-`make test` runs seven of these launches, one per training method with every launcher among them (IN_MAKE_TEST); the
-others, and the same recipes in one process (IN_ONE_PROCESS), are marked `full` and run in `make test-all`, whose last
-run tests/test-full-last-run.json records."""
+`make test` runs five of these launches, with every launcher among them (IN_MAKE_TEST; ON_TINY says which tests
+stand for the methods left out); the others, and the same recipes in one process (IN_ONE_PROCESS), are marked `full`
+and run in `make test-all`, whose last run tests/test-full-last-run.json records."""
 
 from __future__ import annotations
 
@@ -89,13 +89,18 @@ ONLY = {"llama_qlora.yaml": ["zero2"], "llama_dpo.yaml": ["zero2"], "smollm2_dpo
         "smollm2_vision.yaml": ["ddp", "zero3"], "qwen_vl_qlora.yaml": ["ddp"],
         "smollm2_distill.yaml": ["zero3", "ddp"], "llama_long_sp.yaml": ["zero3"], "smollm2_moe.yaml": ["zero3"]}
 CASES = [(r, launcher) for r in RECIPES for launcher in ONLY.get(r, LAUNCHERS)]
-# make test: each training method's shipped recipe launched once, every launcher at least once (SFT by the LoRA recipe
-# under ZeRO-3, KTO under DDP, ORPO under ZeRO-2, DPO, GRPO, the reward model and distillation under DDP); the other
-# launches are `full`. The same recipes trained by one `tunekit train` process (IN_ONE_PROCESS) took longer in make
-# test than these launches (2-4 min each beside the other pytest worker), so they are `full` too.
+# make test: every launcher at least once, and each training method's shipped recipe launched once (SFT by the LoRA
+# recipe under ZeRO-3, KTO under DDP, ORPO under ZeRO-2, GRPO and the reward model under DDP) but those whose
+# multi-process runs make test proves on the tiny model instead (ON_TINY); the other launches are `full`. The same
+# recipes trained by one `tunekit train` process (IN_ONE_PROCESS) took longer in make test than these launches (2-4 min
+# each beside the other pytest worker), so they are `full` too.
 IN_MAKE_TEST = {("smollm2_lora.yaml", "zero3"), ("smollm2_kto.yaml", "ddp"), ("smollm2_orpo.yaml", "zero2"),
-                ("smollm2_dpo.yaml", "ddp"), ("smollm2_grpo.yaml", "ddp"), ("smollm2_reward.yaml", "ddp"),
-                ("smollm2_distill.yaml", "ddp")}
+                ("smollm2_grpo.yaml", "ddp"), ("smollm2_reward.yaml", "ddp")}
+ON_TINY = {  # method: its 2-process test in make test, on the tiny model
+    "dpo": "tests/training/test_preference.py::test_two_processes_train_as_one_does (ORPO: DPO's trainer path, "
+           "training/methods/pairs.py, which KTO's and ORPO's shipped launches above take too)",
+    "distill": "tests/training/test_distill.py::test_two_processes_train_as_one_does (DDP, ZeRO-3 sharded and "
+               "replicated teachers)"}
 IN_ONE_PROCESS = ["smollm2_dpo.yaml", "smollm2_grpo.yaml", "smollm2_reward.yaml", "smollm2_distill.yaml"]
 
 
@@ -116,7 +121,10 @@ def score_key(recipe: str) -> str:
 def test_make_test_keeps_a_launch_per_method_and_per_launcher():
     kept = [case for case in CASES if case in IN_MAKE_TEST]
     assert len(kept) == len(IN_MAKE_TEST), IN_MAKE_TEST - set(CASES)
-    assert {method_of(r) for r, _ in kept} == {method_of(r) for r in RECIPES}
+    assert {method_of(r) for r, _ in kept} | set(ON_TINY) == {method_of(r) for r in RECIPES}
+    for test in ON_TINY.values():
+        path, name = test.split(" ")[0].split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), test
     assert {launcher for _, launcher in kept} == set(LAUNCHERS)
 
 
