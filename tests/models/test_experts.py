@@ -289,6 +289,54 @@ def test_a_step_weighs_its_micro_batches_router_loss_at_the_coefficient(tmp_path
     assert with_aux["loss"] - without["loss"] == pytest.approx(0.5 * with_aux["aux_loss"], rel=1e-3)
 
 
+def test_the_per_layer_balancing_loss_sees_layers_that_each_favour_their_own_experts():
+    """Two layers of 4 experts, top-1: the first sends every token to experts 0 and 1, the second to 2 and 3.
+    Counted over both layers together (transformers' loss) every expert is as busy as another: the loss is at its
+    minimum, 1; per layer each has two idle experts: 2. Evenly routed layers read 1 both ways."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from tunekit.models.routerloss import layer_mean
+
+    big = 20.0
+    first = torch.tensor([[big, 0, -big, -big], [0, big, -big, -big]] * 4)
+    second = torch.tensor([[-big, -big, big, 0], [-big, -big, 0, big]] * 4)
+    assert load_balancing_loss_func((first, second), 4, 1).item() == pytest.approx(1.0, abs=1e-3)
+    assert layer_mean(load_balancing_loss_func, (first, second), 4, 1).item() == pytest.approx(2.0, abs=1e-3)
+    even = torch.eye(4).repeat(2, 1) * big
+    assert layer_mean(load_balancing_loss_func, (even, even), 4, 1).item() == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_model_balancing_per_layer_adds_the_layers_mean_at_the_coefficient(family_models, family):
+    """moe.aux_loss_scope: layer: the forward's aux_loss is the per-layer mean of the model's own function, and its
+    loss the language-model loss plus the coefficient times that."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.config.schema import MoeConfig
+    from tunekit.models.routerloss import layer_mean
+
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    outputs = {}
+    for scope in ("model", "layer"):
+        model = AutoModelForCausalLM.from_pretrained(str(family_models(family)))
+        experts.balance_router(model, MoeConfig(aux_loss_coef=0.5, aux_loss_scope=scope))
+        outputs[scope] = model(input_ids=ids, attention_mask=mask, labels=ids)
+    found = experts.layout(model)
+    loss_func = sys.modules[type(model).__module__].load_balancing_loss_func
+    want = layer_mean(loss_func, outputs["layer"].router_logits, found.count, found.top_k, mask)
+    torch.testing.assert_close(outputs["layer"].aux_loss, want)
+    assert outputs["layer"].aux_loss.item() != pytest.approx(outputs["model"].aux_loss.item(), rel=1e-4)
+    lm = outputs["model"].loss - 0.5 * outputs["model"].aux_loss
+    torch.testing.assert_close(outputs["layer"].loss, lm + 0.5 * want)
+    outputs["layer"].loss.backward()  # the per-layer term reaches the routers
+    router = dict(model.named_modules())[f"model.layers.0.{found.routers[0]}"]
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.slow
 @pytest.mark.full  # 60-70 s: three launches and a resume
 def test_ddp_zero3_fsdp2_and_a_resumed_run_train_a_moe_as_one_uninterrupted_process(tmp_path, family_models):

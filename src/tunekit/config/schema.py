@@ -263,6 +263,10 @@ class MoeConfig(Section):
                            "as the model was pre-trained with.")
     aux_loss_coef: float | None = Field(None, ge=0.0, description="Its weight; null: the model config's "
                                         "router_aux_loss_coef.")
+    aux_loss_scope: Literal["model", "layer"] = Field(
+        "model", description="model: transformers' loss, every layer's tokens counted together (as the model was "
+        "pre-trained); layer: the same loss on each sparse layer alone, averaged (Switch Transformer's), so that no "
+        "layer can send its tokens to a few experts while others balance it out.")
     kernel: Literal["auto", "grouped_mm", "batched_mm", "eager"] = Field(
         "auto", description="How the experts compute (transformers' experts implementations): auto: grouped_mm (one "
         "grouped matmul over the experts a batch reaches) wherever torch can dispatch it, CPU included, else eager "

@@ -17,6 +17,7 @@ from torch import nn
 
 from tunekit.config.schema import MoeConfig
 from tunekit.core.errors import TunekitError
+from tunekit.models import routerloss
 from tunekit.models.unwrap import base_of
 
 log = logging.getLogger("tunekit")
@@ -176,6 +177,9 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
     if coef and not getattr(base, "_tunekit_router_logits_for_losses", False):
         base.register_forward_pre_hook(_router_logits_for_losses_only, with_kwargs=True)
         base._tunekit_router_logits_for_losses = True
+        if moe.aux_loss_scope == "layer":
+            found = layout(base)
+            routerloss.per_layer(base, found.count, found.top_k)
     return coef
 
 

@@ -315,7 +315,9 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     if coef is not None:
         log.info("moe: the experts run through transformers' %s path (moe.kernel); the router's load-balancing "
                  "loss %s", experts.choose_kernel(model, recipe.moe),
-                 f"is added to the loss at {coef:g} (moe.aux_loss_coef)" if coef else "is off (moe.aux_loss)")
+                 f"is added to the loss at {coef:g} (moe.aux_loss_coef), counted "
+                 f"{'per layer' if recipe.moe and recipe.moe.aux_loss_scope == 'layer' else 'over all layers'} "
+                 "(moe.aux_loss_scope)" if coef else "is off (moe.aux_loss)")
     if start_adapter is not None:
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     elif peft_cfg is not None:
