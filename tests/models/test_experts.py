@@ -373,10 +373,12 @@ def test_ddp_zero3_fsdp2_and_a_resumed_run_train_a_moe_as_one_uninterrupted_proc
 def test_smollm2_upcycled_into_a_mixtral_learns_the_extraction_with_its_routers_balanced(tmp_path):
     """recipes/moe_upcycle.py copies each of SmolLM2's MLPs into 8 experts of a top-2 Mixtral with new routers: it
     computes what SmolLM2 computes. recipes/smollm2_moe.yaml, as shipped, trains LoRA on attention and on every
-    expert, the routers in full: zero-shot it extracts no held-out purchase exactly; after training well above
-    that, the expert load of each evaluation logged. (Balance is not asserted: in the first run the routers,
-    trained in full, sent a layer's held-out tokens mostly to a few experts, eval_expert_imbalance 3.83 of a
-    possible 4, while transformers' balancing loss, computed over all layers' tokens together, read 2.0: even.)"""
+    expert, the routers in full with the balancing loss counted per layer: zero-shot it extracts no held-out
+    purchase exactly; after training well above that, with the held-out load balanced within the stated bound:
+    each layer's busiest expert over its mean at most 2 in the median layer and 3.5 in the worst (4: a layer's
+    tokens all on two experts). Counted over all layers together (transformers' loss) the routers broke it in the
+    first run (worst layer 3.83) and in bench/moe_scope.py's 20 steps (median 2.27, worst 3.73; per layer 1.58,
+    2.11)."""
     import subprocess
     import sys
 
@@ -401,7 +403,11 @@ def test_smollm2_upcycled_into_a_mixtral_learns_the_extraction_with_its_routers_
     assert before["examples"] == after["examples"] == 40
     assert before["exact_match"] <= 10 and after["exact_match"] >= 80, (before, after)
     imbalance = [r["eval_expert_imbalance"] for r in history(run, "eval_expert_imbalance")]
-    assert len(imbalance) == 1 and 1.0 <= imbalance[0] <= 4.0, imbalance  # 8 experts, top-2: at most 8 / 2
+    assert len(imbalance) == 1, imbalance
+    *_, load = (json.loads(line) for line in (run / EXPERT_LOAD_FILE).read_text().splitlines())
+    layers = sorted(max(t) / (sum(t) / len(t)) for t in load["layers"].values())
+    assert layers[-1] == pytest.approx(imbalance[0], abs=1e-3)
+    assert layers[len(layers) // 2] <= 2.0 and layers[-1] <= 3.5, layers
 
 
 def test_base_of_reads_through_peft_and_leaves_a_plain_model_as_it_is(tiny_model):
