@@ -74,3 +74,50 @@ def test_each_family_exports_and_reads_back_with_its_logits_token_ids_and_chat_t
     assert result.parity.top1_agreement == 1.0 and result.parity.max_abs_diff < 1e-4, result.line()
     assert result.token_mismatches == [], result.token_mismatches
     assert result.passes(gguf.QUANTS["f32"])
+
+
+@pytest.mark.slow  # Qwen3's vocabulary parsed on read-back
+def test_a_qwen3_moe_exports_its_experts_as_llama_cpp_keeps_them_and_reads_back_with_its_logits(tmp_path):
+    """transformers 5 keeps a sparse block's experts in two 3-D tensors (gate and up rows joined, then down);
+    llama.cpp's qwen3moe reads three (ffn_gate_exps, ffn_up_exps, ffn_down_exps) beside the router (ffn_gate_inp)
+    and the expert keys. Read back by transformers, the file gives the model's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
+
+    tok = build_family_model(tmp_path / "model", "qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
+    cfg = model.config
+    out = tmp_path / "qwen3_moe.gguf"
+    gguf.write_gguf(model, tok, out, gguf.QUANTS["f32"], Facts("qwen3_moe", "tiny-qwen3_moe"))
+    meta, _ = read_gguf_metadata(str(out))
+    assert meta["general.architecture"] == "qwen3moe"
+    assert (meta["qwen3moe.expert_count"], meta["qwen3moe.expert_used_count"],
+            meta["qwen3moe.expert_feed_forward_length"]) == (cfg.num_experts, cfg.num_experts_per_tok,
+                                                             cfg.moe_intermediate_size)
+    shapes = {t.name: tuple(t.shape) for t in GgufHeader.from_file(str(out)).tensors}
+    experts, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    assert shapes["blk.1.ffn_gate_exps.weight"] == shapes["blk.1.ffn_up_exps.weight"] == (experts, inter, hidden)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (experts, hidden, inter)
+    assert shapes["blk.1.ffn_gate_inp.weight"] == (experts, hidden)
+    result = readback.check(model, tok, out, readback.prompts(None, tok))
+    assert result.parity.top1_agreement == 1.0 and result.parity.max_abs_diff < 1e-4, result.line()
+    assert result.passes(gguf.QUANTS["f32"])
+
+
+def test_a_moe_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path):
+    """A Qwen3-MoE whose router does not normalise its top-k weights (llama.cpp's qwen3moe always does), and an
+    OLMoE (no GGUF family here): each refused before anything is written."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tunekit.core.errors import TunekitError
+
+    for family, changes, says in (("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob: false"),
+                                  ("olmoe", {}, "this one is OlmoeForCausalLM")):
+        tok = build_family_model(tmp_path / family, family)
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / family), dtype=torch.float32, **changes)
+        out = tmp_path / f"{family}.gguf"
+        with pytest.raises(TunekitError, match=says) as caught:
+            gguf.write_gguf(model, tok, out, gguf.QUANTS["f32"], Facts(family, f"tiny-{family}"))
+        assert "\n" not in str(caught.value) and not out.exists()

@@ -115,6 +115,17 @@ def _phi3(writer, cfg) -> None:
     writer.add_sliding_window(getattr(cfg, "sliding_window", None) or 0)  # 0: none (llama.cpp's convention)
 
 
+def _qwen3_moe(writer, cfg) -> None:
+    # llama.cpp's qwen3moe graph (src/models/qwen3moe.cpp) always weighs a token's top-k experts normalised to a
+    # sum of 1 (build_moe_ffn's norm_w: true): a model that does not would compute otherwise there
+    if not getattr(cfg, "norm_topk_prob", False):
+        raise TunekitError("export: llama.cpp's qwen3moe normalises each token's top-k expert weights to a sum of 1; "
+                           "this model (norm_topk_prob: false) does not, so a GGUF file of it would compute otherwise")
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
 def _none(writer, cfg) -> None:
     pass
 
@@ -129,6 +140,10 @@ class Architecture:
     # the transformers model type the read-back check loads the file as, where transformers' GGUF reader may
     # pick another: it reads a llama file named exactly "mistral" as Mistral, then finds no tensor map for it
     read_back_as: str | None = None
+    # config attributes transformers' GGUF reader leaves at their defaults, read back from the file's keys (the
+    # architecture's own prefix left out) or set to what llama.cpp computes
+    read_back_keys: tuple[tuple[str, str], ...] = ()
+    read_back_set: tuple[tuple[str, object], ...] = ()
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -139,6 +154,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma2": Architecture("GEMMA2", "Gemma 2", norm_shift=1.0, settings=_gemma2),
     "gemma3_text": Architecture("GEMMA3", "Gemma 3 (text)", norm_shift=1.0, settings=_gemma3),
     "phi3": Architecture("PHI3", "Phi-3/Phi-3.5", settings=_phi3),
+    "qwen3_moe": Architecture("QWEN3MOE", "Qwen3-MoE", settings=_qwen3_moe,
+                              read_back_keys=(("expert_feed_forward_length", "moe_intermediate_size"),),
+                              read_back_set=(("norm_topk_prob", True),)),
 }
 
 

@@ -91,7 +91,17 @@ def _weights(model, arch: Architecture):
     cfg = model.config
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.gguf_arch), cfg.num_hidden_layers)
     for hf_name, param in model.named_parameters():  # tied output weights appear once, as the embedding
+        if hf_name.endswith("experts.gate_up_proj"):
+            # a sparse block's experts in one 3-D tensor (experts x 2I x hidden: gate rows, then up rows), which
+            # llama.cpp keeps as two (ffn_gate_exps, ffn_up_exps); transformers' reader joins them back
+            gate, up = param.detach().float().chunk(2, dim=1)
+            stem = hf_name.removesuffix("gate_up_proj")
+            yield names.get_name(stem + "gate_proj") + ".weight", gate.contiguous().numpy()
+            yield names.get_name(stem + "up_proj") + ".weight", up.contiguous().numpy()
+            continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is not None and not hf_name.endswith((".weight", ".bias")):
+            name += ".weight"  # a 3-D parameter of transformers 5's experts (down_proj): llama.cpp's tensor
         if name is None:
             raise TunekitError(f"export: no GGUF name for tensor {hf_name} of a {arch.families} model; "
                                "the model has a layer its family does not")

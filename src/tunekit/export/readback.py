@@ -62,9 +62,19 @@ def _check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
 
     # the config read once and handed to both loads
     config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    read_as = architecture(source_model.config, "export").read_back_as
-    if read_as and config.model_type != read_as:
-        config = AutoConfig.for_model(read_as, **{k: v for k, v in config.to_dict().items() if k != "model_type"})
+    arch = architecture(source_model.config, "export")
+    if arch.read_back_as and config.model_type != arch.read_back_as:
+        config = AutoConfig.for_model(arch.read_back_as,
+                                      **{k: v for k, v in config.to_dict().items() if k != "model_type"})
+    if arch.read_back_keys:
+        # transformers' header reader: gguf's GGUFReader spends ~30 s on a large vocabulary's arrays
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+
+        meta, _ = read_gguf_metadata(str(gguf_file))
+        for key, attribute in arch.read_back_keys:
+            setattr(config, attribute, meta[f"{meta['general.architecture']}.{key}"])
+    for attribute, value in arch.read_back_set:
+        setattr(config, attribute, value)
     back = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, config=config,
                                                 dtype=torch.float32)
     parity = merge.compare(merge.logits(source_model, batch), merge.logits(back, batch), batch["attention_mask"])
