@@ -144,9 +144,9 @@ def choose_kernel(model: nn.Module, moe: MoeConfig | None) -> str | None:
     """Set how the experts compute (moe.kernel) and return the implementation transformers runs, or None for a dense
     model. auto: grouped_mm (one grouped matmul over the experts a batch reaches: transformers' own default) wherever
     torch can dispatch it, CUDA and CPU alike, else eager (a loop over those experts). On 2 CPU cores grouped_mm
-    trained a Qwen3-MoE-shaped model 2.3x as fast as eager in bf16 and fp32 (bench/moe_kernels.json); batched_mm 3x
-    slower than eager. transformers falls back to eager where grouped_mm cannot dispatch; the value read back is
-    what runs."""
+    trained a Qwen3-MoE-shaped model 2.3x as fast as eager in bf16 and fp32 (bench/moe_kernels.json); batched_mm
+    3.4-4.4x slower than eager. transformers falls back to eager where grouped_mm cannot dispatch; the value read
+    back is what runs."""
     base = base_of(model)
     if layout(base) is None:
         return None
