@@ -142,6 +142,28 @@ def test_a_model_balancing_its_router_generates_a_padded_batch_as_without(family
     assert model(input_ids=ids, output_router_logits=True).aux_loss is not None  # and when asked (TRL's trainers)
 
 
+@pytest.mark.slow
+def test_a_fully_fine_tuned_moe_is_saved_with_its_router_config_as_it_loaded(tmp_path, family_models):
+    """Training turns the router's logits on (output_router_logits, the coefficient of the recipe); the saved model's
+    config keeps the base's, so that transformers, loading it, computes no balancing loss when it generates (which
+    under a KV cache fails on a padded batch)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = family_models("qwen3_moe")
+    run = _moe_run(tmp_path, model_dir, "full", "adapter=none", "lora=null", "moe.aux_loss_coef=0.5",
+                   training={"max_steps": 2})
+    base, saved = AutoConfig.from_pretrained(model_dir), AutoConfig.from_pretrained(run / "model")
+    assert (saved.output_router_logits, saved.router_aux_loss_coef) == (base.output_router_logits,
+                                                                        base.router_aux_loss_coef) == (False, 0.001)
+    assert history(run, "aux_loss")  # the loss was on while it trained
+    tuned = AutoModelForCausalLM.from_pretrained(run / "model", dtype=torch.float32)
+    ids = torch.randint(3, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    assert tuned.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                          pad_token_id=0).shape == (2, 13)
+
+
 def test_each_experts_kernel_computes_the_same_logits_and_the_one_that_ran_is_read_back(family_models, tiny_model):
     from transformers import AutoModelForCausalLM
 

@@ -10,6 +10,7 @@ loss off (`output_router_logits: false`) unless asked; training turns it on at t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -168,6 +169,9 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
         return None
     moe = moe or MoeConfig()
     config = base.config
+    if not hasattr(base, "_tunekit_router_as_loaded"):
+        base._tunekit_router_as_loaded = {k: getattr(config, k, None) for k in ("output_router_logits",
+                                                                                "router_aux_loss_coef")}
     coef = moe.aux_loss_coef if moe.aux_loss_coef is not None else getattr(config, "router_aux_loss_coef", 0.0)
     coef = coef if moe.aux_loss else 0.0  # TRL's trainers add the loss whenever the coefficient is not 0
     config.output_router_logits = coef > 0
@@ -181,6 +185,23 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
             found = layout(base)
             routerloss.per_layer(base, found.count, found.top_k)
     return coef
+
+
+@contextlib.contextmanager
+def router_config_as_loaded(model: nn.Module):
+    """The config's router settings as the model loaded, while it is saved: training's output_router_logits would
+    travel with full fine-tuning's weights, and a model loaded from them would compute the balancing loss at every
+    forward (and fail generating under a KV cache: _router_logits_for_losses_only)."""
+    base = base_of(model)
+    as_loaded = getattr(base, "_tunekit_router_as_loaded", None) or {}
+    now = {k: getattr(base.config, k, None) for k in as_loaded}
+    for key, value in as_loaded.items():
+        setattr(base.config, key, value)
+    try:
+        yield
+    finally:
+        for key, value in now.items():
+            setattr(base.config, key, value)
 
 
 def _router_logits_for_losses_only(module, args, kwargs):

@@ -22,7 +22,7 @@ from transformers import Trainer
 from tunekit.core import checkpointfile
 from tunekit.core.errors import TunekitError
 from tunekit.data.collating import TRAINED_POSITIONS
-from tunekit.models import kernels, losspath
+from tunekit.models import experts, kernels, losspath
 from tunekit.runs.checkpoints import OPTIMIZER
 from tunekit.training.cpuprocesses import ParallelOnCpu
 from tunekit.training.loraplus import LoraPlusOptimizer
@@ -83,7 +83,8 @@ class SafeState:
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         # only the trained adapter: a frozen reference copy (TRL's "ref" adapter) is rebuilt at each start
         only = {"selected_adapters": ["default"]} if len(getattr(model, "peft_config", {})) > 1 else {}
-        model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=self.args.should_save, **only)
+        with experts.router_config_as_loaded(model):
+            model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=self.args.should_save, **only)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 
