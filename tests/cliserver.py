@@ -30,7 +30,7 @@ PRELOAD = ("torch", "transformers", "transformers.trainer", "peft", "trl", "acce
            "tunekit.cli.main", "tunekit.training.runner")
 
 _SERVER = r"""
-import atexit, gc, importlib, json, os, runpy, signal, sys, threading, traceback
+import gc, importlib, json, os, runpy, sys
 for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
 gc.collect()
@@ -56,23 +56,10 @@ for line in requests:
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         sys.argv = ["tunekit", *req["args"]]
         sys.path[0] = req["cwd"]  # as `python -m` puts its working directory first
-        code = 0
-        try:
-            runpy.run_module("tunekit", run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        threading._shutdown()  # then atexit's functions: the order of an interpreter's own exit
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # the command's SystemExit (or exception) ends this interpreter as `python -m tunekit` ends: threads joined,
+        # atexit's functions run, modules torn down and open files flushed, the exit code or a traceback
+        runpy.run_module("tunekit", run_name="__main__", alter_sys=True)
+        sys.exit(0)
     print(pid, file=replies, flush=True)
     _, status = os.waitpid(pid, 0)
     print(os.waitstatus_to_exitcode(status), file=replies, flush=True)
