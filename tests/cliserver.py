@@ -6,7 +6,7 @@ tunekit before its first line of work, and the suite starts a few hundred of the
 worker imports them once; each command is a fork of it (a new process: its own pid, exit code, stdout, stderr,
 working directory and environment, as `python -m tunekit` gives), so a test still sees what a user's command does.
 
-What a fork cannot give, a fresh interpreter does (`run(..., fresh=True)`, or automatically): an environment that
+What a fork cannot give, a fresh interpreter does (`Command(..., fresh=True)`, or automatically): an environment that
 differs from the server's in anything but TUNEKIT_* and PYTEST_* variables (libraries read theirs once, at import),
 and output printed while the libraries import (the server's, not the command's: tests of what tunekit hides at import
 use fresh interpreters)."""
@@ -184,9 +184,3 @@ class Command:
             raise subprocess.TimeoutExpired(self.argv, timeout, *self.output())
         return self.output()
 
-
-def run(argv: list[str], cwd: Path, env: dict, timeout: float, fresh: bool = False) -> subprocess.CompletedProcess:
-    """`python -m tunekit *argv` with `env` in `cwd`, its output captured as text."""
-    command = Command(argv, cwd, env, fresh)
-    out, err = command.communicate(timeout)
-    return subprocess.CompletedProcess(command.argv, command.returncode, out, err)

@@ -213,15 +213,16 @@ def base_and_tuned(model: str, recipe: Path, tmp_path: Path, *sets: str) -> tupl
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 900, fresh: bool = False):
     """`python -m tunekit *args` in a process of its own (tests/cliserver.py: forked from a server that has imported
-    the libraries, or with `fresh` a new interpreter), its output captured as text."""
-    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
-    return cliserver.run(list(args), cwd or ROOT, full_env, timeout, fresh=fresh)
+    the libraries, or with `fresh` a new interpreter), its output captured as text; killed after `timeout` seconds
+    (subprocess.TimeoutExpired), as subprocess.run does."""
+    command = start_cli(*args, cwd=cwd, env=env, fresh=fresh)
+    out, err = command.communicate(timeout)
+    return subprocess.CompletedProcess(command.argv, command.returncode, out, err)
 
 
-def start_cli(*args: str, env: dict | None = None, fresh: bool = False) -> cliserver.Command:
-    """`python -m tunekit *args` started, not awaited (pid, poll, wait, send_signal, communicate), as run_cli runs
-    it."""
-    return cliserver.Command(list(args), ROOT, {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}, fresh)
+def start_cli(*args: str, cwd: Path | None = None, env: dict | None = None, fresh: bool = False) -> cliserver.Command:
+    """`python -m tunekit *args` started, not awaited (pid, poll, wait, send_signal, communicate)."""
+    return cliserver.Command(list(args), cwd or ROOT, {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}, fresh)
 
 
 _WATCHING = """
