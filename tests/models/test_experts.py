@@ -193,6 +193,28 @@ def test_a_quantized_base_of_a_moe_model_is_refused_before_it_loads(tmp_path, fa
         assert "quantization:" in line and "mixture-of-experts" in line and "remove the quantization section" in line
 
 
+def test_lora_dropout_is_left_out_on_the_experts_by_default_and_refused_when_asked(tmp_path, family_models, capsys,
+                                                                                     monkeypatch):
+    from tunekit.config.recipefile import from_dict
+    from tunekit.core.hardware import Precision
+    from tunekit.models import loader
+
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    raw = tiny_recipe(family_models("qwen3_moe"), data, tmp_path / "run")
+    raw["lora"] = {"r": 8}  # lora.dropout's default, 0.05: peft's LoRA on 3-D weights would fail on it
+    model = loader.load_for_training(from_dict(raw), Precision("fp32", "test"))
+    assert model.peft_config["default"].lora_dropout == 0.0
+    assert any(".experts." in n and "lora_A" in n for n, _ in model.named_parameters())
+    raw["lora"] = {"r": 8, "dropout": 0.05}
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    for verb in ("train", "validate"):
+        line = refused_in_process([verb, str(recipe)], tmp_path, capsys, monkeypatch)
+        assert line.endswith("set lora.dropout: 0, or moe.experts: false to train attention alone with dropout")
+    raw["moe"] = {"experts": False}  # attention alone keeps its dropout
+    model = loader.load_for_training(from_dict(raw), Precision("fp32", "test"))
+    assert model.peft_config["default"].lora_dropout == 0.05
+
+
 def test_a_moe_section_for_a_dense_model_is_refused(tmp_path, tiny_model, capsys, monkeypatch):
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tiny_model, data, tmp_path / "run",

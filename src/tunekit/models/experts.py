@@ -125,12 +125,13 @@ def scope_lora(model: nn.Module, peft_cfg, moe: MoeConfig | None, say: bool = Tr
     peft_cfg.target_modules = linear
     if moe.experts:
         peft_cfg.target_parameters = list(found.experts)
+        peft_cfg.lora_dropout = 0.0  # peft's LoRA on a parameter takes none; a recipe's own is refused (check_recipe)
     if moe.router == "trained":
         peft_cfg.modules_to_save = [*(peft_cfg.modules_to_save or ()), *found.routers]
     say_it = log.info if say else log.debug
     say_it("lora: %s reaches the linear layers %s; the %d experts x %d layers (%s) %s; the router (%s) %s",
            shown, ", ".join(linear) or "(none)", found.count, found.layers, ", ".join(found.experts),
-           "train through LoRA on their 3-D weights (moe.experts)" if moe.experts
+           "train through LoRA on their 3-D weights (moe.experts; no LoRA dropout)" if moe.experts
            else "stay frozen (moe.experts: false)", ", ".join(found.routers),
            "trains in full (moe.router: trained)" if moe.router == "trained" else "stays frozen (moe.router)")
     return peft_cfg
@@ -215,9 +216,10 @@ def _router_logits_for_losses_only(module, args, kwargs):
 
 
 def check_recipe(recipe) -> None:
-    """Before weights load: a moe section for a dense model, and a quantized base (QLoRA) of a mixture-of-experts
-    model, refused: bitsandbytes quantizes nn.Linear layers only, so the experts (most of the model) would silently
-    stay in 16 bits."""
+    """Before weights load: a moe section for a dense model, LoRA dropout asked for on the experts, and a quantized
+    base (QLoRA) of a mixture-of-experts model, refused: bitsandbytes quantizes nn.Linear layers only, so the experts
+    (most of the model) would silently stay in 16 bits. lora.dropout's default is dropped on the experts
+    (scope_lora)."""
     from tunekit.models import hub, info
 
     try:
@@ -227,6 +229,12 @@ def check_recipe(recipe) -> None:
     name = recipe.model.name_or_path
     if recipe.moe is not None and not is_sparse(config):
         raise TunekitError(f"moe: {name} is not a mixture-of-experts model; remove the moe section")
+    lora = recipe.lora
+    if (lora is not None and "dropout" in lora.model_fields_set and lora.dropout > 0 and is_sparse(config)
+            and (recipe.moe or MoeConfig()).experts):
+        raise TunekitError(f"lora.dropout: {lora.dropout} cannot apply to {name}'s experts: peft's LoRA on their 3-D "
+                           "weights (moe.experts) takes no dropout; set lora.dropout: 0, or moe.experts: false to "
+                           "train attention alone with dropout")
     if recipe.quantization is not None and is_sparse(config):
         raise TunekitError(f"quantization: {name} is a mixture-of-experts model whose experts are 3-D weights that "
                            "bitsandbytes' 4-bit loading leaves unquantized (in 16 bits); remove the quantization "
