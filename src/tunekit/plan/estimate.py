@@ -15,7 +15,10 @@ import torch
 from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.schema import Recipe
 from tunekit.models import experts, vision
-from tunekit.plan import activations, distillteacher, modelstate, sharding, splitting, steptime
+from tunekit.plan import activations, distillteacher, modelstate, moe, shapes, sharding, splitting, steptime
+
+ROUTER_LOGITS = "router logits and balancing loss"  # a mixture of experts' (plan.moe)
+LATER_GRADIENTS = "gradients of the later layers (fp32)"
 
 
 @dataclass
@@ -121,6 +124,7 @@ def meta_model(recipe: Recipe, cfg=None):
         built.num_labels = 1
     with torch.device("meta"):
         model = auto.from_config(built, trust_remote_code=recipe.model.trust_remote_code)
+    cfg = model.config  # as built: with the attention it chose (plan.shapes.attention)
     peft_cfg = lora_config(recipe)
     if peft_cfg is not None:
         peft_cfg.init_lora_weights = True  # shapes are the same; PiSSA/OLoRA cannot decompose meta tensors
@@ -175,20 +179,39 @@ def phase_groups(s: Settings, parts: dict, act_key: str, autocast_key: str | Non
     def at(when):
         return tuple(t.key for t in terms if when in t.when)
 
-    groups = [("the end of the forward pass", (act_key, "logits and loss") + ((autocast_key,) if autocast_key else ())
+    act_key = (act_key, ROUTER_LOGITS) if ROUTER_LOGITS in parts else (act_key,)  # freed with the activations
+    groups = [("the end of the forward pass", act_key + ("logits and loss",) + ((autocast_key,) if autocast_key else ())
                + ((distillteacher.LOGITS,) if distillteacher.LOGITS in parts else ()) + at("forward"))]
     backward = (("activations (one layer recomputed)",) if s.gradient_checkpointing else ()) + at("backward")
     if backward:
         groups.append(("a recomputed layer's backward" if s.gradient_checkpointing else "a layer's backward",
-                       (act_key,) + backward))
+                       act_key + backward + ((LATER_GRADIENTS,) if LATER_GRADIENTS in parts else ())))
     if s.sampled:  # sampling ends before the step's forward
         groups.append(("the sampling before the step", ("sampling: KV cache",) + at("sampling")))
     end = at("end")
-    if s.world_size == 1 and s.zero_stage == 0 and s.accumulation == 1:
+    if end_only_gradients(s):
         end = tuple(k for k in ("gradients (fp32)", "gradient of the tied head, accumulating") if k in parts) + end
     if end:
         groups.append(("the end of the backward pass", end))
     return tuple(m for m, _ in groups), tuple(keys for _, keys in groups)
+
+
+def end_only_gradients(s: Settings) -> bool:
+    """Whether gradients live only from the backward pass to the optimizer step (the Trainer frees them after it):
+    one process, no DeepSpeed, no accumulation."""
+    return s.world_size == 1 and s.zero_stage == 0 and s.accumulation == 1
+
+
+def later_gradients(model, c: Counts, layers: int) -> float:
+    """Trainable elements whose gradients exist when the backward pass recomputes the first decoder layer, last: all
+    but that layer's own and the input embeddings' (a tied head's start with the head, first)."""
+    inputs, output = model.get_input_embeddings(), model.get_output_embeddings()
+
+    def trained(module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.requires_grad) if module is not None else 0
+    tied = inputs is not None and output is not None and inputs.weight is output.weight
+    first = 0 if tied else trained(inputs)
+    return c.trainable - first - (c.trainable - first - trained(output)) / layers
 
 
 def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True) -> Plan:
@@ -198,7 +221,10 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
         cfg, model = meta_model(recipe)
     c = count(recipe, model)
     parts = modelstate.state_parts(recipe, s, c)
-    kept, recomputed = activations.activation_bytes(cfg, s, recipe)
+    sparse, qk_norms = moe.of(model, cfg, recipe), shapes.qk_norm_groups(model, cfg)
+    if sparse is not None and sparse.lora and recipe.lora.dropout:  # as training runs it (experts.scope_lora)
+        recipe = recipe.model_copy(update={"lora": recipe.lora.model_copy(update={"dropout": 0.0})})
+    kept, recomputed = activations.activation_bytes(cfg, s, recipe, sparse, qk_norms)
     from tunekit.models.losspath import unsupported_reason
 
     # the method's trainer may take log-probabilities from the full logits (TRL's): the stock path
@@ -209,6 +235,12 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     parts["logits and loss"] = activations.loss_path_bytes(cfg, s, recipe, chunked)
     if s.gradient_checkpointing:
         parts["activations (one layer recomputed)"] = recomputed
+        if end_only_gradients(s) and not s.fsdp and "gradients (fp32)" in parts:
+            # beside the first layer's recomputation (a mixture of experts' layers, mostly expert weights, made it
+            # the peak of full fine-tuning: bench/plan_check_moe.json)
+            parts[LATER_GRADIENTS] = later_gradients(model, c, cfg.num_hidden_layers) * 4
+    if sparse is not None and sparse.scopes:
+        parts[ROUTER_LOGITS] = moe.router_loss_bytes(sparse, cfg, s)
     autocast_key = None
     if s.precision != "fp32" and s.zero_stage == 0 and not s.fsdp:
         # mixed precision keeps a 16-bit copy of each fp32 trained weight for its backward
@@ -231,7 +263,11 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     parts.update({t.key: t.bytes for t in terms})
 
     sampled = activations.sampling(parts, cfg, s, c) + distillteacher.add(parts, s)
-    per_token = activations.layer_bytes_per_token(cfg, s, recipe)
+    per_token = activations.layer_bytes_per_token(cfg, s, recipe, qk_norms=qk_norms)
+    if sparse is not None:  # the layers' mean
+        layers = cfg.num_hidden_layers
+        per_token = ((layers - sparse.layers) * per_token
+                     + sparse.layers * activations.layer_bytes_per_token(cfg, s, recipe, sparse, qk_norms)) / layers
     time = splitting.divide_time(steptime.estimate(cfg, model, s, recipe, c, per_token,
                                                    modelstate.OPTIMIZER_BYTES.get(s.optimizer, 8), sampled), s)
     moments, phases = phase_groups(s, parts, act_key, autocast_key, terms)

@@ -1,0 +1,115 @@
+"""`tunekit plan`'s activations of a mixture of experts (models.experts): what autograd keeps per token in a sparse
+block in place of a dense MLP, the routers' logits and balancing loss, and the expert weights LoRA on the experts
+forms at each forward. Counted with saved-tensor hooks on Qwen3-MoE, OLMoE, Mixtral and gpt-oss as tunekit loads
+them, experts computed by grouped_mm (moe.kernel auto): tests/plan/test_moe_activations.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tunekit.config.schema import MoeConfig, Recipe
+from tunekit.models import experts
+from tunekit.models.unwrap import base_of
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """A model's sparse layers, as the plan counts them."""
+
+    layers: int  # sparse decoder layers
+    count: int  # experts per layer
+    top_k: int  # experts per token
+    width: int  # an expert's intermediate width
+    gate_rows: float  # what the experts' gated activation keeps per routed row, in units of the width
+    weights: int  # one layer's 3-D expert weights, in elements
+    lora: int  # one layer's LoRA elements on those weights (0: experts not adapted)
+    experts_trained: bool  # their weights (full fine-tuning) or LoRA on them take gradients
+    router_trained: bool
+    scopes: int  # balancing losses computed: 0 (off), 1 (the model's), 2 (moe.aux_loss_scope layer: both)
+
+
+def of(model, cfg, recipe: Recipe) -> Sparse | None:
+    """The sparse layers of `model` (built on the meta device, with its adapter), or None for a dense model."""
+    found = experts.layout(model)
+    if found is None:
+        return None
+    moe = recipe.moe or MoeConfig()
+    text = cfg.get_text_config()
+    width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    module = next(m for m in base_of(model).modules() if experts.holds_experts(m))
+    weights = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 3)
+    adapted = recipe.lora is not None and moe.experts
+    lora = found.count * recipe.lora.r * sum(sum(p.shape[1:]) for p in module.parameters(recurse=False)
+                                             if p.dim() == 3) if adapted else 0
+    coef = moe.aux_loss_coef if moe.aux_loss_coef is not None else getattr(text, "router_aux_loss_coef", 0.0)
+    scopes = 0 if not (moe.aux_loss and coef) else 2 if moe.aux_loss_scope == "layer" else 1
+    return Sparse(found.layers, found.count, found.top_k, width, gate_rows(module), weights, lora,
+                  recipe.full_finetuning or adapted, recipe.full_finetuning or moe.router == "trained", scopes)
+
+
+def gate_rows(module) -> float:
+    """What the experts' gated activation (transformers' `_apply_gate` on the gate and up projections' joined output)
+    keeps for its backward per row, in units of the expert width: run on a small CPU tensor. SwiGLU keeps its input
+    and SiLU(gate): 3; gpt-oss's clamped GLU its input and four products: 6."""
+    apply = getattr(type(module), "_apply_gate", None)
+    if apply is None:
+        return 3.0
+    width, kept = 8, {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    joined = torch.randn(1, 2 * width, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        apply(module, joined)
+    return sum(kept.values()) / (width * joined.element_size())
+
+
+def expert_elem(s, recipe: Recipe) -> int:
+    """Bytes of an element the experts compute in: their weights' dtype, since grouped_mm does not autocast. Full
+    fine-tuning's fp32 weights below fp32 (no ZeRO, no FSDP2: those compute on 16-bit copies) stay fp32."""
+    if s.precision == "fp32" or (recipe.full_finetuning and s.zero_stage == 0 and not s.fsdp):
+        return 4
+    return 2
+
+
+def block_bytes_per_token(sp: Sparse, cfg, s, recipe: Recipe) -> float:
+    """A sparse block per token, in place of a dense MLP. Each token becomes top-k routed rows; per row the gate
+    and up projections' output (2I), the gated activation's own (gate_rows - 2 more I's) and the down projection's
+    output (h, weighted by the router) in the experts' dtype; with the experts trained also the inputs of both
+    grouped matmuls (h + I). The router: its fp32 softmax (experts x 4), the top-k indices, sort order and weights
+    (40 bytes per pick) and the weights' sum (4); with the router trained, its input (h)."""
+    h, k, x = cfg.get_text_config().hidden_size, sp.top_k, expert_elem(s, recipe)
+    elem = 4 if s.precision == "fp32" else 2
+    rows = k * (sp.gate_rows * sp.width + h) * x
+    if sp.experts_trained:
+        rows += k * (h + sp.width) * x
+    router = 4 * sp.count + 40 * k + 4 + (h * elem if sp.router_trained else 0)
+    return rows + router
+
+
+def router_loss_bytes(sp: Sparse, cfg, s) -> float:
+    """The routers' logits, which the model returns (experts x compute dtype per token and sparse layer), and what
+    each balancing loss keeps of them: its softmax and its top-k indices (experts x compute dtype + 8 x top-k)."""
+    if not sp.scopes:
+        return 0.0
+    from tunekit.plan import splitting
+
+    tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)
+    elem = 4 if s.precision == "fp32" else 2
+    per_layer = sp.count * elem + sp.scopes * (sp.count * elem + 8 * sp.top_k)
+    return sp.layers * tokens * per_layer
+
+
+def lora_weights_bytes(sp: Sparse, s, recipe: Recipe) -> float:
+    """LoRA on the experts (peft's ParamWrapper, a parametrization) forms W + BA for every expert of a layer at its
+    forward, and the grouped matmuls keep it for their backward: one layer's expert weights in the experts' dtype,
+    with below fp32 the adapters' 16-bit casts. Per sparse layer held (every one; with gradient checkpointing the
+    recomputed one)."""
+    if not sp.lora:
+        return 0.0
+    x = expert_elem(s, recipe)
+    return sp.weights * x + (sp.lora * 2 if x == 2 else 0)

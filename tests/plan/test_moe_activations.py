@@ -1,0 +1,129 @@
+"""The plan's activations of a mixture of experts (plan.moe) equal what autograd keeps in a sparse decoder layer
+loaded as `tunekit train` loads it: saved-tensor hooks on one layer at two lengths give its bytes per token (a
+sparse block's routed rows are top-k x tokens, so no per-position filter finds them) and what it keeps whatever the
+length (LoRA's expert weights formed at the forward). Qwen3-MoE (query and key norms per head), OLMoE (over the whole
+width, a router that does not renormalise) and Mixtral; attention alone, attention and experts, and full
+fine-tuning, at fp32 and bf16. The router's picks are counted at 40 bytes each whatever the family keeps of them:
+within 1% of the layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tunekit.config.recipefile import from_dict
+from tunekit.core.hardware import Precision
+from tunekit.models import loader
+from tunekit.models.families import MOE_FAMILIES, build_family_model
+from tunekit.plan import activations, estimate, moe, shapes
+
+pytestmark = pytest.mark.slow  # loads a model per case
+SHORT, LONG = 100, 300
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    built = {}
+
+    def get(family):
+        if family not in built:
+            build_family_model(root / family, family)
+            built[family] = root / family
+        return built[family]
+    return get
+
+
+def kept_by_layer(model, seq: int, autocast: bool) -> int:
+    """Bytes of the tensors autograd saves in decoder layer 1 (weights and what layer 0 saved left out)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shared, kept = {}, {}
+
+    def recording(store: dict, leave_out: dict):
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights and ptr not in leave_out:
+                store[ptr] = t.untyped_storage().nbytes()
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    hooks = []
+    for name, store, leave_out in (("layers.0", shared, {}), ("layers.1", kept, shared)):
+        block = next(m for n, m in model.named_modules() if n.endswith(name))
+        ctx = recording(store, leave_out)
+        hooks.append(block.register_forward_pre_hook(lambda *_, c=ctx: c.__enter__()))
+        hooks.append(block.register_forward_hook(lambda *_, c=ctx: c.__exit__(None, None, None)))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as the Trainer runs bf16
+        model(input_ids=torch.randint(0, 300, (1, seq)))
+    for hook in hooks:
+        hook.remove()
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+@pytest.mark.parametrize(("adapter", "precision", "trained_experts"), [
+    ("lora", "fp32", False), ("lora", "bf16", False), ("lora", "fp32", True), ("lora", "bf16", True),
+    ("none", "bf16", None)])
+def test_planned_sparse_layer_is_what_autograd_keeps(family_models, tmp_path, family, adapter, precision,
+                                                     trained_experts):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    raw = {"model": {"name_or_path": str(family_models(family))}, "adapter": adapter,
+           "data": {"train": str(data), "max_length": LONG}, "training": {"precision": precision}}
+    if adapter == "lora":
+        raw.update(moe={"experts": trained_experts}, lora={"dropout": 0.0})
+    recipe = from_dict(raw)
+    model = loader.load_for_training(recipe, Precision(precision, "test"))
+    model.train()
+    short, long = (kept_by_layer(model, n, precision == "bf16") for n in (SHORT, LONG))
+    per_token, fixed = (long - short) / (LONG - SHORT), short - SHORT * (long - short) / (LONG - SHORT)
+
+    cfg, meta = estimate.meta_model(recipe)
+    sparse = moe.of(meta, cfg, recipe)
+    s = estimate.settings_from(recipe, 1, precision)
+    planned = activations.layer_bytes_per_token(cfg, s, recipe, sparse, shapes.qk_norm_groups(meta, cfg))
+    assert planned == pytest.approx(per_token, rel=0.01)
+    formed = moe.lora_weights_bytes(sparse, s, recipe)
+    # every expert's W + BA, kept for the grouped matmuls' backward: the layer's expert weights again
+    assert formed >= sparse.weights * (4 if precision == "fp32" else 2) if trained_experts else formed == 0
+    # below fp32 autocast's 16-bit copies of the layer's trained matrices too (their own part of the plan)
+    copies = 2 * sum(p.numel() for n, p in model.named_parameters()
+                     if ".layers.1." in n and ".experts." not in n and p.requires_grad and p.dim() == 2)
+    copies = copies if precision == "bf16" else 0
+    assert fixed == pytest.approx(formed + copies, abs=256)  # and the experts' offsets, 4 bytes each
+
+
+@pytest.mark.parametrize(("family", "rows"), [("qwen3_moe", 3.0), ("mixtral", 3.0), ("gpt_oss", 6.0)])
+def test_the_gated_activation_is_measured_from_the_experts_own_code(family, rows):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tunekit.models import experts
+    from tunekit.models.families import _SMALL
+
+    _, model_type, extra = MOE_FAMILIES[family]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**_SMALL, **extra},
+                                                                      vocab_size=1000))
+    module = next(m for m in model.modules() if experts.holds_experts(m))
+    assert moe.gate_rows(module) == rows  # SwiGLU: its input and SiLU(gate); gpt-oss's clamped GLU four more
+
+
+def test_a_mixture_of_experts_plan_has_its_router_logits_and_its_experts_activations(family_models, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+
+    def plan(**extra):
+        raw = {"model": {"name_or_path": str(family_models("qwen3_moe"))}, "lora": {"dropout": 0.0},
+               "data": {"train": str(data), "max_length": 256}, "training": {"precision": "bf16"}, **extra}
+        recipe = from_dict(raw)
+        return estimate.make(recipe, estimate.settings_from(recipe, 1, "bf16"))
+
+    attention, both = plan(moe={"experts": False}), plan()
+    off, layer = plan(moe={"aux_loss": False}), plan(moe={"aux_loss_scope": "layer"})
+    assert estimate.ROUTER_LOGITS in both.parts and estimate.ROUTER_LOGITS not in off.parts
+    assert layer.parts[estimate.ROUTER_LOGITS] > both.parts[estimate.ROUTER_LOGITS]  # two losses keep their softmax
+    # LoRA on the experts keeps each sparse layer's formed expert weights (2 layers x 16 experts x 3 x 32 x 64 in
+    # bf16) beside the grouped matmuls' inputs
+    assert both.parts["activations"] - attention.parts["activations"] > 2 * 16 * 3 * 32 * 64 * 2
+    assert "activations (checkpointed: layer inputs)" in plan(training={"precision": "bf16",
+                                                                        "gradient_checkpointing": True}).parts
