@@ -184,15 +184,6 @@ def test_each_experts_kernel_computes_the_same_logits_and_the_one_that_ran_is_re
     assert experts.choose_kernel(dense, None) is None
 
 
-def test_a_quantized_base_of_a_moe_model_is_refused_before_it_loads(tmp_path, family_models, capsys, monkeypatch):
-    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
-    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(family_models("qwen3_moe"), data, tmp_path / "run",
-                                                          quantization={}))
-    for verb in ("train", "validate"):
-        line = refused_in_process([verb, str(recipe)], tmp_path, capsys, monkeypatch)
-        assert "quantization:" in line and "mixture-of-experts" in line and "remove the quantization section" in line
-
-
 def test_lora_dropout_is_left_out_on_the_experts_by_default_and_refused_when_asked(tmp_path, family_models, capsys,
                                                                                      monkeypatch):
     from tunekit.config.recipefile import from_dict

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -65,9 +66,20 @@ def is_sparse(config) -> bool:
     return bool(count) and bool(experts_per_token(config))
 
 
+def own_weights(module: nn.Module) -> dict[str, tuple]:
+    """A module's own parameters by name and shape; one stored in 4 bits (models.expertquant: a parametrization
+    over its codes) by the shape it reads as."""
+    found = {n: _shape(p) for n, p in module.named_parameters(recurse=False)}
+    for name, chain in getattr(module, "parametrizations", {}).items():
+        shape = getattr(chain[0], "weight_shape", None)
+        found[name] = tuple(shape) if shape is not None else _shape(chain.original)
+    return found
+
+
 def holds_experts(module: nn.Module) -> bool:
-    """Whether a module is a sparse block's experts: it holds 3-D parameters of its own (experts x out x in)."""
-    return any(len(_shape(p)) == 3 for p in module.parameters(recurse=False))
+    """Whether a module is a sparse block's experts: it holds 3-D parameters of its own (experts x out x in), more
+    than one expert (a vision tower's pooling probe, 1 x 1 x hidden, is not)."""
+    return any(len(shape) == 3 and shape[0] > 1 for shape in own_weights(module).values())
 
 
 def layout(model: nn.Module) -> Layout | None:
@@ -82,12 +94,13 @@ def layout(model: nn.Module) -> Layout | None:
     for found_at, module in modules.items():
         if not holds_experts(module):
             continue
-        own = {n: p for n, p in module.named_parameters(recurse=False) if len(_shape(p)) == 3}
+        own = {n: shape for n, shape in own_weights(module).items() if len(shape) == 3}
         name = found_at.replace(".base_layer", "")  # under peft's wrappers (LoRA on the experts) as before them
         layers += 1
-        count = _shape(next(iter(own.values())))[0]
+        count = next(iter(own.values()))[0]
         # the experts' biases (gpt-oss) and their LoRA pairs (under peft's wrappers) too: each expert's own
-        total += sum(getattr(p, "ds_numel", p.numel()) for p in modules[name].parameters())
+        total += sum(math.prod(shape) for m in modules[name].modules() for shape in own_weights(m).values()
+                     if not isinstance(m, nn.ModuleDict) and type(m).__name__ != "ParametrizationList")
         experts.update(_relative(f"{name}.{n}") for n in own)
         block = name.rsplit(".", 1)[0]
         for child, sub in modules[block].named_children():
@@ -216,9 +229,9 @@ def _router_logits_for_losses_only(module, args, kwargs):
 
 
 def check_recipe(recipe) -> None:
-    """Before weights load: a moe section for a dense model, LoRA dropout asked for on the experts, and a quantized
-    base (QLoRA) of a mixture-of-experts model, refused: bitsandbytes quantizes nn.Linear layers only, so the experts
-    (most of the model) would silently stay in 16 bits. lora.dropout's default is dropped on the experts
+    """Before weights load, refused: a moe section for a dense model, LoRA dropout asked for on the experts, an 8-bit
+    base of a mixture of experts (its experts would silently stay in 16 bits: only 4 bits reach them,
+    models.expertquant), and 4-bit experts under ZeRO-3 or FSDP2. lora.dropout's default is dropped on the experts
     (scope_lora)."""
     from tunekit.models import hub, info
 
@@ -235,7 +248,16 @@ def check_recipe(recipe) -> None:
         raise TunekitError(f"lora.dropout: {lora.dropout} cannot apply to {name}'s experts: peft's LoRA on their 3-D "
                            "weights (moe.experts) takes no dropout; set lora.dropout: 0, or moe.experts: false to "
                            "train attention alone with dropout")
-    if recipe.quantization is not None and is_sparse(config):
-        raise TunekitError(f"quantization: {name} is a mixture-of-experts model whose experts are 3-D weights that "
-                           "bitsandbytes' 4-bit loading leaves unquantized (in 16 bits); remove the quantization "
-                           "section to train LoRA on the 16-bit model")
+    q = recipe.quantization
+    if q is not None and is_sparse(config) and q.bits == 8:
+        raise TunekitError(f"quantization.bits: 8 leaves {name}'s experts (3-D weights that bitsandbytes' 8-bit "
+                           "loading does not reach) in 16 bits; use bits: 4, whose experts are stored in 4 bits too")
+    if q is not None and is_sparse(config):
+        from tunekit.config import dsconfig
+
+        t = recipe.training
+        zero3 = t.deepspeed and dsconfig.zero_stage(dsconfig.read(t.deepspeed)) == 3
+        if zero3 or t.fsdp is not None:
+            raise TunekitError(f"quantization: {name}'s 4-bit experts (bitsandbytes' parametrized codes, their scales "
+                               f"beside them) cannot be sharded by {'ZeRO-3' if zero3 else 'FSDP2'}; train QLoRA "
+                               "on one device or under DDP, or remove the quantization section")

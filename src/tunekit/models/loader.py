@@ -31,7 +31,7 @@ from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core import distributed
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
-from tunekit.models import experts, hub, kernels, lorafused, vision
+from tunekit.models import expertquant, experts, hub, kernels, lorafused, vision
 from tunekit.models.ggufread import one_reader
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 from tunekit.models.unwrap import base_of
@@ -181,11 +181,13 @@ def new_score_head():
 
 
 def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | None = None, device_map=None,
-              score_head: bool = False, split: dict | None = None):
+              score_head: bool = False, split: dict | None = None, experts_4bit: bool = True):
     """The model `cfg` names; `score_head`: with a one-number score head in place of the language-model head (a
     reward model: AutoModelForSequenceClassification, num_labels 1), as it is also for a directory saved so. A
     vision-language model (models.vision) loads with AutoModelForImageTextToText. `split`: from_pretrained's
-    keywords that split the model over processes as it loads (config.parallelconfig.load_arguments)."""
+    keywords that split the model over processes as it loads (config.parallelconfig.load_arguments). A 4-bit
+    `quant` stores a mixture of experts' experts in 4 bits too (models.expertquant) unless `experts_4bit` is off:
+    the caller does it once its adapter is on (an adapter goes on plain weights, see load_for_training)."""
     location = materialize(cfg.name_or_path, cfg.revision)
     saved_so = Path(location).is_dir() and saved_with_score_head(Path(location))
     if cfg.trust_remote_code:
@@ -212,7 +214,15 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig | 
         raise hub.load_error("model.name_or_path", cfg.name_or_path, e) from None
     if quant is not None:
         keep_4bit_trainable_on_cpu(model)
+        if experts_4bit:
+            experts_in_4bit(model, quant)
     return model
+
+
+def experts_in_4bit(model, quant: BitsAndBytesConfig | None) -> None:
+    """A mixture of experts' 3-D expert weights stored in 4 bits under a 4-bit `quant` (models.expertquant)."""
+    if quant is not None and quant.load_in_4bit and expertquant.quantize(model, quant):
+        log.info("quantization: the experts' 3-D weights are stored in 4 bits too (%s)", quant.bnb_4bit_quant_type)
 
 
 HALF = (torch.float16, torch.bfloat16)
@@ -238,8 +248,14 @@ def prepare_quantized(model, compute: torch.dtype, gradient_checkpointing: bool 
     kept = {id(p) for m in embeddings + [m for m in base.modules() if isinstance(m, nn.Embedding)]
             for p in m.parameters(recurse=False)}
     kept |= vision.image_side(base)  # a vision-language model's tower and projector, unquantized, stay as loaded
+    # a mixture of experts' 3-D weights, stored in 4 bits once the adapter is on (models.expertquant), as loaded
+    sparse = experts.layout(base) is not None
+    to_4bit = {id(p) for m in base.modules() if sparse and experts.holds_experts(m)
+               for p in m.parameters(recurse=False) if p.dim() == 3}
     for p in model.parameters():
         p.requires_grad = False
+        if id(p) in to_4bit:
+            continue
         if p.dtype.is_floating_point and type(p).__name__ != "Params4bit":  # 4-bit codes keep their storage
             target = compute if id(p) in kept else torch.float32
             if p.dtype != target and (p.dtype in HALF or id(p) in kept):
@@ -296,7 +312,7 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
     split = parallelconfig.load_arguments(parallelconfig.layout(p, distributed.current().world_size) if p else None,
                                           recipe.model.attn_implementation)
     model = load_base(recipe.model, weights, quant, device_map, score_head=methods.spec_of(recipe).score_head,
-                      split=split)
+                      split=split, experts_4bit=False)
     model.config.use_cache = False
     if quant is not None:
         model = prepare_quantized(model, precision.dtype, recipe.training.gradient_checkpointing)
@@ -328,6 +344,9 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
 
         set_seed(recipe.training.seed)
         model = get_peft_model(model, peft_cfg)
+    # after the adapter: peft nests its wrappers of a 4-bit parameter in another order than of a plain one, and the
+    # adapter must load onto plain weights too (a merge, peft elsewhere)
+    experts_in_4bit(model, quant)
     if quant is not None or peft_cfg is not None or start_adapter is not None:
         # beside fp32 adapter matrices: one dtype for everything trained (ZeRO-3 flattens them into one buffer)
         trainable_in_fp32(model)
@@ -336,11 +355,13 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
 
 
 def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dtype, quant=None):
-    base = load_base(base_cfg, dtype, quant, score_head=saved_with_score_head(adapter_dir))
+    base = load_base(base_cfg, dtype, quant, score_head=saved_with_score_head(adapter_dir), experts_4bit=False)
     if quant is not None:
         # as in training: embeddings and head in the compute dtype, the other unquantized layers (norms) in fp32
         base = prepare_quantized(base, quant.bnb_4bit_compute_dtype)
-    return PeftModel.from_pretrained(base, str(adapter_dir))
+    model = PeftModel.from_pretrained(base, str(adapter_dir))
+    experts_in_4bit(model, quant)  # as in training: once the adapter is on
+    return model
 
 
 def count_parameters(model) -> tuple[int, int]:

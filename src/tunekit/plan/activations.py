@@ -16,14 +16,14 @@ def activation_bytes(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = None,
     """(decoder-layer activations, one layer recomputed) in bytes per device: layer_bytes_per_token for
     each position a device holds. With gradient checkpointing only each layer's input is kept, and the
     backward pass recomputes one layer at a time, with that layer's gradient temporaries. A mixture of experts'
-    sparse layers (`sparse`) count as plan.moe says, LoRA's expert weights formed at their forward included."""
+    sparse layers (`sparse`) count as plan.moe says, the expert weights formed at their forward included."""
     h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     tokens = s.micro_batch * s.sequences * s.seq_len / splitting.pieces(s)  # a device's positions
     elem = 4 if s.precision == "fp32" else 2
     sparse_layers = sparse.layers if sparse else 0
     dense_token = layer_bytes_per_token(cfg, s, recipe, qk_norms=qk_norms) if sparse_layers < layers else 0.0
     sparse_token = layer_bytes_per_token(cfg, s, recipe, sparse, qk_norms) if sparse else 0.0
-    formed = moe.lora_weights_bytes(sparse, s, recipe) if sparse else 0.0
+    formed = moe.formed_weights_bytes(sparse, s, recipe) if sparse else 0.0
     if not s.gradient_checkpointing:
         kept = tokens * ((layers - sparse_layers) * dense_token + sparse_layers * sparse_token) + sparse_layers * formed
         return kept, 0.0

@@ -1,7 +1,7 @@
 """`tunekit plan`'s activations of a mixture of experts (models.experts): what autograd keeps per token in a sparse
-block in place of a dense MLP, the routers' logits and balancing loss, and the expert weights LoRA on the experts
-forms at each forward. Counted with saved-tensor hooks on Qwen3-MoE, OLMoE, Mixtral and gpt-oss as tunekit loads
-them, experts computed by grouped_mm (moe.kernel auto): tests/plan/test_moe_activations.py."""
+block in place of a dense MLP, the routers' logits and balancing loss, and the expert weights that LoRA on the
+experts or their 4-bit storage forms at each forward. Counted with saved-tensor hooks on Qwen3-MoE, OLMoE,
+Mixtral and gpt-oss as tunekit loads them under grouped_mm (moe.kernel auto): tests/plan/test_moe_activations.py."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class Sparse:
     gate_rows: float  # what the experts' gated activation keeps per routed row, in units of the width
     weights: int  # one layer's 3-D expert weights, in elements
     lora: int  # one layer's LoRA elements on those weights (0: experts not adapted)
+    quantized: bool  # stored in 4 bits (QLoRA: models.expertquant), dequantized at each forward
     experts_trained: bool  # their weights (full fine-tuning) or LoRA on them take gradients
     router_trained: bool
     scopes: int  # balancing losses computed: 0 (off), 1 (the model's), 2 (moe.aux_loss_scope layer: both)
@@ -46,7 +47,8 @@ def of(model, cfg, recipe: Recipe) -> Sparse | None:
     coef = moe.aux_loss_coef if moe.aux_loss_coef is not None else getattr(text, "router_aux_loss_coef", 0.0)
     scopes = 0 if not (moe.aux_loss and coef) else 2 if moe.aux_loss_scope == "layer" else 1
     return Sparse(found.layers, found.count, found.top_k, width, gate_rows(module), weights, lora,
-                  recipe.full_finetuning or adapted, recipe.full_finetuning or moe.router == "trained", scopes)
+                  recipe.quantization is not None, recipe.full_finetuning or adapted,
+                  recipe.full_finetuning or moe.router == "trained", scopes)
 
 
 def gate_rows(module) -> float:
@@ -104,12 +106,13 @@ def router_loss_bytes(sp: Sparse, cfg, s) -> float:
     return sp.layers * tokens * per_layer
 
 
-def lora_weights_bytes(sp: Sparse, s, recipe: Recipe) -> float:
-    """LoRA on the experts (peft's ParamWrapper, a parametrization) forms W + BA for every expert of a layer at its
-    forward, and the grouped matmuls keep it for their backward: one layer's expert weights in the experts' dtype,
-    with below fp32 the adapters' 16-bit casts. Per sparse layer held (every one; with gradient checkpointing the
-    recomputed one)."""
-    if not sp.lora:
+def formed_weights_bytes(sp: Sparse, s, recipe: Recipe) -> float:
+    """Expert weights formed at a sparse layer's forward and kept by its grouped matmuls for their backward: LoRA on
+    the experts (peft's ParamWrapper, a parametrization) forms W + BA for every expert, 4-bit experts
+    (models.expertquant) their dequantized weights, LoRA on 4-bit experts the one from the other. One layer's expert
+    weights in the experts' dtype, with below fp32 the adapters' 16-bit casts. Per sparse layer held (every one;
+    with gradient checkpointing the recomputed one)."""
+    if not sp.lora and not sp.quantized:
         return 0.0
     x = expert_elem(s, recipe)
     return sp.weights * x + (sp.lora * 2 if x == 2 else 0)

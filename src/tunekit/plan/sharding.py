@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tunekit.models import vision
+from tunekit.models import experts, vision
 
 DEEPSPEED_DEFAULTS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
                       "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
@@ -43,8 +43,9 @@ def kind(recipe, name: str, module, pname: str, unquantized: set, p) -> str:
         return "trainable" if p.requires_grad else "frozen"
     if "lora_" in name or "modules_to_save" in name:
         return "trainable"
-    if (recipe.quantization is not None and isinstance(module, torch.nn.Linear) and pname == "weight"
-            and id(p) not in unquantized):
+    if recipe.quantization is not None and id(p) not in unquantized and (
+            (isinstance(module, torch.nn.Linear) and pname == "weight")
+            or (len(p.shape) == 3 and experts.holds_experts(module))):  # 4-bit experts too (models.expertquant)
         return "quantized"
     return "frozen"
 

@@ -1,0 +1,180 @@
+"""QLoRA of a mixture of experts (models.expertquant): the experts' 3-D weights stored in 4 bits beside the 4-bit
+linear layers, read back within nf4's tolerance of the 16-bit weights on CPU, their LoRA pairs trained through the
+4-bit weights, the adapter loadable onto plain weights and merged with the logit parity check, and the plan counting
+the 4-bit experts as the loaded model holds them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (
+    ROOT,
+    refused_in_process,
+    reverse_rows,
+    run_cli,
+    tiny_recipe,
+    write_jsonl,
+    write_recipe,
+)
+from tunekit.config.recipefile import from_dict
+from tunekit.core.hardware import Precision
+from tunekit.models import expertquant, experts, loader
+from tunekit.models.families import build_family_model
+
+pytestmark = pytest.mark.slow  # loads models
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe4")
+    built = {}
+
+    def get(family):
+        if family not in built:
+            build_family_model(root / family, family)
+            built[family] = root / family
+        return built[family]
+    return get
+
+
+def qlora(model_dir, data, **extra):
+    raw = {"model": {"name_or_path": str(model_dir)}, "adapter": "lora", "quantization": {},
+           "lora": {"r": 8, "dropout": 0.0}, "data": {"train": str(data)}, "training": {"precision": "bf16"}}
+    return from_dict({**raw, **extra})
+
+
+def held_4bit_bytes(model) -> int:
+    """Bytes the model holds for its 4-bit weights: the codes and their scales."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+
+    def constants(state):  # the blocks' scales; not the 1 KiB lookup table each tensor carries, whatever its size
+        while state is not None:
+            for key, v in vars(state).items():
+                if key != "code":
+                    add(v)
+            state = getattr(state, "state2", None)
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(weight).__name__ == "Params4bit":
+            add(weight)
+            constants(weight.quant_state)
+        for name in getattr(module, "parametrizations", {}):
+            if expertquant.is_quantized(module, name):
+                add(module.parametrizations[name].original)
+                constants(module.parametrizations[name][0].quant_state)
+    return total
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+def test_the_experts_are_stored_in_4_bits_and_read_back_within_nf4s_tolerance(family_models, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(4))
+    reference = AutoModelForCausalLM.from_pretrained(str(family_models(family)), dtype=torch.bfloat16)
+    model = loader.load_for_training(qlora(family_models(family), data, moe={"experts": False}),
+                                     Precision("bf16", "test"))
+    plain = {n.removeprefix("base_model.model."): m for n, m in reference.named_modules()}
+    found = [(n.removeprefix("base_model.model."), m) for n, m in model.named_modules() if experts.holds_experts(m)]
+    assert len(found) == 2
+    for name, module in found:
+        for weight in ("gate_up_proj", "down_proj"):
+            assert expertquant.is_quantized(module, weight)
+            codes, want = module.parametrizations[weight].original, getattr(plain[name], weight)
+            assert codes.dtype == torch.uint8 and codes.numel() == want.numel() // 2  # two weights a byte
+            got = getattr(module, weight)
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            # nf4: each weight within half the widest gap between its levels (0.139) of its 64-block's absmax,
+            # the block's scale itself 8-bit (double quantization) and the read back rounded to bf16
+            blocks = want.float().reshape(-1, 64)
+            error = (got.float().reshape(-1, 64) - blocks).abs() / blocks.abs().amax(1, keepdim=True)
+            assert error.max() <= 0.16
+            assert (got.float() - want.float()).norm() / want.float().norm() < 0.1  # nf4 on Gaussian weights: 0.09
+        # the sparse block's output through its 4-bit experts, against the 16-bit ones, for the same routing
+        count, top_k = plain[name].num_experts, reference.config.num_experts_per_tok
+        x = torch.randn(50, reference.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+        picks = torch.stack([torch.randperm(count, generator=torch.Generator().manual_seed(i))[:top_k]
+                             for i in range(50)])
+        weights = torch.full((50, top_k), 1 / top_k, dtype=torch.bfloat16)
+        with torch.no_grad():
+            want, got = plain[name](x, picks, weights).float(), module(x, picks, weights).float()
+        # three 4-bit products (gate, up, down), each off by nf4's 0.09: about 0.09 x sqrt(3) = 0.16 together
+    assert (got - want).norm() / want.norm() < 0.2
+
+
+def test_qlora_trains_the_experts_through_their_4_bit_weights_and_merges(family_models, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = family_models("qwen3_moe")
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    model = loader.load_for_training(qlora(model_dir, data), Precision("bf16", "test"))
+    ids = torch.randint(0, 1000, (4, 24), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and ".experts." in n and "lora_B" in n}
+    # both expert weights of both layers: peft nests one wrapper in the other, and each pair gets its gradient
+    assert len(grads) == 4 and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    chains = [m.parametrizations for m in model.modules() if experts.holds_experts(m)]
+    assert all(len(c[w]) == 1 for c in chains for w in c)  # LoRA's proxies removed after the forward
+
+    train = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+    run = tmp_path / "run"
+    raw = tiny_recipe(model_dir, train, run, quantization={}, training={"max_steps": 6, "precision": "bf16"})
+    res = run_cli("train", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "quantization: the experts' 3-D weights are stored in 4 bits too (nf4)" in res.stderr
+    adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    trained = [k for k in adapter if ".experts." in k and "lora_B" in k]
+    assert len(trained) == 4 and all(adapter[k].abs().sum() > 0 for k in trained)  # B starts at zero
+    # the adapter goes onto plain weights as it is (peft alone, a bf16 base)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    PeftModel.from_pretrained(base, str(run / "adapter"))
+
+    merged = tmp_path / "merged"
+    res = run_cli("merge", str(run), "--out", str(merged))
+    assert res.returncode == 0, res.stderr[-3000:]
+    # the merged model's logits against the adapter's on the 4-bit base it trained on (merge refuses beyond 1e-3)
+    parity = re.search(r"parity: max \|logit diff\| ([0-9.e+-]+)", res.stderr)
+    assert parity and float(parity.group(1)) <= 1e-3
+    weights = load_file(str(merged / "model.safetensors"))  # plain weights again, saved per expert as Qwen3-MoE's are
+    assert weights["model.layers.0.mlp.experts.15.down_proj.weight"].shape == (64, 32)
+    assert not any("parametrizations" in k for k in weights)
+
+
+def test_the_plan_counts_the_4_bit_experts_as_the_model_holds_them(family_models, tmp_path):
+    from tunekit.plan import estimate
+    from tunekit.plan.modelstate import QUANTIZED
+
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(4))
+    recipe = qlora(family_models("qwen3_moe"), data)
+    plan = estimate.make(recipe, estimate.settings_from(recipe, 1, "bf16"))
+    model = loader.load_for_training(recipe, Precision("bf16", "test"))
+    held = held_4bit_bytes(model)
+    assert plan.parts[QUANTIZED] == pytest.approx(held, rel=0.02)
+    assert not any("frozen experts" in k for k in plan.parts)  # no 16-bit experts left
+    cfg, meta = estimate.meta_model(recipe)
+    assert plan.counts.quantized > experts.layout(meta).parameters  # the experts among the 4-bit weights
+
+
+def test_8_bit_experts_and_4_bit_experts_under_zero3_are_refused(family_models, tmp_path, capsys, monkeypatch):
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    raw = tiny_recipe(family_models("qwen3_moe"), data, tmp_path / "run", quantization={"bits": 8})
+    line = refused_in_process(["validate", str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys,
+                              monkeypatch)
+    assert line.endswith("use bits: 4, whose experts are stored in 4 bits too")
+    raw = tiny_recipe(family_models("qwen3_moe"), data, tmp_path / "run", quantization={},
+                      training={"deepspeed": str(ROOT / "ds_configs" / "zero3.json")})
+    line = refused_in_process(["validate", str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys,
+                              monkeypatch)
+    assert "cannot be sharded by ZeRO-3" in line
