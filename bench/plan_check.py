@@ -1,6 +1,7 @@
 """Planned vs measured peak memory over a grid: LoRA / QLoRA / full, gradient checkpointing off/on,
 two micro-batch sizes, the tiny model and SmolLM2-135M; with --moe, a tiny Qwen3-MoE (its real configuration scaled
-down, 32 experts, 4 per token) with LoRA on attention alone, LoRA on attention and experts, and full fine-tuning. Each point runs in a fresh process: it loads
+down, 32 experts, 4 per token) with LoRA on attention alone, LoRA on attention and experts, QLoRA (4-bit experts too)
+on attention and experts, and full fine-tuning. Each point runs in a fresh process: it loads
 the model as `tunekit train` does, runs optimizer steps on full-length batches, and reports its peak
 above its own baseline. On GPU: max_memory_allocated. On CPU, two measures: the peak of live tensor
 bytes (tensors held between steps plus the peak of the profiler's allocation trace over one step: what
@@ -168,7 +169,8 @@ def main() -> int:
         build_moe(work / "moe")
         grid = [(str(work / "moe"), adapter, moe, ckpt, micro)
                 for (adapter, moe), ckpt, micro in itertools.product(
-                    [("lora", {"experts": False}), ("lora", {"experts": True}), ("none", None)], [False, True], [1, 4])]
+                    [("lora", {"experts": False}), ("lora", {"experts": True}), ("qlora", {"experts": True}),
+                     ("none", None)], [False, True], [1, 4])]
     else:
         tiny = work / "tiny"
         tiny.mkdir()

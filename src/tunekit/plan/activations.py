@@ -24,15 +24,16 @@ def activation_bytes(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = None,
     dense_token = layer_bytes_per_token(cfg, s, recipe, qk_norms=qk_norms) if sparse_layers < layers else 0.0
     sparse_token = layer_bytes_per_token(cfg, s, recipe, sparse, qk_norms) if sparse else 0.0
     formed = moe.formed_weights_bytes(sparse, s, recipe) if sparse else 0.0
+    formed_from = moe.dequantized_bytes(sparse, s, recipe) if sparse else 0.0  # one layer's, at its forward
     if not s.gradient_checkpointing:
         kept = tokens * ((layers - sparse_layers) * dense_token + sparse_layers * sparse_token) + sparse_layers * formed
-        return kept, 0.0
+        return kept + formed_from, 0.0
     # the recomputed layer's backward also holds the gradients of its hidden state and of its MLP's gate and up
     # outputs: (h + 2I) per token, counted at 4 bytes (measured at fp32, bench/RESULTS.md); a sparse layer's are
     # top-k rows of twice its experts' width
     dense = dense_token + (h + 2 * inter) * 4 if dense_token else 0.0
     one_sparse = sparse_token + (h + 2 * sparse.top_k * sparse.width) * 4 if sparse else 0.0
-    return layers * tokens * h * elem, tokens * max(dense, one_sparse) + formed
+    return layers * tokens * h * elem, tokens * max(dense, one_sparse) + formed + formed_from
 
 
 def layer_bytes_per_token(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = None, qk_norms: int = 0) -> float:

@@ -116,3 +116,9 @@ def formed_weights_bytes(sp: Sparse, s, recipe: Recipe) -> float:
         return 0.0
     x = expert_elem(s, recipe)
     return sp.weights * x + (sp.lora * 2 if x == 2 else 0)
+
+
+def dequantized_bytes(sp: Sparse, s, recipe: Recipe) -> float:
+    """LoRA on 4-bit experts: beside W + BA, the dequantized W it is formed from, for one layer at a time (measured:
+    bench/plan_check_moe.json's QLoRA rows were under by one layer's expert weights without it)."""
+    return sp.weights * expert_elem(s, recipe) if sp.quantized and sp.lora else 0.0
