@@ -178,3 +178,27 @@ def test_8_bit_experts_and_4_bit_experts_under_zero3_are_refused(family_models, 
     line = refused_in_process(["validate", str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys,
                               monkeypatch)
     assert "cannot be sharded by ZeRO-3" in line
+
+
+@pytest.mark.full  # 40-60 s: a run and a two-process launch
+def test_two_processes_under_ddp_train_4_bit_experts_as_one_process(tmp_path, family_models):
+    """QLoRA of a mixture of experts under DDP (the frozen 4-bit codes left out of its buckets) equals one process
+    accumulating the same micro-batches: loss and the expert adapters."""
+    from conftest import launch, logged
+
+    model_dir = family_models("qwen3_moe")
+    train = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+    steps = {"max_steps": 3, "micro_batch_size": 4}
+    one = tmp_path / "one"
+    raw = tiny_recipe(model_dir, train, one, quantization={},
+                      training={**steps, "gradient_accumulation_steps": 2, "precision": "fp32"})
+    res = run_cli("train", str(write_recipe(tmp_path / "one.yaml", raw)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    raw = tiny_recipe(model_dir, train, tmp_path / "two", quantization={}, training={**steps, "precision": "fp32"})
+    launch(write_recipe(tmp_path / "two.yaml", raw), tmp_path / "two", 2)
+    assert logged(one, "loss") == pytest.approx(logged(tmp_path / "two", "loss"), rel=1e-4)
+    a = load_file(str(one / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(".experts." in k for k in a)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
