@@ -109,6 +109,23 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family_models("qwen3_moe"): a tiny random mixture of experts of that family's real configuration scaled down,
+    with its tokenizer (tunekit.models.families.MOE_FAMILIES), built on first use, once per session."""
+    from tunekit.models.families import build_family_model
+
+    root = tmp_path_factory.mktemp("moe")
+    built = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            build_family_model(root / family, family)
+            built[family] = root / family
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_vision_model(tmp_path_factory) -> Path:
     """A tiny random LLaVA (SigLIP tower, projector, Llama): 32x32 images, 16 image tokens each."""
     from tunekit.models.tiny import build_vision_model

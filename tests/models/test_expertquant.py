@@ -23,22 +23,8 @@ from conftest import (
 from tunekit.config.recipefile import from_dict
 from tunekit.core.hardware import Precision
 from tunekit.models import expertquant, experts, loader
-from tunekit.models.families import build_family_model
 
 pytestmark = pytest.mark.slow  # loads models
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe4")
-    built = {}
-
-    def get(family):
-        if family not in built:
-            build_family_model(root / family, family)
-            built[family] = root / family
-        return built[family]
-    return get
 
 
 def qlora(model_dir, data, **extra):

@@ -25,26 +25,13 @@ from conftest import (
     write_recipe,
 )
 from tunekit.models import experts
-from tunekit.models.families import MOE_FAMILIES, build_family_model
+from tunekit.models.families import MOE_FAMILIES
 from tunekit.runs.layout import EXPERT_LOAD_FILE
 
 # make test trains Qwen3-MoE, OLMoE and Mixtral (6-10 s each); gpt-oss (its experts stored transposed, with biases,
 # its router `router`: 30-70 s for its 200k-token vocabulary and long template) trains in make test-full, recorded
 # with the multi-process test below in tests/moe-full-last-run.json; all four are found and scoped above
 IN_FULL = {"gpt_oss"}
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    built = {}
-
-    def get(family):
-        if family not in built:
-            build_family_model(root / family, family)
-            built[family] = root / family
-        return built[family]
-    return get
 
 
 def _tiny_meta(family):

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import write_jsonl
+from savedtensors import kept_in_layer
 from tunekit.config.recipefile import from_dict
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
@@ -36,25 +37,7 @@ def wide_heads(tmp_path_factory):
 
 def saved_per_token(model, layer: int, autocast: bool) -> float:
     """Bytes per position of the tensors autograd saves in decoder layer `layer` and not in the layer before it."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    shared, kept = {}, {}
-
-    def recording(store: dict, leave_out: dict):
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if SEQ in t.shape and ptr not in weights and ptr not in leave_out:
-                store[ptr] = t.untyped_storage().nbytes()
-            return t
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    for name, store, leave_out in ((f"layers.{layer - 1}", shared, {}), (f"layers.{layer}", kept, shared)):
-        block = next(m for n, m in model.named_modules() if n.endswith(name))
-        ctx = recording(store, leave_out)
-        block.register_forward_pre_hook(lambda *_, c=ctx: c.__enter__())
-        block.register_forward_hook(lambda *_, c=ctx: c.__exit__(None, None, None))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as the Trainer runs bf16
-        model(input_ids=torch.randint(0, 300, (1, SEQ)))
-    return sum(kept.values()) / SEQ
+    return sum(kept_in_layer(model, layer, SEQ, autocast, keep=lambda t: SEQ in t.shape).values()) / SEQ
 
 
 @pytest.mark.parametrize(("adapter", "precision", "dropout"), [

@@ -1,63 +1,25 @@
 """The plan's activations of a mixture of experts (plan.moe) equal what autograd keeps in a sparse decoder layer
 loaded as `tunekit train` loads it: saved-tensor hooks on one layer at two lengths give its bytes per token (a
 sparse block's routed rows are top-k x tokens, so no per-position filter finds them) and what it keeps whatever the
-length (LoRA's expert weights formed at the forward). Qwen3-MoE (query and key norms per head), OLMoE (over the whole
+length (the expert weights formed at the forward). Qwen3-MoE (query and key norms per head), OLMoE (over the whole
 width, a router that does not renormalise) and Mixtral; attention alone, attention and experts, QLoRA (4-bit
-experts, models.expertquant) and full fine-tuning, at fp32 and bf16. The router's picks are counted at 40 bytes each whatever the family keeps of them:
-within 1% of the layer."""
+experts, models.expertquant) and full fine-tuning, at fp32 and bf16. The router's picks are counted at 40 bytes
+each whatever the family keeps of them: within 1% of the layer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from savedtensors import kept_in_layer
 from tunekit.config.recipefile import from_dict
 from tunekit.core.hardware import Precision
 from tunekit.models import loader
-from tunekit.models.families import MOE_FAMILIES, build_family_model
+from tunekit.models.families import MOE_FAMILIES
 from tunekit.plan import activations, estimate, moe, shapes
 
 pytestmark = pytest.mark.slow  # loads a model per case
 SHORT, LONG = 100, 300
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    built = {}
-
-    def get(family):
-        if family not in built:
-            build_family_model(root / family, family)
-            built[family] = root / family
-        return built[family]
-    return get
-
-
-def kept_by_layer(model, seq: int, autocast: bool) -> int:
-    """Bytes of the tensors autograd saves in decoder layer 1 (weights and what layer 0 saved left out)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    shared, kept = {}, {}
-
-    def recording(store: dict, leave_out: dict):
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in weights and ptr not in leave_out:
-                store[ptr] = t.untyped_storage().nbytes()
-            return t
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    hooks = []
-    for name, store, leave_out in (("layers.0", shared, {}), ("layers.1", kept, shared)):
-        block = next(m for n, m in model.named_modules() if n.endswith(name))
-        ctx = recording(store, leave_out)
-        hooks.append(block.register_forward_pre_hook(lambda *_, c=ctx: c.__enter__()))
-        hooks.append(block.register_forward_hook(lambda *_, c=ctx: c.__exit__(None, None, None)))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as the Trainer runs bf16
-        model(input_ids=torch.randint(0, 300, (1, seq)))
-    for hook in hooks:
-        hook.remove()
-    return sum(kept.values())
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
@@ -75,7 +37,7 @@ def test_planned_sparse_layer_is_what_autograd_keeps(family_models, tmp_path, fa
     recipe = from_dict(raw)
     model = loader.load_for_training(recipe, Precision(precision, "test"))
     model.train()
-    short, long = (kept_by_layer(model, n, precision == "bf16") for n in (SHORT, LONG))
+    short, long = (sum(kept_in_layer(model, 1, n, precision == "bf16").values()) for n in (SHORT, LONG))
     per_token, fixed = (long - short) / (LONG - SHORT), short - SHORT * (long - short) / (LONG - SHORT)
 
     cfg, meta = estimate.meta_model(recipe)
