@@ -84,9 +84,9 @@ def point(model: str, adapter: str, ckpt: bool, micro: int, seq: int, data: str,
         status = Path("/proc/self/status").read_text()
         rss = int(status.split("VmHWM:")[1].split()[0]) * 1024 - baseline
         allocated = held_bytes(model_, opt) + traced_step_peak(step)
-    return {"model": Path(model).name, "adapter": adapter, "moe": moe, "gradient_checkpointing": ckpt, "micro_batch": micro,
-            "seq_len": seq, "precision": precision, "planned": planned.peak, "measured_allocated": allocated,
-            "measured_rss": rss, "deviation": planned.peak / allocated - 1,
+    return {"model": Path(model).name, "adapter": adapter, "moe": moe, "gradient_checkpointing": ckpt,
+            "micro_batch": micro, "seq_len": seq, "precision": precision, "planned": planned.peak,
+            "measured_allocated": allocated, "measured_rss": rss, "deviation": planned.peak / allocated - 1,
             "deviation_rss": planned.peak / rss - 1 if rss else None, "parts": planned.parts}
 
 

@@ -95,7 +95,7 @@ def test_the_experts_are_stored_in_4_bits_and_read_back_within_nf4s_tolerance(fa
         with torch.no_grad():
             want, got = plain[name](x, picks, weights).float(), module(x, picks, weights).float()
         # three 4-bit products (gate, up, down), each off by nf4's 0.09: about 0.09 x sqrt(3) = 0.16 together
-    assert (got - want).norm() / want.norm() < 0.2
+        assert (got - want).norm() / want.norm() < 0.2
 
 
 def test_qlora_trains_the_experts_through_their_4_bit_weights_and_merges(family_models, tmp_path):
@@ -153,17 +153,35 @@ def test_the_plan_counts_the_4_bit_experts_as_the_model_holds_them(family_models
     assert plan.counts.quantized > experts.layout(meta).parameters  # the experts among the 4-bit weights
 
 
-def test_8_bit_experts_and_4_bit_experts_under_zero3_are_refused(family_models, tmp_path, capsys, monkeypatch):
+def test_what_4_bit_experts_cannot_do_is_refused_and_the_recorded_recipe_says_what_trained(family_models, tmp_path,
+                                                                                          capsys, monkeypatch):
+    from tunekit.api import checks
+    from tunekit.config.recipefile import load, to_yaml
+
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
-    raw = tiny_recipe(family_models("qwen3_moe"), data, tmp_path / "run", quantization={"bits": 8})
-    line = refused_in_process(["validate", str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys,
-                              monkeypatch)
-    assert line.endswith("use bits: 4, whose experts are stored in 4 bits too")
-    raw = tiny_recipe(family_models("qwen3_moe"), data, tmp_path / "run", quantization={},
-                      training={"deepspeed": str(ROOT / "ds_configs" / "zero3.json")})
-    line = refused_in_process(["validate", str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys,
-                              monkeypatch)
-    assert "cannot be sharded by ZeRO-3" in line
+    pairs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": r["instruction"], "chosen": r["output"], "rejected": "no"}
+                                               for r in reverse_rows(8)])
+    model_dir = family_models("qwen3_moe")
+    refusals = [({"quantization": {"bits": 8}}, "use bits: 4, whose experts are stored in 4 bits too"),
+                ({"quantization": {}, "training": {"deepspeed": str(ROOT / "ds_configs" / "zero3.json")}},
+                 "cannot be sharded by ZeRO-3; train QLoRA on one device or under DDP, or remove the quantization "
+                 "section"),
+                ({"quantization": {}, "training": {"fsdp": {}}}, "cannot be sharded by FSDP2"),
+                ({"quantization": {}, "training": {"method": "dpo"},
+                  "data": {"format": "preference", "train": str(pairs)}},
+                 "training.method: dpo trains against TRL's copy of the adapter as its reference")]
+    for sections, said in refusals:
+        raw = tiny_recipe(model_dir, data, tmp_path / "run", **sections)
+        line = refused_in_process(["validate", str(write_recipe(tmp_path / "r.yaml", raw))], tmp_path, capsys,
+                                  monkeypatch)
+        assert said in line, line
+    # lora.dropout's default, dropped on the experts, is what the run's recipe records: read back, it is not refused
+    raw = tiny_recipe(model_dir, data, tmp_path / "run")
+    raw["lora"] = {"r": 8}
+    settled = checks.before_weights(from_dict(raw), checks.PLAN)
+    assert settled.lora.dropout == 0.0
+    (tmp_path / "recorded.yaml").write_text(to_yaml(settled))
+    assert checks.before_weights(load(tmp_path / "recorded.yaml"), checks.PLAN).lora.dropout == 0.0
 
 
 @pytest.mark.full  # 40-60 s: a run and a two-process launch

@@ -442,3 +442,16 @@ def test_base_of_reads_through_peft_and_leaves_a_plain_model_as_it_is(tiny_model
     assert base_of(plain) is plain
     wrapped = get_peft_model(plain, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
     assert base_of(wrapped) is plain
+
+
+def test_a_config_json_says_whether_a_model_is_a_mixture_of_experts_without_transformers():
+    from tunekit.models import moecheck
+    from tunekit.models.families import _SMALL
+
+    for family, (_, model_type, extra) in MOE_FAMILIES.items():
+        assert moecheck.is_sparse({**_SMALL, **extra, "model_type": model_type}), family
+    assert not moecheck.is_sparse({**_SMALL, "model_type": "llama"})
+    # a vision-language model's language model in its text_config
+    text = {**_SMALL, **MOE_FAMILIES["qwen3_moe"][2], "model_type": "qwen3_moe"}
+    assert moecheck.is_sparse({"model_type": "llava", "text_config": text})
+    assert not moecheck.is_sparse({"model_type": "llava", "text_config": {**_SMALL, "model_type": "llama"}})

@@ -15,7 +15,6 @@ FOLDERS = {"e2e", "project", "bench"}  # beside one folder per package
 THROUGH = {
     "tunekit.__main__": "tests/cli/test_bad_input.py::test_bad_argument",
     "tunekit.api.artifacts": "tests/api/test_python_api.py::test_train_evaluate_and_merge_in_process",
-    "tunekit.api.checks": "tests/api/test_python_api.py::test_validate_refuses_what_deepspeed_refuses",
     "tunekit.api.pipeline": "tests/api/test_python_api.py::test_train_evaluate_and_merge_in_process",
     "tunekit.api.previews": "tests/api/test_python_api.py::test_plan_returns_the_plan",
     "tunekit.api.recipeargs": "tests/api/test_python_api.py::test_a_recipe_is_a_path_a_dict_or_a_recipe_with_list_or_"

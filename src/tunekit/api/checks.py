@@ -51,11 +51,10 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
     trainers.of(recipe).check(recipe, needs.model)  # the method's own: distillation's teacher
     if recipe.training.parallelism is not None and needs.model != "skip":
         parallelism(recipe, needs.model)
-    asked_dropout = recipe.lora is not None and "dropout" in recipe.lora.model_fields_set and recipe.lora.dropout > 0
-    if (recipe.quantization is not None or recipe.moe is not None or asked_dropout) and needs.model != "skip":
-        from tunekit.models import experts
+    if needs.model != "skip":
+        from tunekit.models import moecheck
 
-        experts.check_recipe(recipe)
+        recipe = moecheck.check_recipe(recipe)  # a mixture of experts' (its LoRA dropout settled)
     section, settings = methods.sampled(recipe)
     if settings is not None:  # a reward's own code imports (trust_local_code: the recipe asked for it)
         from tunekit.evaluation import rewards

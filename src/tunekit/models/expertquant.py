@@ -33,7 +33,7 @@ def quantize(model: nn.Module, quant) -> int:
                 _store_4bit(module, name, quant)
                 done += 1
     if done:
-        _mend_peft_proxy_removal()
+        _mend_peft_param_wrapper()
     if done and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the 16-bit experts just replaced
     return done
@@ -79,11 +79,13 @@ def _store_4bit(module: nn.Module, name: str, quant) -> None:
     setattr(module, name, nn.Parameter(codes, requires_grad=False))
     del weight
     parametrize.register_parametrization(module, name, _flat_4bit()(state, shape), unsafe=True)
-    # bitsandbytes' own hooks: one dequantization per forward of the module (cached), its codes in the state dict
+    # bitsandbytes' own hooks: reads within one forward of the module share a dequantization (cached), and the codes
+    # go into the state dict; with LoRA on the weight, peft reads it twice more per forward outside that cache
     bnb_parametrize._register_parametrization_hooks(module, name)
 
 
 _FLAT = None
+MENDED_PEFT = "0.21.2"  # the peft whose ParamWrapper _mend_peft_param_wrapper mends
 
 
 def _flat_4bit():
@@ -106,7 +108,7 @@ def _flat_4bit():
     return _FLAT
 
 
-def _mend_peft_proxy_removal() -> None:
+def _mend_peft_param_wrapper() -> None:
     """Two mends to peft 0.21.2's ParamWrapper (LoRA on a parameter), which parametrizes the parameter for each
     forward, for a parameter that carries another parametrization (the 4-bit codes here):
     - it removes only the unfolded _LoraParameterProxy afterwards, not the _LoraFactorsProxy it folds a single
@@ -115,33 +117,34 @@ def _mend_peft_proxy_removal() -> None:
       one's parametrize.cached() context: torch's registration reads the parameter once to check it, and that read,
       without the proxy, is what the forward then got from the cache; the inner adapters got no gradient. The read
       is dropped from the cache once the proxy is registered.
-    Each is left alone once peft's own code handles it."""
+    Applied to the pinned peft (0.21.2) only: another version runs as it is, and tests/models/test_expertquant.py
+    (every expert adapter gets its gradient, no proxy stays) says whether it still needs them."""
     import contextlib
-    import inspect
 
+    import peft
     from peft.tuners.lora import layer
     from torch.nn.utils import parametrize
 
     wrapper = layer.ParamWrapper
-    folded = getattr(layer, "_LoraFactorsProxy", None)
     removal, activate = wrapper._remove_parametrizations, wrapper._activate_lora
-    if folded is not None and not getattr(removal, "_tunekit", False) \
-            and "_LoraFactorsProxy" not in inspect.getsource(removal):
-        def remove(self):
-            chain = self.get_base_layer().parametrizations[self.parameter_name]
-            if len(chain) > 1 and isinstance(chain[-1], folded):
-                del chain[-1]
-                return
-            removal(self)
+    if peft.__version__ != MENDED_PEFT or getattr(removal, "_tunekit", False):
+        return
+    folded = layer._LoraFactorsProxy
 
-        remove._tunekit = True
-        wrapper._remove_parametrizations = remove
-    if not getattr(activate, "_tunekit", False) and "_cache" not in inspect.getsource(activate):
-        @contextlib.contextmanager
-        def activated(self, active_adapters):
-            with activate(self, active_adapters):
-                parametrize._cache.pop((id(self.get_base_layer()), self.parameter_name), None)
-                yield
+    def remove(self):
+        chain = self.get_base_layer().parametrizations[self.parameter_name]
+        if len(chain) > 1 and isinstance(chain[-1], folded):
+            del chain[-1]
+            return
+        removal(self)
 
-        activated._tunekit = True
-        wrapper._activate_lora = activated
+    remove._tunekit = True
+    wrapper._remove_parametrizations = remove
+
+    @contextlib.contextmanager
+    def activated(self, active_adapters):
+        with activate(self, active_adapters):
+            parametrize._cache.pop((id(self.get_base_layer()), self.parameter_name), None)
+            yield
+
+    wrapper._activate_lora = activated

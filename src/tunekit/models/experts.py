@@ -138,7 +138,7 @@ def scope_lora(model: nn.Module, peft_cfg, moe: MoeConfig | None, say: bool = Tr
     peft_cfg.target_modules = linear
     if moe.experts:
         peft_cfg.target_parameters = list(found.experts)
-        peft_cfg.lora_dropout = 0.0  # peft's LoRA on a parameter takes none; a recipe's own is refused (check_recipe)
+        peft_cfg.lora_dropout = 0.0  # peft's LoRA on a parameter takes none; one asked for: refused (moecheck)
     if moe.router == "trained":
         peft_cfg.modules_to_save = [*(peft_cfg.modules_to_save or ()), *found.routers]
     say_it = log.info if say else log.debug
@@ -226,38 +226,3 @@ def _router_logits_for_losses_only(module, args, kwargs):
     if kwargs.get("labels") is None and kwargs.get("output_router_logits") is None:
         kwargs["output_router_logits"] = False
     return args, kwargs
-
-
-def check_recipe(recipe) -> None:
-    """Before weights load, refused: a moe section for a dense model, LoRA dropout asked for on the experts, an 8-bit
-    base of a mixture of experts (its experts would silently stay in 16 bits: only 4 bits reach them,
-    models.expertquant), and 4-bit experts under ZeRO-3 or FSDP2. lora.dropout's default is dropped on the experts
-    (scope_lora)."""
-    from tunekit.models import hub, info
-
-    try:
-        config = info.model_config(recipe.model, shipped=True)
-    except hub.Unavailable:
-        return  # the load that follows says why the model cannot be had
-    name = recipe.model.name_or_path
-    if recipe.moe is not None and not is_sparse(config):
-        raise TunekitError(f"moe: {name} is not a mixture-of-experts model; remove the moe section")
-    lora = recipe.lora
-    if (lora is not None and "dropout" in lora.model_fields_set and lora.dropout > 0 and is_sparse(config)
-            and (recipe.moe or MoeConfig()).experts):
-        raise TunekitError(f"lora.dropout: {lora.dropout} cannot apply to {name}'s experts: peft's LoRA on their 3-D "
-                           "weights (moe.experts) takes no dropout; set lora.dropout: 0, or moe.experts: false to "
-                           "train attention alone with dropout")
-    q = recipe.quantization
-    if q is not None and is_sparse(config) and q.bits == 8:
-        raise TunekitError(f"quantization.bits: 8 leaves {name}'s experts (3-D weights that bitsandbytes' 8-bit "
-                           "loading does not reach) in 16 bits; use bits: 4, whose experts are stored in 4 bits too")
-    if q is not None and is_sparse(config):
-        from tunekit.config import dsconfig
-
-        t = recipe.training
-        zero3 = t.deepspeed and dsconfig.zero_stage(dsconfig.read(t.deepspeed)) == 3
-        if zero3 or t.fsdp is not None:
-            raise TunekitError(f"quantization: {name}'s 4-bit experts (bitsandbytes' parametrized codes, their scales "
-                               f"beside them) cannot be sharded by {'ZeRO-3' if zero3 else 'FSDP2'}; train QLoRA "
-                               "on one device or under DDP, or remove the quantization section")

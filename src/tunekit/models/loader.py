@@ -366,10 +366,11 @@ def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dt
 
 def count_parameters(model) -> tuple[int, int]:
     total = trainable = 0
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         # ZeRO-3 leaves an empty placeholder and records the real size in ds_numel;
-        # a 4-bit tensor packs two parameters per byte of its storage dtype
-        n = getattr(p, "ds_numel", p.numel()) * (2 * p.element_size() if p.__class__.__name__ == "Params4bit" else 1)
+        # a 4-bit tensor packs two parameters per byte of its storage dtype (4-bit experts: models.expertquant)
+        packed = p.__class__.__name__ == "Params4bit" or (name.endswith(".original") and p.dtype == torch.uint8)
+        n = getattr(p, "ds_numel", p.numel()) * (2 * p.element_size() if packed else 1)
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable

@@ -10,9 +10,12 @@ from tunekit.plan import estimate
 from tunekit.plan.estimate import Plan, Settings
 
 
-def sharding_options(recipe: Recipe, s: Settings) -> list[tuple[str, Recipe, Settings]]:
-    """ZeRO stages and FSDP2 on several devices, each in place of the other where the recipe has it."""
+def sharding_options(recipe: Recipe, s: Settings, experts: bool = False) -> list[tuple[str, Recipe, Settings]]:
+    """ZeRO stages and FSDP2 on several devices, each in place of the other where the recipe has it; none that
+    shards parameters for a mixture of experts' 4-bit experts (`experts`: the model has them; refused in training,
+    models.moecheck)."""
     options = []
+    unshardable = experts and recipe.quantization is not None
     plain = dataclasses.replace(s, fsdp=False, zero_stage=0, offload_optimizer=False, offload_params=False)
     if s.world_size > 1:
         swap = " (in place of training.fsdp)" if s.fsdp else ""
@@ -21,12 +24,12 @@ def sharding_options(recipe: Recipe, s: Settings) -> list[tuple[str, Recipe, Set
                 options.append((f"deepspeed: ds_configs/zero{stage}.json{swap}", recipe,
                                 dataclasses.replace(plain if s.fsdp else s, zero_stage=stage)))
         swap = " (in place of training.deepspeed)" if s.zero_stage else ""
-        if not s.fsdp:
+        if not s.fsdp and not unshardable:
             options.append(("training.fsdp: {}" + swap, recipe, dataclasses.replace(plain, fsdp=True)))
-        if not s.fsdp_offload:
+        if not s.fsdp_offload and not unshardable:
             label = "training.fsdp.cpu_offload=true" if s.fsdp else "training.fsdp: {cpu_offload: true}" + swap
             options.append((label, recipe, dataclasses.replace(s if s.fsdp else plain, fsdp=True, fsdp_offload=True)))
-    if not s.offload_optimizer:
+    if not s.offload_optimizer and not (unshardable and s.zero_stage == 3):
         stage = max(s.zero_stage, 2)
         options.append((f"deepspeed: ds_configs/zero{stage if stage == 2 else 3}_offload.json"
                         + (" (in place of training.fsdp)" if s.fsdp else ""), recipe,
@@ -58,7 +61,7 @@ def suggestions(recipe: Recipe, plan: Plan, budget: int, cfg, model) -> list[tup
         from tunekit.config.schema import LoraConfig
 
         options.append(("adapter=lora", recipe.model_copy(update={"adapter": "lora", "lora": LoraConfig()}), s))
-    options += sharding_options(recipe, s)
+    options += sharding_options(recipe, s, experts=bool(plan.counts.experts))
     out = []
     for label, r, st in options:
         m = model if r.adapter_kind == recipe.adapter_kind else None
