@@ -149,6 +149,13 @@ def test_the_plan_counts_the_4_bit_experts_as_the_model_holds_them(family_models
     held = held_4bit_bytes(model)
     assert plan.parts[QUANTIZED] == pytest.approx(held, rel=0.02)
     assert not any("frozen experts" in k for k in plan.parts)  # no 16-bit experts left
+    # on several devices: no FSDP2-or-ZeRO-3 comparison and no suggestion of either, which shard no 4-bit experts
+    from tunekit.plan import fixes
+
+    two = estimate.make(recipe, estimate.settings_from(recipe, 2, "bf16"))
+    assert two.versus is None
+    labels = [label for label, _ in fixes.suggestions(recipe, two, 1, *estimate.meta_model(recipe))]
+    assert not any("fsdp" in label or "zero3" in label for label in labels), labels
     cfg, meta = estimate.meta_model(recipe)
     assert plan.counts.quantized > experts.layout(meta).parameters  # the experts among the 4-bit weights
 

@@ -274,7 +274,9 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     plan = Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), time.flops, time.seconds, phases, moments,
                 {t.key: t.category for t in terms}, modelstate.remarks(recipe, s, parts), time,
                 vision=vision.sizes(model), communication=sent)
-    if versus and s.world_size > 1 and s.tp * splitting.pieces(s) == 1:
+    # neither shards 4-bit experts (models.moecheck refuses both): no comparison to offer
+    shardable = not (recipe.quantization is not None and sparse is not None)
+    if versus and s.world_size > 1 and s.tp * splitting.pieces(s) == 1 and shardable:
         plan.versus = fsdp_versus_zero3(recipe, plan, cfg, model)
     if versus and s.world_size > 1 and recipe.training.parallelism is not None:
         plan.layouts = layouts(recipe, s, cfg, model)
