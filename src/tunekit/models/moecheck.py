@@ -58,9 +58,14 @@ def check_recipe(recipe):
             raise TunekitError(f"quantization: {name}'s 4-bit experts (bitsandbytes' parametrized codes, their scales "
                                f"beside them) cannot be sharded by {'ZeRO-3' if zero3 else 'FSDP2'}; train QLoRA "
                                "on one device or under DDP, or remove the quantization section")
-    if on_experts and lora.dropout > 0:  # its default: dropped, and the recipe the run records says so
-        recipe = recipe.model_copy(update={"lora": lora.model_copy(update={"dropout": 0.0})})
-    return recipe
+    return without_dropout(recipe) if on_experts else recipe  # its default: dropped, and the run records so
+
+
+def without_dropout(recipe):
+    """The recipe with lora.dropout 0: what trains where LoRA reaches the experts (models.experts.scope_lora)."""
+    if recipe.lora is None or not recipe.lora.dropout:
+        return recipe
+    return recipe.model_copy(update={"lora": recipe.lora.model_copy(update={"dropout": 0.0})})
 
 
 def _copies_the_adapter(recipe) -> bool:

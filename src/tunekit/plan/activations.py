@@ -36,6 +36,14 @@ def activation_bytes(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = None,
     return layers * tokens * h * elem, tokens * max(dense, one_sparse) + formed + formed_from
 
 
+def mean_layer_bytes_per_token(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = None, qk_norms: int = 0) -> float:
+    """layer_bytes_per_token averaged over the decoder layers, dense and sparse (the step time's elementwise work)."""
+    layers, sparse_layers = cfg.num_hidden_layers, sparse.layers if sparse else 0
+    dense = layer_bytes_per_token(cfg, s, recipe, qk_norms=qk_norms) if sparse_layers < layers else 0.0
+    sparse_token = layer_bytes_per_token(cfg, s, recipe, sparse, qk_norms) if sparse else 0.0
+    return ((layers - sparse_layers) * dense + sparse_layers * sparse_token) / layers
+
+
 def layer_bytes_per_token(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = None, qk_norms: int = 0) -> float:
     """What autograd keeps per token in one Llama-style decoder layer, term by term as counted with saved-tensor
     hooks on a layer loaded as tunekit loads it (tests/plan/test_activations.py; h hidden, q = query heads x head

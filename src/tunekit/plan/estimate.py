@@ -14,7 +14,7 @@ import torch
 
 from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.schema import Recipe
-from tunekit.models import experts, vision
+from tunekit.models import experts, moecheck, vision
 from tunekit.plan import activations, distillteacher, modelstate, moe, shapes, sharding, splitting, steptime
 
 ROUTER_LOGITS = "router logits and balancing loss"  # a mixture of experts' (plan.moe)
@@ -222,8 +222,8 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     c = count(recipe, model)
     parts = modelstate.state_parts(recipe, s, c)
     sparse, qk_norms = moe.of(model, cfg, recipe), shapes.qk_norm_groups(model, cfg)
-    if sparse is not None and sparse.lora and recipe.lora.dropout:  # as training runs it (experts.scope_lora)
-        recipe = recipe.model_copy(update={"lora": recipe.lora.model_copy(update={"dropout": 0.0})})
+    if sparse is not None and sparse.lora:  # as training runs it (experts.scope_lora)
+        recipe = moecheck.without_dropout(recipe)
     kept, recomputed = activations.activation_bytes(cfg, s, recipe, sparse, qk_norms)
     from tunekit.models.losspath import unsupported_reason
 
@@ -263,11 +263,7 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     parts.update({t.key: t.bytes for t in terms})
 
     sampled = activations.sampling(parts, cfg, s, c) + distillteacher.add(parts, s)
-    per_token = activations.layer_bytes_per_token(cfg, s, recipe, qk_norms=qk_norms)
-    if sparse is not None:  # the layers' mean
-        layers = cfg.num_hidden_layers
-        per_token = ((layers - sparse.layers) * per_token
-                     + sparse.layers * activations.layer_bytes_per_token(cfg, s, recipe, sparse, qk_norms)) / layers
+    per_token = activations.mean_layer_bytes_per_token(cfg, s, recipe, sparse, qk_norms)
     time = splitting.divide_time(steptime.estimate(cfg, model, s, recipe, c, per_token,
                                                    modelstate.OPTIMIZER_BYTES.get(s.optimizer, 8), sampled), s)
     moments, phases = phase_groups(s, parts, act_key, autocast_key, terms)
