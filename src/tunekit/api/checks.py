@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tunekit.config import methods
 from tunekit.config.schema import Recipe
+from tunekit.core.errors import TunekitError
 
 log = logging.getLogger("tunekit")
 
@@ -86,10 +87,26 @@ def parallelism(recipe: Recipe, model: str) -> None:
                                f"model.name_or_path {recipe.model.name_or_path}")
 
 
+def launch_world(recipe: Recipe, world_size: int | None, option: str = "--world-size") -> int | None:
+    """`world_size` as given, or training.ray.workers (the processes a Ray run starts), which it must not
+    contradict."""
+    ray = recipe.training.ray
+    if ray is None:
+        return world_size
+    if world_size is not None and world_size != ray.workers:
+        raise TunekitError(f"{option} {world_size} contradicts training.ray.workers {ray.workers}, the processes the "
+                           f"run starts; leave {option} out or make them agree")
+    return ray.workers
+
+
 def world(recipe: Recipe, world_size: int | None, option: str = "--world-size") -> int:
     """The world size a recipe is planned or validated at, refused where training.parallelism's sizes do not fit
     it, with the rule training applies to the processes it launched (config.parallelconfig.layout); None (no
-    --world-size) is 1, or under training.parallelism the fewest processes its sizes run on, said in one line."""
+    --world-size) is training.ray.workers, or 1, or under training.parallelism the fewest processes its sizes run
+    on, said in one line."""
+    given = launch_world(recipe, world_size, option)
+    if given != world_size:
+        world_size, option = given, "training.ray.workers"
     p = recipe.training.parallelism
     if p is None:
         return 1 if world_size is None else world_size

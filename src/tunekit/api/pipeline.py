@@ -40,7 +40,9 @@ def validate(recipe: RecipeLike, overrides: Overrides = None, world_size: int | 
     many processes and returned; DeepSpeed's own check runs in any case (it imports torch: seconds)."""
     arguments.whole("world_size", world_size, optional=True)
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
-    loaded = checks.before_weights(recipeargs.load(recipe, overrides), checks.VALIDATE, world_size or 1)
+    loaded = recipeargs.load(recipe, overrides)
+    world_size = checks.launch_world(loaded, world_size)
+    loaded = checks.before_weights(loaded, checks.VALIDATE, world_size or 1)
     if world_size is not None:  # training.parallelism's sizes must divide it, as a launch of that many
         checks.world(loaded, world_size)
     if not (loaded.training.deepspeed and world_size):
@@ -82,26 +84,17 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
         raise TunekitError(f"argv: expected a list of strings (the command line: train RECIPE ...) or None, got "
                            f"{type(argv).__name__} {argv!r}")
     console.attach(when_unconfigured=True)  # progress and log lines in a notebook or script
-    from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
-
     loaded = recipeargs.load(recipe, overrides)
+    if loaded.training.ray is not None:
+        return _train_on_ray(loaded, force, resume)
     out = Path(loaded.output_dir)
     main_process = os.environ.get("RANK", "0") == "0"
-    if resume:
-        require_dir(out, "--resume: output_dir")
-    elif main_process:  # fail fast, before torch is imported
-        check_writable(out, "output_dir")
-        with exclusive(out):  # a run in progress is named, not reported as "exists"
-            from tunekit.runs.layout import ended_before_training
-
-            # a run that ended before its first step is started again without --force (training.runner says so)
-            check_free(out, force or ended_before_training(out) is not None, "output_dir")
+    if resume or main_process:  # fail fast, before torch is imported
+        _check_output(out, force, resume)
     if main_process:  # data and model before torch; then DeepSpeed's own check, which imports it
         world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
         loaded = checks.before_weights(loaded, checks.TRAIN, world)
     from tunekit.core import distributed
-    from tunekit.evaluation import evaluator
-    from tunekit.training import runner
 
     requested = distributed.accelerate_cpu_request()
     if requested:
@@ -112,11 +105,37 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
                  "starting %d CPU processes (gloo) with torch.distributed.run", requested, requested)
         return TrainingRun(out, loaded, exit_code=distributed.relaunch(requested, list(argv)))
 
-    if not main_process:
-        result = runner.run(loaded, force=force, resume=resume)
+    return _train_here(loaded, force, resume)
+
+
+def _check_output(out: Path, force: bool, resume: bool) -> None:
+    """--resume needs the run directory; a new run needs it free (or --force)."""
+    from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
+
+    if resume:
+        require_dir(out, "--resume: output_dir")
+        return
+    check_writable(out, "output_dir")
+    with exclusive(out):  # a run in progress is named, not reported as "exists"
+        from tunekit.runs.layout import LAUNCHER_FILES, ended_before_training
+
+        # a run that ended before its first step is started again without --force (training.runner says so)
+        check_free(out, force or ended_before_training(out) is not None, "output_dir", LAUNCHER_FILES)
+
+
+def _train_here(loaded: Recipe, force: bool, resume: bool, callbacks: tuple = ()) -> TrainingRun:
+    """This process's part of the run: training, then on the main process the end-of-training eval and the
+    report, the run directory held throughout."""
+    from tunekit.core.outputs import exclusive
+    from tunekit.evaluation import evaluator
+    from tunekit.training import runner
+
+    out = Path(loaded.output_dir)
+    if os.environ.get("RANK", "0") != "0":
+        result = runner.run(loaded, force=force, resume=resume, callbacks=callbacks)
         return TrainingRun(out, result.recipe)
     with exclusive(out):  # held from training through the end-of-training eval
-        result = runner.run(loaded, force=force, resume=resume)
+        result = runner.run(loaded, force=force, resume=resume, callbacks=callbacks)
         scores = None
         if result.recipe.eval is not None:
             scores = evaluator.end_of_training(result.recipe, out)["scores"]
@@ -125,6 +144,57 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
         page = report.write([out])
         log.info("report: %s", page)
     return TrainingRun(out, result.recipe, scores, page)
+
+
+def _train_on_ray(loaded: Recipe, force: bool, resume: bool) -> TrainingRun:
+    """training.ray: the checks here, then the run on the cluster's workers (training.raylaunch), each running
+    `_ray_worker`; the run directory (output_dir, or under training.ray.storage) is the one every worker writes."""
+    from tunekit.runs.layout import EVAL_DIR
+    from tunekit.training import raylaunch
+
+    if "WORLD_SIZE" in os.environ:
+        raise TunekitError("training.ray starts its own workers on the Ray cluster; run `tunekit train RECIPE` as one "
+                           "process (not under torchrun, accelerate or tunekit launch), or remove training.ray")
+    ray_cfg = loaded.training.ray
+    out = raylaunch.run_dir_of(loaded.output_dir, ray_cfg)
+    loaded = loaded.model_copy(update={"output_dir": str(out)})
+    _check_output(out, force, resume)
+    checks.world(loaded, None)
+    loaded = checks.before_weights(loaded, checks.TRAIN, ray_cfg.workers)
+    raylaunch.import_ray()  # before anything is removed
+    raylaunch.forget(out)
+    if not resume:  # cleared here, so that a checkpoint a restarted worker finds is this run's own
+        from tunekit.core.outputs import claim
+
+        claim(out, True, "output_dir")
+    raylaunch.launch(ray_cfg, out, _ray_worker, {"recipe": loaded, "resume": resume, "cwd": os.getcwd()})
+    metrics = out / EVAL_DIR / "metrics.json"
+    scores = None
+    if loaded.eval is not None and metrics.is_file():
+        import json
+
+        scores = json.loads(metrics.read_text())["scores"]
+    page = out / "report.html"
+    log.info("ray: finished; run directory %s", out)
+    return TrainingRun(out, loaded, scores, page if page.is_file() else None)
+
+
+def _ray_worker(config: dict) -> None:
+    """A Ray Train worker: tunekit's training in Ray's process group, reporting to Ray (training.rayreport). A
+    worker started again after a failure resumes from the run's last complete checkpoint."""
+    from tunekit.runs.checkpoints import newest_complete
+    from tunekit.runs.layout import CHECKPOINTS_DIR
+    from tunekit.training import rayreport
+
+    console.attach(when_unconfigured=True)
+    if Path(config["cwd"]).is_dir():
+        os.chdir(config["cwd"])  # the driver's folder, where it is on this node: the recipe's relative paths
+    recipe = config["recipe"]
+    # the driver cleared the run directory of a new run: a complete checkpoint in it is this run's, from before a
+    # restart (tunekit's own, not Ray's list: a worker killed in its report leaves the last one unregistered)
+    resume = config["resume"] or newest_complete(Path(recipe.output_dir) / CHECKPOINTS_DIR) is not None
+    # a new start replaces what an attempt that failed before its first checkpoint left
+    _train_here(recipe, force=not resume, resume=resume, callbacks=(rayreport.ReportToRay(),))
 
 
 @dataclass

@@ -74,6 +74,59 @@ class ParallelismConfig(Section):
         return self.tp * self.sp * self.cp
 
 
+RAY_URI_SCHEMES = ("s3://", "gs://", "gcs://", "abfs://", "hdfs://", "ray://")
+
+
+class RayConfig(Section):
+    """The run as a Ray Train job (TorchTrainer) on a Ray cluster: `tunekit train RECIPE` connects, starts the
+    workers, and each runs tunekit's own training (DDP, ZeRO or FSDP2 as the recipe says) in one process group
+    (tunekit.training.raylaunch)."""
+
+    workers: int = Field(..., ge=1, description="Training processes (Ray Train workers): the world size.")
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="Ray resources each worker takes, e.g. {CPU: 8, GPU: 1}; null: one GPU (and one CPU) "
+        "per worker where the cluster has GPUs, else one CPU. GPU: 0 or 1 (one process drives one GPU).")
+    address: str | None = Field(
+        None, description="The cluster: null connects to RAY_ADDRESS or a cluster started on this machine "
+        "(ray start), else starts a local one for the run; or HOST:PORT of the head node's GCS, or auto.")
+    storage: str | None = Field(
+        None, description="A directory every node mounts (NFS, a cluster volume); the run directory is then "
+        "STORAGE/<output_dir's name>. null: output_dir as written (one machine, or output_dir already shared).")
+    max_failures: int = Field(0, ge=-1, description="Times Ray restarts the workers after one fails (-1: without "
+                              "limit); each restart resumes from the run's last complete checkpoint.")
+    start_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the cluster to give every worker "
+                                 "its resources before the run is refused.")
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _resources(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        for name, amount in v.items():
+            if amount < 0:
+                raise ValueError(f"{name}: {amount:g} is negative; give an amount of at least 0")
+        if v.get("GPU", 0) not in (0, 1):
+            raise ValueError(f"GPU: {v['GPU']:g}; a worker is one training process and drives one GPU: give 0 or 1 "
+                             "(more GPUs: more workers)")
+        if not any(amount > 0 for amount in v.values()):
+            raise ValueError("every amount is 0; a worker needs at least one resource, e.g. {CPU: 1}")
+        return v
+
+    @field_validator("address", "storage")
+    @classmethod
+    def _not_remote(cls, v: str | None, info) -> str | None:
+        if v is None:
+            return v
+        if info.field_name == "address" and v.startswith("ray://"):
+            raise ValueError(f"{v}: Ray Client runs the driver here, away from the cluster's storage; submit the run "
+                             "to the cluster instead: ray job submit --address http://HEAD:8265 -- tunekit train "
+                             "RECIPE (address: null there)")
+        if info.field_name == "storage" and v.startswith(RAY_URI_SCHEMES):
+            raise ValueError(f"{v}: tunekit writes the run directory as ordinary files; mount the bucket on every "
+                             "node (s3fs, gcsfuse, a cluster volume) and give the mount's path")
+        return v
+
+
 class TrainingConfig(Section):
     precision: PrecisionName = Field("auto", description="'auto' picks bf16 where the hardware supports it, "
                                      "else fp16 on GPU, else fp32.")
@@ -124,6 +177,8 @@ class TrainingConfig(Section):
     parallelism: ParallelismConfig | None = Field(
         None, description="Tensor, sequence or context parallelism beside data parallelism (accelerate's "
         "ParallelismConfig): sizes tp, sp, cp, dp_shard, dp_replicate.")
+    ray: RayConfig | None = Field(None, description="Train as a Ray Train job on a Ray cluster: workers, "
+                                  "resources_per_worker, address, storage, max_failures (docs/multi-gpu.md).")
     metric_for_best: str | None = Field(
         None, description="Keep the checkpoint with the best value of this evaluation metric (eval_loss, or with an "
         "eval section bleu, chrf, rouge1, rougeL, exact_match, ...): the run's final adapter/model is that one. "

@@ -35,14 +35,15 @@ def require_dir(path: Path, what: str) -> Path:
     return path
 
 
-def _occupied(path: Path) -> bool:
-    return path.exists() and (path.is_file() or any(path.iterdir()))
+def _occupied(path: Path, keep: tuple[str, ...] = ()) -> bool:
+    return path.exists() and (path.is_file() or any(p.name not in keep for p in path.iterdir()))
 
 
-def check_free(path: Path, force: bool, what: str = "output directory") -> None:
-    """Fail if `path` cannot be written or holds anything and --force was not given; touch nothing."""
+def check_free(path: Path, force: bool, what: str = "output directory", keep: tuple[str, ...] = ()) -> None:
+    """Fail if `path` cannot be written or holds anything (but the names in `keep`) and --force was not given;
+    touch nothing."""
     check_writable(path, what)
-    if _occupied(path) and not force:
+    if _occupied(path, keep) and not force:
         raise TunekitError(f"{what} {path} already exists; pass --force to overwrite it or choose another path")
 
 
@@ -58,14 +59,18 @@ def check_writable(path: Path, what: str = "output directory") -> None:
         raise TunekitError(f"{what} {path}: {existing} is not writable ({e.strerror}); choose another path") from None
 
 
-def claim(path: Path, force: bool, what: str = "output directory") -> None:
-    """Fail if `path` holds anything, unless --force was given (then it is cleared)."""
-    check_free(path, force, what)
-    if _occupied(path):
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+def claim(path: Path, force: bool, what: str = "output directory", keep: tuple[str, ...] = ()) -> None:
+    """Fail if `path` holds anything (but the names in `keep`), unless --force was given (then it is cleared of
+    all but those)."""
+    check_free(path, force, what, keep)
+    if not _occupied(path, keep):
+        return
+    if path.is_file() or not keep:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return
+    for child in path.iterdir():
+        if child.name not in keep:
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 @contextlib.contextmanager

@@ -33,6 +33,9 @@ EXPERT_LOAD_FILE = "expert_load.jsonl"  # a mixture of experts: each evaluation'
 SAMPLES_FILE = "samples.jsonl"  # each evaluation during training: its held-out generations (and GRPO's rewards)
 DEEPSPEED_FILE = "deepspeed.json"
 MERGED_MARKER = "tunekit.json"  # in a directory written by `tunekit merge`
+# Ray Train's bookkeeping in a run it drives (training.raylaunch: the run directory is its experiment folder): its
+# storage marker, checkpoint list and NCCL hang records; a new start of the run keeps them
+LAUNCHER_FILES = (".validate_storage_marker", "checkpoint_manager_snapshot.json", "hang_detector")
 
 # What to do about a damaged file, for the one-line errors below. tunekit replaces run.json, metrics.json and
 # tunekit.json whole (outputs.write_json), so a damaged one was damaged after it was written.

@@ -73,8 +73,9 @@ class Prepared:
     record: RunRecord
 
 
-def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResult:
-    """Train the recipe into its run directory, or continue it from its newest complete checkpoint.
+def run(recipe: Recipe, force: bool = False, resume: bool = False, callbacks: tuple = ()) -> TrainResult:
+    """Train the recipe into its run directory, or continue it from its newest complete checkpoint; `callbacks`:
+    the launcher's own Trainer callbacks (training.rayreport), after the run's.
     The main process holds the run directory throughout. The end-of-training eval is the command's
     next step (`evaluation.end_of_training`), not part of training."""
     run_dir = Path(recipe.output_dir)
@@ -91,7 +92,7 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False) -> TrainResul
         force = force or replaces_failed_start(run_dir, launch, resume_from)
         try:
             with terminated_as_exit():
-                prepared = prepare(recipe, run_dir, launch, force, resume_from)
+                prepared = prepare(recipe, run_dir, launch, force, resume_from, callbacks)
                 result = fit(prepared)
                 finalize(prepared, result)
         except BaseException as e:
@@ -128,12 +129,12 @@ def replaces_failed_start(run_dir: Path, launch: distributed.Launch, resume_from
 
 
 def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bool,
-            resume_from: Path | None) -> Prepared:
+            resume_from: Path | None, callbacks: tuple = ()) -> Prepared:
     """Data, output directory, process group, model and Trainer; writes recipe.yaml and run.json. The training
     method (tunekit.training.methods) builds the data, its TRL config, its reference and its trainer."""
     method = methods.of(recipe)
     if resume_from is None:
-        outputs.check_free(run_dir, force, "output_dir")
+        outputs.check_free(run_dir, force, "output_dir", layout.LAUNCHER_FILES)
     if launch.is_main:
         for line in defaults.applied(recipe):
             log.info("%s", line)
@@ -184,7 +185,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if launch.is_main:
         runrecord.write_run_files(recipe, run_dir, ds, record)
         preview.write_examples(run_dir / preview.EXAMPLES_FILE, preview.run_examples(bundle.train, tokenizer))
-    inputs.callbacks = run_callbacks(recipe, run_dir)
+    inputs.callbacks = run_callbacks(recipe, run_dir) + list(callbacks)
     inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None, run_dir / SAMPLES_FILE)
     trainer, collate = build_trainer(method, inputs)
     trainer.expert_load_file = run_dir / EXPERT_LOAD_FILE
@@ -250,7 +251,7 @@ def load_data(recipe: Recipe, method: methods.Method, tokenizer):
 def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path | None) -> None:
     """The main process takes the run directory, or cuts its history back to the checkpoint it resumes."""
     if resume_from is None:
-        outputs.claim(run_dir, force, "output_dir")
+        outputs.claim(run_dir, force, "output_dir", layout.LAUNCHER_FILES)
     else:
         log.info("resuming from %s", resume_from.name)
         for kept in (HISTORY_FILE, SAMPLES_FILE, EXPERT_LOAD_FILE):
