@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -110,10 +111,10 @@ def test_a_new_start_keeps_rays_files_in_the_run_directory(tmp_path):
     for name in (".validate_storage_marker", "checkpoint_manager_snapshot.json", "run.json"):
         (run / name).write_text("x")
     with pytest.raises(TunekitError, match="already exists"):
-        outputs.check_free(run, False, "output_dir", layout.LAUNCHER_FILES)
-    outputs.claim(run, True, "output_dir", layout.LAUNCHER_FILES)
+        outputs.check_free(run, False, "output_dir", raylaunch.RAY_FILES)
+    outputs.claim(run, True, "output_dir", raylaunch.RAY_FILES)
     assert sorted(p.name for p in run.iterdir()) == [".validate_storage_marker", "checkpoint_manager_snapshot.json"]
-    outputs.check_free(run, False, "output_dir", layout.LAUNCHER_FILES)  # only Ray's files: free
+    outputs.check_free(run, False, "output_dir", raylaunch.RAY_FILES)  # only Ray's files: free
     raylaunch.forget(run)  # the driver's: an earlier run's checkpoint list is not restored
     assert not any(run.iterdir())
 
@@ -133,6 +134,17 @@ def test_ray_runs_are_refused_under_another_launcher(recipe_file, tmp_path, monk
                                                                 f"output_dir={tmp_path}/run")], tmp_path, capsys,
                               monkeypatch)
     assert "training.ray starts its own workers" in line
+
+
+def test_an_address_nothing_answers_is_refused_at_once(recipe_file, tmp_path, monkeypatch, capsys):
+    """ray.init would retry it for minutes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    line = refused_in_process(["train", str(recipe_file), *sets("training.ray.workers=2", f"output_dir={tmp_path}/run",
+                                                                f"training.ray.address=127.0.0.1:{port}")],
+                              tmp_path, capsys, monkeypatch)
+    assert f"training.ray.address 127.0.0.1:{port}: nothing answers there" in line
 
 
 def test_missing_ray_is_refused_in_one_line(recipe_file, tmp_path, monkeypatch, capsys):
@@ -213,6 +225,15 @@ def test_the_run_directory_is_whole_and_ray_reports_its_checkpoints_in_place(on_
     assert [r["metrics"]["loss"] for r in snapshot["checkpoint_results"]] == [losses[s] for s in (2, 4, 6)]
 
 
+@pytest.mark.slow
+def test_resuming_a_completed_ray_run_is_refused_before_a_cluster_starts(recipe_file, on_ray, tmp_path, monkeypatch,
+                                                                          capsys):
+    out, _ = on_ray
+    line = refused_in_process(["train", str(recipe_file), *sets(f"output_dir={out}", "training.ray.workers=2", *RUN),
+                               "--resume"], tmp_path, capsys, monkeypatch)
+    assert "already completed; nothing to resume" in line
+
+
 def ray_workers() -> list[int]:
     pids = []
     for proc in Path("/proc").iterdir():
@@ -228,7 +249,8 @@ def ray_workers() -> list[int]:
 @pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_resumes_to_the_uninterrupted_adapter(recipe_file, on_ray, tmp_path):
     out = tmp_path / "run"
-    # each report waits for the controller's poll: 0.5 s keeps the workers at checkpoint-2 while one is killed
+    # Ray's queue holds one report, the next waits for the controller's poll: 0.5 s slows the steps after
+    # checkpoint-2 (each checkpoint and the end report) so that the kill lands while training runs
     proc = start_cli("train", str(recipe_file), *sets(f"output_dir={out}", "training.ray.workers=2",
                                                       "training.ray.max_failures=1", *RUN),
                      env={**RAY_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"})
@@ -253,8 +275,11 @@ def test_a_killed_worker_is_restarted_and_resumes_to_the_uninterrupted_adapter(r
 
 @pytest.mark.slow
 def test_a_request_the_cluster_cannot_meet_is_refused_at_once(recipe_file, tmp_path):
+    """...before anything is removed: the earlier run --force would replace is still there."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{}")
     proc = start_cli("train", str(recipe_file), *sets(f"output_dir={tmp_path}/run", "training.ray.workers=3",
-                                                      "training.ray.resources_per_worker={CPU: 1}"),
+                                                      "training.ray.resources_per_worker={CPU: 1}"), "--force",
                      env=RAY_ENV)
     stdout, stderr = proc.communicate(120)
     assert proc.returncode == 2
@@ -262,7 +287,7 @@ def test_a_request_the_cluster_cannot_meet_is_refused_at_once(recipe_file, tmp_p
     assert "Traceback" not in stderr and len(errors) == 1, stderr[-3000:]
     assert re.search(r"training.ray: 3 workers x \{CPU: 1\} do not fit the Ray cluster \(1 node, \{CPU: 2\} in all: "
                      r"room for 2\); lower training.ray.workers", errors[0]), errors[0]
-    assert not (tmp_path / "run").exists()
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.json"]
 
 
 @pytest.mark.slow
@@ -280,8 +305,8 @@ def test_a_busy_cluster_is_refused_after_the_start_timeout(recipe_file, tmp_path
         holder = Holder.remote()
         ray.get(holder.ready.remote())
         started = time.time()
-        with pytest.raises(TunekitError, match=r"did not give 1 workers x \{CPU: 1\} within 3 s \(free now: \{CPU: "
-                           r"0\}\).*raise training.ray.start_timeout"):
+        with pytest.raises(TunekitError, match=r"did not give 1 workers x \{CPU: 1\} within 3 s, at the start or after "
+                           r"a restart \(free now: \{CPU: 0\}\).*raise training.ray.start_timeout"):
             api.train(recipe_file, [f"output_dir={tmp_path}/run", "training.ray.workers=1",
                                     "training.ray.start_timeout=3"])
         assert time.time() - started < 60

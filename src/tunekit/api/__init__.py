@@ -10,9 +10,11 @@ are also the names of tunekit's subpackages, so at the top they are `tunekit.mak
 from __future__ import annotations
 
 from tunekit.api.artifacts import Pushed, Written, export, merge, push
+from tunekit.api.benchmarking import Benchmarks, benchmark
 from tunekit.api.pipeline import Evaluation, Evaluations, TrainingRun, Validated, evaluate, train, validate
 from tunekit.api.previews import DataPreview, PlanResult, data, plan
 from tunekit.api.recipeargs import load as load_recipe
 
-__all__ = ["DataPreview", "Evaluation", "Evaluations", "PlanResult", "Pushed", "TrainingRun", "Validated", "Written",
-           "data", "evaluate", "export", "load_recipe", "merge", "plan", "push", "train", "validate"]
+__all__ = ["Benchmarks", "DataPreview", "Evaluation", "Evaluations", "PlanResult", "Pushed", "TrainingRun",
+           "Validated", "Written", "benchmark", "data", "evaluate", "export", "load_recipe", "merge", "plan", "push",
+           "train", "validate"]

@@ -68,6 +68,11 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
             kit.probe()  # one environment made: a constructor that raises is found before weights load
     if needs.deepspeed and recipe.training.deepspeed:
         deepspeed(recipe, world_size)
+    if needs.deepspeed and recipe.eval is not None and recipe.eval.benchmarks is not None:
+        from tunekit.evaluation import benchmarks  # train and validate: lm-eval there, every task's data at hand
+
+        benchmarks.import_lm_eval()
+        benchmarks.load_tasks(recipe.eval.benchmarks.tasks, "eval.benchmarks.tasks")
     return recipe
 
 

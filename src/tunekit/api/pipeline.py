@@ -108,8 +108,8 @@ def train(recipe: RecipeLike, overrides: Overrides = None, force: bool = False, 
     return _train_here(loaded, force, resume)
 
 
-def _check_output(out: Path, force: bool, resume: bool) -> None:
-    """--resume needs the run directory; a new run needs it free (or --force)."""
+def _check_output(out: Path, force: bool, resume: bool, keep: tuple[str, ...] = ()) -> None:
+    """--resume needs the run directory; a new run needs it free (or --force), but for a launcher's `keep` files."""
     from tunekit.core.outputs import check_free, check_writable, exclusive, require_dir
 
     if resume:
@@ -117,28 +117,36 @@ def _check_output(out: Path, force: bool, resume: bool) -> None:
         return
     check_writable(out, "output_dir")
     with exclusive(out):  # a run in progress is named, not reported as "exists"
-        from tunekit.runs.layout import LAUNCHER_FILES, ended_before_training
+        from tunekit.runs.layout import ended_before_training
 
         # a run that ended before its first step is started again without --force (training.runner says so)
-        check_free(out, force or ended_before_training(out) is not None, "output_dir", LAUNCHER_FILES)
+        check_free(out, force or ended_before_training(out) is not None, "output_dir", keep)
 
 
-def _train_here(loaded: Recipe, force: bool, resume: bool, callbacks: tuple = ()) -> TrainingRun:
-    """This process's part of the run: training, then on the main process the end-of-training eval and the
-    report, the run directory held throughout."""
+def _train_here(loaded: Recipe, force: bool, resume: bool, launcher=None) -> TrainingRun:
+    """This process's part of the run: training, then on the main process the end-of-training eval, the
+    benchmarks and the report, the run directory held throughout (by `launcher`, a runner.Launcher, where it
+    holds it itself)."""
     from tunekit.core.outputs import exclusive
     from tunekit.evaluation import evaluator
     from tunekit.training import runner
 
+    launcher = launcher or runner.Launcher()
     out = Path(loaded.output_dir)
     if os.environ.get("RANK", "0") != "0":
-        result = runner.run(loaded, force=force, resume=resume, callbacks=callbacks)
+        result = runner.run(loaded, force=force, resume=resume, launcher=launcher)
         return TrainingRun(out, result.recipe)
-    with exclusive(out):  # held from training through the end-of-training eval
-        result = runner.run(loaded, force=force, resume=resume, callbacks=callbacks)
+    import contextlib
+
+    with contextlib.nullcontext() if launcher.holds_lock else exclusive(out):  # through the end-of-training eval
+        result = runner.run(loaded, force=force, resume=resume, launcher=launcher)
         scores = None
         if result.recipe.eval is not None:
             scores = evaluator.end_of_training(result.recipe, out)["scores"]
+            if result.recipe.eval.benchmarks is not None:
+                from tunekit.evaluation import benchrun
+
+                benchrun.end_of_training(result.recipe, out)
         from tunekit.reporting import report
 
         page = report.write([out])
@@ -148,8 +156,10 @@ def _train_here(loaded: Recipe, force: bool, resume: bool, callbacks: tuple = ()
 
 def _train_on_ray(loaded: Recipe, force: bool, resume: bool) -> TrainingRun:
     """training.ray: the checks here, then the run on the cluster's workers (training.raylaunch), each running
-    `_ray_worker`; the run directory (output_dir, or under training.ray.storage) is the one every worker writes."""
-    from tunekit.runs.layout import EVAL_DIR
+    `_ray_worker`; the run directory (output_dir, or under training.ray.storage) is the one every worker writes,
+    held by this process for the whole job."""
+    from tunekit.core.outputs import claim, exclusive
+    from tunekit.runs.layout import EVAL_DIR, check_resume
     from tunekit.training import raylaunch
 
     if "WORLD_SIZE" in os.environ:
@@ -158,16 +168,24 @@ def _train_on_ray(loaded: Recipe, force: bool, resume: bool) -> TrainingRun:
     ray_cfg = loaded.training.ray
     out = raylaunch.run_dir_of(loaded.output_dir, ray_cfg)
     loaded = loaded.model_copy(update={"output_dir": str(out)})
-    _check_output(out, force, resume)
+    _check_output(out, force, resume, raylaunch.RAY_FILES)
     checks.world(loaded, None)
     loaded = checks.before_weights(loaded, checks.TRAIN, ray_cfg.workers)
-    raylaunch.import_ray()  # before anything is removed
-    raylaunch.forget(out)
-    if not resume:  # cleared here, so that a checkpoint a restarted worker finds is this run's own
-        from tunekit.core.outputs import claim
+    if resume:  # what every worker would refuse (a run already complete, no checkpoint), said here once
+        from tunekit.config import parallelconfig
 
-        claim(out, True, "output_dir")
-    raylaunch.launch(ray_cfg, out, _ray_worker, {"recipe": loaded, "resume": resume, "cwd": os.getcwd()})
+        check_resume(loaded, out, parallelconfig.data_world(loaded.training.parallelism, ray_cfg.workers))
+    raylaunch.import_ray()
+
+    def clear() -> None:
+        """Once the cluster can give the workers: Ray's bookkeeping of an earlier job gone, and a new run's directory
+        cleared, so that a checkpoint a restarted worker finds is this run's own."""
+        raylaunch.forget(out)
+        if not resume:
+            claim(out, True, "output_dir")
+
+    with exclusive(out):  # for the whole job, restarts included (the workers do not take it)
+        raylaunch.launch(ray_cfg, out, _ray_worker, {"recipe": loaded, "resume": resume, "cwd": os.getcwd()}, clear)
     metrics = out / EVAL_DIR / "metrics.json"
     scores = None
     if loaded.eval is not None and metrics.is_file():
@@ -183,18 +201,23 @@ def _ray_worker(config: dict) -> None:
     """A Ray Train worker: tunekit's training in Ray's process group, reporting to Ray (training.rayreport). A
     worker started again after a failure resumes from the run's last complete checkpoint."""
     from tunekit.runs.checkpoints import newest_complete
-    from tunekit.runs.layout import CHECKPOINTS_DIR
-    from tunekit.training import rayreport
+    from tunekit.runs.layout import CHECKPOINTS_DIR, RunRecord, eval_pending, is_run
+    from tunekit.training import raylaunch, rayreport, runner
 
     console.attach(when_unconfigured=True)
     if Path(config["cwd"]).is_dir():
         os.chdir(config["cwd"])  # the driver's folder, where it is on this node: the recipe's relative paths
     recipe = config["recipe"]
+    out = Path(recipe.output_dir)
     # the driver cleared the run directory of a new run: a complete checkpoint in it is this run's, from before a
     # restart (tunekit's own, not Ray's list: a worker killed in its report leaves the last one unregistered)
-    resume = config["resume"] or newest_complete(Path(recipe.output_dir) / CHECKPOINTS_DIR) is not None
+    resume = config["resume"] or newest_complete(out / CHECKPOINTS_DIR) is not None
+    if resume and is_run(out) and RunRecord.load(out).status == "completed" and not eval_pending(recipe, out):
+        log.info("the run in %s completed before this restart; nothing is left to do", out)
+        return
     # a new start replaces what an attempt that failed before its first checkpoint left
-    _train_here(recipe, force=not resume, resume=resume, callbacks=(rayreport.ReportToRay(),))
+    _train_here(recipe, force=not resume, resume=resume,
+                launcher=runner.Launcher((rayreport.ReportToRay(),), raylaunch.RAY_FILES, holds_lock=True))
 
 
 @dataclass

@@ -80,6 +80,18 @@ def cmd_export(a) -> int:
 def cmd_eval(a) -> int:
     from tunekit import api
 
+    if a.benchmarks is not None:
+        for flag, value in (("--recipe", a.recipe), ("--data", a.data), ("--max-new-tokens", a.max_new_tokens)):
+            if value is not None:
+                raise TunekitError(f"{flag} does not apply to --benchmarks (each task brings its own data and "
+                                   "prompts); leave it out")
+        bench = api.benchmark(a.target, a.benchmarks, a.compare, a.out, a.num_fewshot or 0, a.limit,
+                              a.seed or 0, a.batch_size, a.dtype, a.force)
+        print(bench.text())
+        return 0
+    for flag, value in (("--num-fewshot", a.num_fewshot), ("--seed", a.seed)):
+        if value is not None:
+            raise TunekitError(f"{flag} applies to --benchmarks only; add --benchmarks TASKS or leave it out")
     result = api.evaluate(a.target, a.recipe, a.data, a.compare, a.out, a.limit, a.batch_size, a.max_new_tokens,
                           a.dtype, a.force)
     print(result.table())
@@ -237,8 +249,15 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=argtypes.positive_int, help="generation length cap")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="model dtype for eval (auto: bf16/fp16 on GPU, fp32 on CPU)")
-    p.add_argument("--compare", metavar="OTHER_TARGET", help="evaluate a second target and print both side by side")
-    p.add_argument("--out", help="output directory for metrics.json and predictions.jsonl")
+    p.add_argument("--compare", metavar="OTHER_TARGET", help="evaluate a second target and print both side by side "
+                   "(with --benchmarks: `base` is the run's own base model)")
+    p.add_argument("--out", help="output directory for metrics.json and predictions.jsonl (benchmarks.json)")
+    p.add_argument("--benchmarks", metavar="TASK[,TASK...]",
+                   help="standard benchmarks through lm-evaluation-harness in place of the held-out eval: lm-eval task "
+                        "names or paths to local task YAML (pip install 'tunekit[benchmarks]')")
+    p.add_argument("--num-fewshot", type=argtypes.non_negative_int,
+                   help="with --benchmarks: examples shown before each question (default 0)")
+    p.add_argument("--seed", type=argtypes.non_negative_int, help="with --benchmarks: lm-eval's seeds (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
 
 

@@ -129,6 +129,15 @@ def _data_file(value: str, base: Path, key: str) -> str:
     return value
 
 
+def _task_file(value: str, base: Path, key: str) -> str:
+    if not value.endswith((".yaml", ".yml")):
+        return value
+    found = _resolve_file(value, base)
+    if found is None or not found.is_file():
+        raise TunekitError(f"{key}: task file {value!r} not found")
+    return str(found)
+
+
 def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
     """Existence checks for local files, rewriting them to absolute paths so runs are reproducible
     from any directory."""
@@ -144,6 +153,10 @@ def _check_files(recipe: Recipe, base: Path, source: str) -> Recipe:
                                      for i, s in enumerate(value)]
         elif value is not None:
             updates[section][key] = _data_file(value, base, f"{source}: {section}.{key}")
+    bench = recipe.eval.benchmarks if recipe.eval else None
+    if bench is not None:  # task files: absolute, as data files are; task names as given
+        tasks = [_task_file(t, base, f"{source}: eval.benchmarks.tasks[{i}]") for i, t in enumerate(bench.tasks)]
+        updates["eval"]["benchmarks"] = bench.model_copy(update={"tasks": tasks})
     ds = recipe.training.deepspeed
     if ds is not None:
         found = _resolve_file(ds, base)

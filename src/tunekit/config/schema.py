@@ -222,6 +222,22 @@ class DataConfig(Section):
         return [(f"data.{which}[{i}]", s) for i, s in enumerate(value)] if isinstance(value, list) else []
 
 
+class BenchmarksConfig(Section):
+    """Standard benchmarks before and after training, through lm-evaluation-harness (evaluation.benchmarks)."""
+
+    tasks: list[str] = Field(..., min_length=1, description="lm-eval task names (arc_easy, hellaswag, mmlu, ...; "
+                             "their data from the Hub or its cache) or paths to local task YAML files (relative to "
+                             "the recipe; their data files relative to the YAML).")
+    num_fewshot: int = Field(0, ge=0, description="Examples shown before each question (lm-eval's num_fewshot).")
+    limit: int | None = Field(None, gt=0, description="Score only the first N examples of each task.")
+    seed: int = Field(0, description="lm-eval's seeds (few-shot sampling and the rest).")
+    batch_size: int | None = Field(None, gt=0, description="Requests per forward pass; null: the largest that fits "
+                                   "on a GPU (lm-eval's search), 8 on a CPU.")
+    compare_base: bool = Field(True, description="Also score the base model (the run's model with its adapter "
+                               "switched off, so a QLoRA base is the same 4-bit model; the base weights for full "
+                               "fine-tuning) on the same tasks: before and after, with the change.")
+
+
 class EvalConfig(Section):
     data: str | None = Field(None, description="Eval file; null uses the recipe's eval split.")
     limit: int | None = Field(None, gt=0, description="Score only the first N examples.")
@@ -238,6 +254,9 @@ class EvalConfig(Section):
     during_training: bool = Field(
         True, description="Also generate and score at every evaluation during training (training.eval_steps, or "
         "once per epoch), on the first `limit` examples, logged beside eval_loss.")
+    benchmarks: BenchmarksConfig | None = Field(
+        None, description="Standard benchmarks (lm-evaluation-harness) at the end of training, before and after "
+        "(needs pip install 'tunekit[benchmarks]').")
 
 
 class VisionConfig(Section):

@@ -37,6 +37,12 @@ HIDDEN = (
     Hidden("warnings:FutureWarning", r"`is_gradient_checkpointing` is deprecated",
            "raised inside transformers and peft (their own calls to a renamed property), not by anything in a "
            "recipe or in tunekit"),
+    Hidden("lm_eval.models.huggingface", r"`pretrained` model kwarg is not of type `str`|Passed an already-"
+           r"initialized model through `pretrained`",
+           "lm-eval's note that it was handed a loaded model, which is how tunekit scores benchmarks (its adapter, "
+           "quantization and device as the run has them; evaluation.benchmarks), in one process"),
+    Hidden("lm_eval.evaluator", r"Overwriting default num_fewshot of",
+           "lm-eval saying it applies the few-shot count asked for; tunekit's 'benchmarks: scoring' line names it"),
 )
 
 

@@ -14,15 +14,17 @@ from pathlib import Path
 from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json, read_jsonl
 from tunekit.data.preview import EXAMPLES_FILE
+from tunekit.evaluation import benchtable
 from tunekit.evaluation.table import baseline_scores, table_rows
 from tunekit.reporting import dataview, expertload, listing
 from tunekit.runs import curves, history
-from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RUN_FILE, RunRecord
+from tunekit.runs.layout import BENCHMARKS_DIR, EVAL_DIR, METRICS_FIX, RUN_FILE, RunRecord
 
 REPORT_FILE = "report.html"
 SAMPLES = 8  # predictions shown per run
 
 
+BENCHMARKS_FIX = "run the benchmarks again: tunekit eval RUN --benchmarks TASKS --compare base --force"
 PREDICTIONS_FIX = "run the eval again, or delete the file for a report without predictions"
 EXAMPLES_FIX = f"delete {EXAMPLES_FILE} for a report without training examples"
 
@@ -53,11 +55,13 @@ def load(run_dir: Path) -> dict:
     row = listing.read(run_dir, run_dir.parent)
     metrics_file = run_dir / EVAL_DIR / "metrics.json"
     scores = read_json(metrics_file, METRICS_FIX).get("scores", {}) if metrics_file.is_file() else {}
+    bench_file = run_dir / BENCHMARKS_DIR / "benchmarks.json"
+    bench = read_json(bench_file, BENCHMARKS_FIX) if bench_file.is_file() else None
     return {"name": run_dir.name, "path": str(run_dir), "status": row.status, "steps": row.steps,
             "wall": listing._duration(row.wall_s), "output": row.output, "record": record,
             "series": history.series(history.rows(run_dir), record.effective_batch or 1), "scores": scores,
             "predictions": _predictions(run_dir), "examples": _examples(run_dir),
-            "expert_load": expertload.read(run_dir)}
+            "expert_load": expertload.read(run_dir), "benchmarks": bench}
 
 
 def marked_diff(reference: str, prediction: str) -> tuple[str, str]:
@@ -153,6 +157,18 @@ def before_after(baseline: dict, runs: list[dict]) -> str:
     return _table(headers, rows, "before-after")
 
 
+def benchmarks_table(bench: dict) -> str:
+    """Standard benchmarks before and after (evaluation.benchtable's rows), a change beyond two standard errors in
+    bold."""
+    rows = []
+    for row in bench["table"]:
+        cells = [html.escape(c) for c in benchtable.cells(row)]
+        if row["beyond_2se"]:
+            cells[5] = f"<strong>{cells[5]}</strong>"
+        rows.append(cells)
+    return _table(benchtable.HEADERS, rows, "benchmarks")
+
+
 def samples(run: dict) -> str:
     """The held-out generations against their references; with GRPO, each one's rewards."""
     rows = []
@@ -191,6 +207,12 @@ def render(runs: list[dict], baseline: dict | None = None) -> str:
         sections += ["<h2>Data: held-out split and contamination</h2>", table]
     if baseline:
         sections += ["<h2>Before and after</h2>", before_after(baseline, runs)]
+    for r in runs:
+        if bench := r.get("benchmarks"):
+            base = bench.get("base")
+            sections += [f"<h2>Benchmarks (lm-evaluation-harness): {html.escape(r['name'])}</h2>",
+                         f"<p>{html.escape(benchtable.note(base['label'] if base else None, bench['tuned']['label']))}"
+                         "</p>", benchmarks_table(bench)]
     sections += ['<h2>Curves</h2><div id="plots"></div>']
     for r in runs:
         if r["record"].learning_rate:

@@ -27,15 +27,13 @@ ADAPTER_DIR = "adapter"  # LoRA / QLoRA runs
 INITIAL_ADAPTER_DIR = "adapter_initial"  # lora.init pissa/olora: the adapter as initialised, for conversion
 MODEL_DIR = "model"  # full fine-tuning runs
 EVAL_DIR = "eval"  # end-of-training eval: metrics.json, predictions.jsonl
+BENCHMARKS_DIR = "benchmarks"  # standard benchmarks (lm-eval) before and after: benchmarks.json
 CHECKPOINTS_DIR = "checkpoints"
 HISTORY_FILE = "loss_history.jsonl"
 EXPERT_LOAD_FILE = "expert_load.jsonl"  # a mixture of experts: each evaluation's tokens per expert, per layer
 SAMPLES_FILE = "samples.jsonl"  # each evaluation during training: its held-out generations (and GRPO's rewards)
 DEEPSPEED_FILE = "deepspeed.json"
 MERGED_MARKER = "tunekit.json"  # in a directory written by `tunekit merge`
-# Ray Train's bookkeeping in a run it drives (training.raylaunch: the run directory is its experiment folder): its
-# storage marker, checkpoint list and NCCL hang records; a new start of the run keeps them
-LAUNCHER_FILES = (".validate_storage_marker", "checkpoint_manager_snapshot.json", "hang_detector")
 
 # What to do about a damaged file, for the one-line errors below. tunekit replaces run.json, metrics.json and
 # tunekit.json whole (outputs.write_json), so a damaged one was damaged after it was written.
@@ -279,7 +277,10 @@ def check_resume(recipe: Recipe, run_dir: Path, world_size: int = 1) -> Path | N
 
 
 def eval_pending(recipe: Recipe, run_dir: Path) -> bool:
-    return recipe.eval is not None and not (run_dir / EVAL_DIR / "metrics.json").is_file()
+    if recipe.eval is None:
+        return False
+    return not (run_dir / EVAL_DIR / "metrics.json").is_file() or (
+        recipe.eval.benchmarks is not None and not (run_dir / BENCHMARKS_DIR / "benchmarks.json").is_file())
 
 
 # ---------------------------------------------------------------- targets for eval and merge

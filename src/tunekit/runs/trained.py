@@ -27,8 +27,12 @@ def quantization_as_trained(recipe: Recipe, record: RunRecord, compute: torch.dt
 def load_trained(target: Target, dtype: torch.dtype):
     """The model as the target defines it (base + adapter, quantized base for QLoRA; full weights; a merged
     directory; the base model alone), on this process's GPU where there is one: eval and chat generate there."""
-    model = _load_trained(target, dtype)
-    if torch.cuda.is_available() and next(model.parameters()).device.type == "cpu":  # a 4-bit base is there already
+    return on_device(_load_trained(target, dtype))
+
+
+def on_device(model):
+    """On this process's GPU where there is one (a 4-bit base is there already)."""
+    if torch.cuda.is_available() and next(model.parameters()).device.type == "cpu":
         model = model.to(f"cuda:{torch.cuda.current_device()}")
     return model
 

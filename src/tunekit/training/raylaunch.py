@@ -5,7 +5,7 @@ the process group and the restarts after a failure (FailureConfig); what it woul
 before: a request the cluster cannot meet would wait for ever (its worker-group start timeout is retried without
 limit by default), workers would run in Ray's session folder (relative paths break), and its checkpoints would be
 copies. The run directory is Ray's experiment folder: tunekit's checkpoints are registered where they lie, and
-Ray's few files in it (runs.layout.LAUNCHER_FILES) survive a restart's new start of the run."""
+Ray's few files in it (RAY_FILES) survive a restart's new start of the run."""
 
 from __future__ import annotations
 
@@ -18,15 +18,17 @@ from typing import Callable
 
 from tunekit.config.trainingschema import RayConfig
 from tunekit.core.errors import TunekitError
-from tunekit.runs.layout import LAUNCHER_FILES
 
 log = logging.getLogger("tunekit")
+# Ray Train's bookkeeping in the run directory (its experiment folder): its storage marker, its list of reported
+# checkpoints and its NCCL hang records
+RAY_FILES = (".validate_storage_marker", "checkpoint_manager_snapshot.json", "hang_detector")
 
 
 def forget(run_dir: Path) -> None:
     """Remove Ray's bookkeeping of an earlier run in this directory: a new fit would restore its checkpoint list
     (and refuse it where tunekit had rotated checkpoints away). tunekit resumes from its own checkpoints."""
-    for name in LAUNCHER_FILES:
+    for name in RAY_FILES:
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
@@ -95,10 +97,28 @@ def _nodes(ray) -> list[dict[str, float]]:
     return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
+def _reachable(address: str) -> None:
+    """A head node's HOST:PORT must answer: ray.init retries an unanswered address for many minutes."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise TunekitError(f"training.ray.address {address}: expected HOST:PORT of the head node (its GCS port, 6379 "
+                           "by default), auto, or null")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise TunekitError(f"training.ray.address {address}: nothing answers there ({e.strerror or e}); start the "
+                           "cluster (ray start --head on the head node) or correct the address") from None
+
+
 def _connect(ray, ray_cfg: RayConfig) -> bool:
     """Connect (or start a local cluster); True when this call started the connection."""
     if ray.is_initialized():
         return False
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
+    if address and address not in ("auto", "local") and "://" not in address:
+        _reachable(address)
     if ray_cfg.address and "RAY_AUTH_MODE" not in os.environ and (
             os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file()):
         os.environ["RAY_AUTH_MODE"] = "token"  # what ray.init does for address="auto", for an explicit address too
@@ -127,9 +147,13 @@ def _worker_error(failures: dict) -> str:
     return (own or [line for _, line in lines])[0]
 
 
-def launch(ray_cfg: RayConfig, run_dir: Path, worker: Callable[[dict], None], config: dict):
+def launch(ray_cfg: RayConfig, run_dir: Path, worker: Callable[[dict], None], config: dict,
+           before_fit: Callable[[], None] = lambda: None):
     """Run `worker(config)` on training.ray.workers Ray Train workers; refused in one line where the cluster cannot
-    give them or training fails (after training.ray.max_failures restarts). Returns Ray's Result."""
+    give them or training fails (after training.ray.max_failures restarts). `before_fit` runs once the cluster has
+    room for them. Returns Ray's Result."""
+    import signal
+
     ray = import_ray()
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -137,27 +161,41 @@ def launch(ray_cfg: RayConfig, run_dir: Path, worker: Callable[[dict], None], co
     # read by the driver and passed on to the controller: workers keep the driver's folder; a worker group that
     # cannot start is a controller failure, and controller_failure_limit=0 below makes it final (not retried)
     settings = {"RAY_CHDIR_TO_TRIAL_DIR": "0", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{ray_cfg.start_timeout:g}"}
-    before = {k: os.environ.get(k) for k in settings}
+    before = {k: os.environ.get(k) for k in (*settings, "RAY_AUTH_MODE")}
+    interrupt = signal.getsignal(signal.SIGINT)  # Ray's fit() installs its own
     os.environ.update(settings)
-    started = _connect(ray, ray_cfg)
     try:
-        need = per_worker(ray_cfg, ray.cluster_resources())
-        check_fits(ray_cfg.workers, need, _nodes(ray))
-        log.info("ray: %d workers x %s on the cluster at %s; run directory %s", ray_cfg.workers, _describe(need),
-                 ray.get_runtime_context().gcs_address, run_dir)
-        trainer = TorchTrainer(
-            worker, train_loop_config=config,
-            scaling_config=ScalingConfig(num_workers=ray_cfg.workers, use_gpu=need.get("GPU", 0) > 0,
-                                         resources_per_worker=need),
-            run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir.parent),
-                                 failure_config=FailureConfig(max_failures=ray_cfg.max_failures,
-                                                              controller_failure_limit=0)))
-        return _fit(ray, trainer, ray_cfg, need)
+        started = _connect(ray, ray_cfg)
+        try:
+            nodes = _nodes(ray)
+            need = per_worker(ray_cfg, _totals(nodes))
+            check_fits(ray_cfg.workers, need, nodes)
+            log.info("ray: %d workers x %s on the cluster at %s; run directory %s", ray_cfg.workers, _describe(need),
+                     ray.get_runtime_context().gcs_address, run_dir)
+            before_fit()
+            trainer = TorchTrainer(
+                worker, train_loop_config=config,
+                scaling_config=ScalingConfig(num_workers=ray_cfg.workers, use_gpu=need.get("GPU", 0) > 0,
+                                             resources_per_worker=need),
+                run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir.parent),
+                                     failure_config=FailureConfig(max_failures=ray_cfg.max_failures,
+                                                                  controller_failure_limit=0)))
+            return _fit(ray, trainer, ray_cfg, need)
+        finally:
+            if started:
+                ray.shutdown()
     finally:
-        if started:
-            ray.shutdown()
+        signal.signal(signal.SIGINT, interrupt)
         for k, v in before.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _totals(nodes: list[dict[str, float]]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for node in nodes:
+        for k, v in node.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return totals
 
 
 def _fit(ray, trainer, ray_cfg: RayConfig, need: dict[str, float]):
@@ -165,6 +203,9 @@ def _fit(ray, trainer, ray_cfg: RayConfig, need: dict[str, float]):
 
     try:
         return trainer.fit()
+    except (KeyboardInterrupt, SystemExit):  # Ray's SIGINT handler stops the job and exits 0
+        raise TunekitError("training.ray: stopped (interrupted) and the workers with it; train again with --resume to "
+                           "continue from the last complete checkpoint") from None
     except WorkerGroupError as e:
         restarts = f" after {ray_cfg.max_failures} restart{'s' if ray_cfg.max_failures != 1 else ''}" \
             if ray_cfg.max_failures else ""
@@ -178,7 +219,9 @@ def _fit(ray, trainer, ray_cfg: RayConfig, need: dict[str, float]):
             free = ray.available_resources()
             raise TunekitError(
                 f"training.ray: the cluster did not give {ray_cfg.workers} workers x {_describe(need)} within "
-                f"{ray_cfg.start_timeout:g} s (free now: {_describe({k: free.get(k, 0.0) for k in need})}); wait for "
-                "the jobs holding them, lower training.ray.workers, or raise training.ray.start_timeout") from None
+                f"{ray_cfg.start_timeout:g} s, at the start or after a restart (free now: "
+                f"{_describe({k: free.get(k, 0.0) for k in need})}); wait for the jobs holding them, lower "
+                "training.ray.workers, or raise training.ray.start_timeout; --resume continues a run that had "
+                "started") from None
         first = (str(e.controller_failure).strip().splitlines() or [type(e.controller_failure).__name__])[0]
         raise TunekitError(f"training.ray: Ray Train's controller failed ({first})") from None

@@ -20,10 +20,6 @@ def metrics_of(log_history: list[dict], step: int) -> dict:
     return merged
 
 
-def _in_place(checkpoint, _name: str):
-    return checkpoint  # already on the run's storage: register it, do not copy it
-
-
 class ReportToRay(TrainerCallback):
     """After checkpointmark.MarkComplete in the callback list: a checkpoint is reported once it is complete."""
 
@@ -33,7 +29,8 @@ class ReportToRay(TrainerCallback):
         metrics = metrics_of(state.log_history, state.global_step)
         if state.is_world_process_zero:
             ckpt = ray.train.Checkpoint.from_directory(str(Path(args.output_dir) / f"checkpoint-{state.global_step}"))
-            ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_fn=_in_place,
+            # NO_UPLOAD: already in the run's storage (Ray's experiment folder), registered as it lies
+            ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
                              delete_local_checkpoint_after_upload=False)
         else:
             ray.train.report(metrics)

@@ -73,9 +73,19 @@ class Prepared:
     record: RunRecord
 
 
-def run(recipe: Recipe, force: bool = False, resume: bool = False, callbacks: tuple = ()) -> TrainResult:
-    """Train the recipe into its run directory, or continue it from its newest complete checkpoint; `callbacks`:
-    the launcher's own Trainer callbacks (training.rayreport), after the run's.
+@dataclass(frozen=True)
+class Launcher:
+    """What a launcher that drives the processes from outside (training.raylaunch) brings to a run: its Trainer
+    callbacks (after the run's own), the files it keeps in the run directory (a new start leaves them), and whether
+    it holds the run directory's lock itself (from its own process, across restarts)."""
+
+    callbacks: tuple = ()
+    keep: tuple[str, ...] = ()
+    holds_lock: bool = False
+
+
+def run(recipe: Recipe, force: bool = False, resume: bool = False, launcher: Launcher = Launcher()) -> TrainResult:
+    """Train the recipe into its run directory, or continue it from its newest complete checkpoint.
     The main process holds the run directory throughout. The end-of-training eval is the command's
     next step (`evaluation.end_of_training`), not part of training."""
     run_dir = Path(recipe.output_dir)
@@ -83,7 +93,7 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False, callbacks: tu
     if resume:
         outputs.require_dir(run_dir, "--resume: output_dir")  # before the lock, which would create its parent
     recipe = info.fit_max_length(recipe)
-    with outputs.exclusive(run_dir) if launch.is_main else contextlib.nullcontext():
+    with outputs.exclusive(run_dir) if launch.is_main and not launcher.holds_lock else contextlib.nullcontext():
         data_world = parallelconfig.data_world(recipe.training.parallelism, launch.world_size)
         resume_from = layout.check_resume(recipe, run_dir, data_world) if resume else None
         if resume and resume_from is None:
@@ -92,7 +102,7 @@ def run(recipe: Recipe, force: bool = False, resume: bool = False, callbacks: tu
         force = force or replaces_failed_start(run_dir, launch, resume_from)
         try:
             with terminated_as_exit():
-                prepared = prepare(recipe, run_dir, launch, force, resume_from, callbacks)
+                prepared = prepare(recipe, run_dir, launch, force, resume_from, launcher)
                 result = fit(prepared)
                 finalize(prepared, result)
         except BaseException as e:
@@ -129,12 +139,12 @@ def replaces_failed_start(run_dir: Path, launch: distributed.Launch, resume_from
 
 
 def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bool,
-            resume_from: Path | None, callbacks: tuple = ()) -> Prepared:
+            resume_from: Path | None, launcher: Launcher = Launcher()) -> Prepared:
     """Data, output directory, process group, model and Trainer; writes recipe.yaml and run.json. The training
     method (tunekit.training.methods) builds the data, its TRL config, its reference and its trainer."""
     method = methods.of(recipe)
     if resume_from is None:
-        outputs.check_free(run_dir, force, "output_dir", layout.LAUNCHER_FILES)
+        outputs.check_free(run_dir, force, "output_dir", launcher.keep)
     if launch.is_main:
         for line in defaults.applied(recipe):
             log.info("%s", line)
@@ -172,7 +182,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
                  recipe.training.optimizer)
     arguments.same_everywhere(recipe, args)  # the process group is up (args.world_size sets it up)
     if launch.is_main:
-        claim_run_dir(recipe, run_dir, force, resume_from)
+        claim_run_dir(recipe, run_dir, force, resume_from, launcher.keep)
     inputs = methods.TrainerInputs(recipe, None, args, bundle, tokenizer, precision, False, "",
                                    start_adapter=start.path if start else None)
     found = None
@@ -185,7 +195,7 @@ def prepare(recipe: Recipe, run_dir: Path, launch: distributed.Launch, force: bo
     if launch.is_main:
         runrecord.write_run_files(recipe, run_dir, ds, record)
         preview.write_examples(run_dir / preview.EXAMPLES_FILE, preview.run_examples(bundle.train, tokenizer))
-    inputs.callbacks = run_callbacks(recipe, run_dir) + list(callbacks)
+    inputs.callbacks = run_callbacks(recipe, run_dir) + list(launcher.callbacks)
     inputs.generation_eval = generation_eval(recipe, tokenizer, bundle.eval is not None, run_dir / SAMPLES_FILE)
     trainer, collate = build_trainer(method, inputs)
     trainer.expert_load_file = run_dir / EXPERT_LOAD_FILE
@@ -248,10 +258,11 @@ def load_data(recipe: Recipe, method: methods.Method, tokenizer):
     return bundle
 
 
-def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path | None) -> None:
+def claim_run_dir(recipe: Recipe, run_dir: Path, force: bool, resume_from: Path | None,
+                  keep: tuple[str, ...] = ()) -> None:
     """The main process takes the run directory, or cuts its history back to the checkpoint it resumes."""
     if resume_from is None:
-        outputs.claim(run_dir, force, "output_dir", layout.LAUNCHER_FILES)
+        outputs.claim(run_dir, force, "output_dir", keep)
     else:
         log.info("resuming from %s", resume_from.name)
         for kept in (HISTORY_FILE, SAMPLES_FILE, EXPERT_LOAD_FILE):

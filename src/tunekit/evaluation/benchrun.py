@@ -1,0 +1,141 @@
+"""A target's benchmarks, and a base's beside them: the tasks loaded first (a task that cannot be had is refused
+before any model loads), the target loaded as tunekit loads it for eval (evaluation.benchmarks scores it), the base
+the same way or, for the run's own base under an adapter, the same loaded model with the adapter switched off (so
+a QLoRA run's before and after share one 4-bit base); benchmarks.json written whole (BENCHMARKS_DIR of a run)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunekit.config.schema import ModelConfig, Recipe
+from tunekit.core import outputs
+from tunekit.core.errors import TunekitError
+from tunekit.evaluation import benchmarks, benchtable
+from tunekit.runs.layout import BENCHMARKS_DIR, MERGED_MARKER, Target, is_run, resolve_target
+
+log = logging.getLogger("tunekit")
+BENCH_FILE = "benchmarks.json"
+OWN_BASE = "base"  # --compare base: the target's own base model
+
+
+@dataclass(frozen=True)
+class Scorable:
+    """Something to score: a run or merged directory (its recipe says how to load it) or a model alone."""
+
+    label: str
+    target: Target | None = None
+    model: ModelConfig | None = None
+
+    @property
+    def has_adapter(self) -> bool:
+        from tunekit.runs.layout import ADAPTER_DIR
+
+        return self.target is not None and self.target.kind == "run" and (self.target.location / ADAPTER_DIR).is_dir()
+
+
+def scorable(spec: str, like: Scorable | None = None) -> Scorable:
+    """A run, a merged directory, or a model (hub id, directory, GGUF) loaded with `like`'s model settings."""
+    path = Path(spec)
+    if is_run(path) or (path.is_dir() and (path / MERGED_MARKER).is_file()):
+        target = resolve_target(spec)
+        return Scorable(target.label, target=target)
+    from tunekit.config.modelsource import resolve_model
+
+    resolve_model(spec, "benchmark target")
+    base = like.target.recipe.model if like is not None and like.target is not None else None
+    model = base.model_copy(update={"name_or_path": spec}) if base else ModelConfig(name_or_path=spec)
+    return Scorable(f"base:{spec}", model=model)
+
+
+def own_base(target: Scorable) -> Scorable:
+    """The model `target` was trained from."""
+    if target.target is None:
+        raise TunekitError(f"--compare {OWN_BASE}: {target.label} is a model, not a run; give the base model to "
+                           "compare with")
+    return scorable(target.target.recipe.model.name_or_path, target)
+
+
+def default_out(target: Scorable) -> Path:
+    if target.target is not None:
+        return target.target.location / BENCHMARKS_DIR
+    return Path("runs") / f"benchmarks-{Path(target.label.removeprefix('base:')).stem.replace('/', '_')}"
+
+
+def _load(s: Scorable, dtype):
+    from tunekit.models import loader
+    from tunekit.runs.trained import load_trained, on_device
+
+    if s.target is not None:
+        return load_trained(s.target, dtype), loader.load_tokenizer(s.target.recipe.model, s.target.tokenizer_dir)
+    return on_device(loader.load_base(s.model, dtype)), loader.load_tokenizer(s.model)
+
+
+def _score(s: Scorable, model, tokenizer, tasks: dict, settings: benchmarks.Settings) -> list[dict]:
+    log.info("benchmarks: scoring %s on %s (%d-shot%s, seed %d, batch %s)", s.label, ", ".join(tasks),
+             settings.num_fewshot, f", first {settings.limit}" if settings.limit else "", settings.seed,
+             settings.batch_size)
+    return [r.as_dict() for r in benchmarks.score(model, tokenizer, tasks, settings)]
+
+
+def run(target: Scorable, tasks: list[str], base: Scorable | None, settings: benchmarks.Settings, out: Path,
+        dtype: str = "auto", force: bool = False) -> dict:
+    """Score `target` (and `base`) on `tasks`; benchmarks.json in `out`, and the result."""
+    import torch
+
+    from tunekit.evaluation.evaluator import eval_dtype
+
+    benchmarks.import_lm_eval()
+    torch_dtype = eval_dtype(dtype)
+    with outputs.exclusive(out, "benchmarks output"):
+        outputs.check_free(out, force, "benchmarks output")
+        loaded = benchmarks.load_tasks(tasks)
+        settings = dataclasses.replace(settings, batch_size=benchmarks.batch_size(settings.batch_size,
+                                                                                  torch.cuda.is_available()))
+        model, tokenizer = _load(target, torch_dtype)
+        same_model = base is not None and target.has_adapter and base.model is not None and \
+            base.model.name_or_path == target.target.recipe.model.name_or_path
+        before = None
+        if same_model:  # the base as the run loads it: its adapter switched off
+            with model.disable_adapter():
+                before = _score(base, model, tokenizer, loaded, settings)
+        after = _score(target, model, tokenizer, loaded, settings)
+        if base is not None and not same_model:
+            del model
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+            before = _score(base, *_load(base, torch_dtype), loaded, settings)
+        table = benchtable.rows(after, before)
+        result = {
+            "tasks": list(tasks),
+            "tuned": {"label": target.label, "scores": after},
+            "base": {"label": base.label, "scores": before} if base is not None else None,
+            "table": table,
+            "settings": {**dataclasses.asdict(settings), "dtype": str(torch_dtype).removeprefix("torch."),
+                         "lm_eval": importlib.metadata.version("lm_eval"),
+                         "base_loaded": "the same model, adapter off" if same_model else "on its own"},
+        }
+        with outputs.atomic_dir(out) as tmp:
+            outputs.write_json(tmp / BENCH_FILE, result)
+    log.info("benchmarks written to %s", out / BENCH_FILE)
+    return result
+
+
+def text(result: dict) -> str:
+    base = result["base"]
+    return benchtable.text(result["table"], base["label"] if base else None, result["tuned"]["label"])
+
+
+def end_of_training(recipe: Recipe, run_dir: Path) -> dict:
+    """eval.benchmarks of a finished run, with its base (eval.benchmarks.compare_base), into run_dir/benchmarks."""
+    cfg = recipe.eval.benchmarks
+    target = scorable(str(run_dir))
+    settings = benchmarks.Settings(cfg.num_fewshot, cfg.limit, cfg.seed, cfg.batch_size)
+    result = run(target, cfg.tasks, own_base(target) if cfg.compare_base else None, settings,
+                 run_dir / BENCHMARKS_DIR, force=True)
+    print(text(result))
+    return result
