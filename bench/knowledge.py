@@ -71,13 +71,42 @@ def questions(seed: int = 0) -> list[dict]:
     return rows
 
 
+# the same questions answered in words: the country generated (greedy, to the line's end), exact match
+GENERATE = f"""# {TASK}_gen: the same questions, the country written out (bench/knowledge.py)
+task: {TASK}_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {TASK}.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: In which country is the city of {{{{city}}}}? Answer with the country's name.\\nAnswer:"
+doc_to_target: "{{{{choices[label]}}}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: true
+    regexes_to_ignore: ["^\\\\s+"]  # the space the answer starts with
+metadata:
+  version: 1.0
+"""
+
+
 def write(out: Path, limit: int | None = None, seed: int = 0) -> Path:
-    """OUT/geography.jsonl and OUT/geography.yaml (the task file to give to --benchmarks)."""
+    """OUT/geography.jsonl, OUT/geography.yaml (the task file to give to --benchmarks) and OUT/geography_gen.yaml
+    (the same questions as a generation task)."""
     out.mkdir(parents=True, exist_ok=True)
     rows = questions(seed)[:limit]
     (out / f"{TASK}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
                                        encoding="utf-8")
     (out / f"{TASK}.yaml").write_text(YAML, encoding="utf-8")
+    (out / f"{TASK}_gen.yaml").write_text(GENERATE, encoding="utf-8")
     return out / f"{TASK}.yaml"
 
 

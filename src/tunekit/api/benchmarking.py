@@ -30,13 +30,14 @@ class Benchmarks:
 
 
 def benchmark(target: str | os.PathLike, tasks: str | list[str], compare: str | os.PathLike | None = None,
-              out: str | os.PathLike | None = None, num_fewshot: int = 0, limit: int | None = None, seed: int = 0,
+              out: str | os.PathLike | None = None, num_fewshot: int | None = None, limit: int | None = None,
+              seed: int = 0,
               batch_size: int | None = None, dtype: str = "auto", force: bool = False) -> Benchmarks:
     """Score `target` (a run directory, a merged directory or a model: hub id, directory, GGUF) on lm-eval `tasks`
     (names, or paths to local task YAML; a list or one comma-separated string), and with `compare` a second
-    model on the same tasks, few-shot count, limit and seed: `compare="base"` is the target's own base (for a
-    LoRA or QLoRA run, its loaded model with the adapter off). `out`: where benchmarks.json goes (default
-    TARGET/benchmarks for a run)."""
+    model on the same tasks, few-shot count (None: each task's own), limit and seed: `compare="base"` is the
+    target's own base (for a LoRA or QLoRA run, its loaded model with the adapter off). `out`: where
+    benchmarks.json goes (default TARGET/benchmarks for a run)."""
     from tunekit.api.pipeline import DTYPES
 
     arguments.path("target", target)
@@ -44,8 +45,10 @@ def benchmark(target: str | os.PathLike, tasks: str | list[str], compare: str | 
     arguments.path("out", out, optional=True)
     for name, value in (("limit", limit), ("batch_size", batch_size)):
         arguments.whole(name, value, optional=True)
-    arguments.whole("num_fewshot", num_fewshot, least=0)
+    arguments.whole("num_fewshot", num_fewshot, least=0, optional=True)
     arguments.whole("seed", seed, least=0)
+    if seed >= 2**32:
+        raise TunekitError(f"seed: {seed} is beyond lm-eval's seeds (numpy's); give a number below 2**32")
     arguments.choice("dtype", dtype, DTYPES)
     arguments.flag("force", force)
     names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks)]

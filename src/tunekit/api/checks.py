@@ -27,10 +27,11 @@ class Needs:
     model: str
     output_dir: bool = False
     deepspeed: bool = False
+    benchmarks: str = ""  # eval.benchmarks: "names" (lm-eval there, names known, task files readable), "data" too
 
-
-VALIDATE = Needs(data_needed=False, model="optional", output_dir=True, deepspeed=True)
-TRAIN = Needs(data_needed=True, model="needed", deepspeed=True)  # train checks output_dir itself: --resume, locks
+VALIDATE = Needs(data_needed=False, model="optional", output_dir=True, deepspeed=True, benchmarks="names")
+# train checks output_dir itself (--resume, locks)
+TRAIN = Needs(data_needed=True, model="needed", deepspeed=True, benchmarks="data")
 PLAN = Needs(data_needed=False, model="shipped")
 PLAN_GIVEN_CONFIG = Needs(data_needed=False, model="skip")
 DATA = Needs(data_needed=True, model="needed")
@@ -68,11 +69,11 @@ def before_weights(recipe: Recipe, needs: Needs, world_size: int | None = None) 
             kit.probe()  # one environment made: a constructor that raises is found before weights load
     if needs.deepspeed and recipe.training.deepspeed:
         deepspeed(recipe, world_size)
-    if needs.deepspeed and recipe.eval is not None and recipe.eval.benchmarks is not None:
-        from tunekit.evaluation import benchmarks  # train and validate: lm-eval there, every task's data at hand
+    if needs.benchmarks and recipe.eval is not None and recipe.eval.benchmarks is not None:
+        from tunekit.evaluation import benchmarks  # lm-eval there; before training, every task's data at hand
 
         benchmarks.import_lm_eval()
-        benchmarks.load_tasks(recipe.eval.benchmarks.tasks, "eval.benchmarks.tasks")
+        benchmarks.check_tasks(recipe.eval.benchmarks.tasks, "eval.benchmarks.tasks", data=needs.benchmarks == "data")
     return recipe
 
 

@@ -142,7 +142,13 @@ def _train_here(loaded: Recipe, force: bool, resume: bool, launcher=None) -> Tra
         result = runner.run(loaded, force=force, resume=resume, launcher=launcher)
         scores = None
         if result.recipe.eval is not None:
-            scores = evaluator.end_of_training(result.recipe, out)["scores"]
+            metrics = out / "eval" / "metrics.json"
+            if result.trainer is None and metrics.is_file():  # --resume of a run stopped in its benchmarks
+                import json
+
+                scores = json.loads(metrics.read_text())["scores"]
+            else:
+                scores = evaluator.end_of_training(result.recipe, out)["scores"]
             if result.recipe.eval.benchmarks is not None:
                 from tunekit.evaluation import benchrun
 

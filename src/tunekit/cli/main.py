@@ -85,7 +85,7 @@ def cmd_eval(a) -> int:
             if value is not None:
                 raise TunekitError(f"{flag} does not apply to --benchmarks (each task brings its own data and "
                                    "prompts); leave it out")
-        bench = api.benchmark(a.target, a.benchmarks, a.compare, a.out, a.num_fewshot or 0, a.limit,
+        bench = api.benchmark(a.target, a.benchmarks, a.compare, a.out, a.num_fewshot, a.limit,
                               a.seed or 0, a.batch_size, a.dtype, a.force)
         print(bench.text())
         return 0
@@ -256,7 +256,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                    help="standard benchmarks through lm-evaluation-harness in place of the held-out eval: lm-eval task "
                         "names or paths to local task YAML (pip install 'tunekit[benchmarks]')")
     p.add_argument("--num-fewshot", type=argtypes.non_negative_int,
-                   help="with --benchmarks: examples shown before each question (default 0)")
+                   help="with --benchmarks: examples shown before each question (default: each task's own)")
     p.add_argument("--seed", type=argtypes.non_negative_int, help="with --benchmarks: lm-eval's seeds (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
 

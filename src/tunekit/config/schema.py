@@ -228,9 +228,10 @@ class BenchmarksConfig(Section):
     tasks: list[str] = Field(..., min_length=1, description="lm-eval task names (arc_easy, hellaswag, mmlu, ...; "
                              "their data from the Hub or its cache) or paths to local task YAML files (relative to "
                              "the recipe; their data files relative to the YAML).")
-    num_fewshot: int = Field(0, ge=0, description="Examples shown before each question (lm-eval's num_fewshot).")
+    num_fewshot: int | None = Field(None, ge=0, description="Examples shown before each question; null: each "
+                                    "task's own count (its YAML's num_fewshot, 0 where it names none).")
     limit: int | None = Field(None, gt=0, description="Score only the first N examples of each task.")
-    seed: int = Field(0, description="lm-eval's seeds (few-shot sampling and the rest).")
+    seed: int = Field(0, ge=0, lt=2**32, description="lm-eval's seeds (few-shot sampling and the rest).")
     batch_size: int | None = Field(None, gt=0, description="Requests per forward pass; null: the largest that fits "
                                    "on a GPU (lm-eval's search), 8 on a CPU.")
     compare_base: bool = Field(True, description="Also score the base model (the run's model with its adapter "

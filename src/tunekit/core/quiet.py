@@ -41,8 +41,6 @@ HIDDEN = (
            r"initialized model through `pretrained`",
            "lm-eval's note that it was handed a loaded model, which is how tunekit scores benchmarks (its adapter, "
            "quantization and device as the run has them; evaluation.benchmarks), in one process"),
-    Hidden("lm_eval.evaluator", r"Overwriting default num_fewshot of",
-           "lm-eval saying it applies the few-shot count asked for; tunekit's 'benchmarks: scoring' line names it"),
 )
 
 

@@ -21,7 +21,7 @@ CPU_BATCH = 8  # lm-eval's "auto" batch size only shrinks after an out-of-memory
 
 @dataclass(frozen=True)
 class Settings:
-    num_fewshot: int = 0
+    num_fewshot: int | None = None  # None: each task's own count (its YAML's num_fewshot, 0 where it has none)
     limit: int | None = None  # the first N examples of each task
     seed: int = 0  # lm-eval's four seeds (python, numpy, torch, few-shot sampling)
     batch_size: int | str | None = None  # None: "auto" on a GPU (the largest that fits, lm-eval's search), else 8
@@ -81,9 +81,9 @@ def task_config(path: Path, key: str = "--benchmarks") -> dict:
     except Exception as e:  # YAML syntax, a missing include or function file
         raise TunekitError(f"{key} {path}: not a task file lm-eval can read ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}); see lm-eval's task guide") from None
-    if "task" not in cfg:
-        raise TunekitError(f"{key} {path}: no `task:` name in it; a task file names its task "
-                           "(task: my_task)")
+    if "group" in cfg or "tag" in cfg or not isinstance(cfg.get("task"), str):
+        raise TunekitError(f"{key} {path}: a group or tag file, or no `task:` name; give the task files themselves "
+                           "(each with task: NAME), or a group's name where lm-eval ships it")
     kwargs = cfg.get("dataset_kwargs") or {}
     if "data_files" in kwargs:
         cfg["dataset_kwargs"] = {**kwargs, "data_files": _absolute(kwargs["data_files"], path.parent)}
@@ -115,18 +115,51 @@ def _manager(standard: bool):
 def load_tasks(specs: list[str], key: str = "--benchmarks") -> dict:
     """lm-eval's tasks, data loaded: `specs` are task names (lm-eval's own) or paths to task YAML. A task whose
     data is not cached and cannot be fetched is refused in one line saying how to cache it."""
-    configs = [task_config(Path(s), key) if is_file_spec(s) else s for s in specs]
+    configs = configs_of(specs, key)
     manager = _manager(any(isinstance(c, str) for c in configs))
     loaded = {}
     for spec, config in zip(specs, configs):
-        try:
-            loaded.update(manager.load([config])["tasks"])
-        except KeyError:
+        if isinstance(config, str) and config not in manager.task_index:
             raise TunekitError(f"{key} {spec}: no such lm-eval task, group or tag; `lm-eval ls tasks` lists "
-                               "them, or give a path to a task YAML (ending .yaml)") from None
+                               "them, or give a path to a task YAML (ending .yaml)")
+        try:
+            tasks = manager.load([config])["tasks"]
         except (ConnectionError, FileNotFoundError) as e:
             raise TunekitError(f"{key} {spec}: {_uncached(manager, spec, config, e)}") from None
+        except Exception as e:  # a split the data lacks, a malformed data file, a template lm-eval cannot render
+            raise TunekitError(f"{key} {spec}: lm-eval could not build the task ({type(e).__name__}: "
+                               f"{_first_line(e)}); check the task file and its data") from None
+        for name, task in tasks.items():
+            if getattr(task, "UNSAFE_CODE", False) or getattr(task, "MULTIMODAL", False):
+                why = "runs the model's code" if getattr(task, "UNSAFE_CODE", False) else "needs images"
+                raise TunekitError(f"{key} {spec}: task {name} {why}, which tunekit's benchmarks do not; leave it "
+                                   "out (run it with lm-eval itself)")
+        loaded.update(tasks)
     return loaded
+
+
+def check_tasks(specs: list[str], key: str, data: bool) -> None:
+    """With `data`, load_tasks; else only that each name is lm-eval's and each task file reads (no download)."""
+    if data:
+        load_tasks(specs, key)
+        return
+    configs = configs_of(specs, key)
+    names = [c for c in configs if isinstance(c, str)]
+    if names:
+        index = _manager(True).task_index
+        for name in names:
+            if name not in index:
+                raise TunekitError(f"{key} {name}: no such lm-eval task, group or tag; `lm-eval ls tasks` lists "
+                                   "them, or give a path to a task YAML (ending .yaml)")
+
+
+def configs_of(specs: list[str], key: str = "--benchmarks") -> list[str | dict]:
+    """What lm-eval is given: a name as it is, a task file as its config (data files made absolute)."""
+    return [task_config(Path(s), key) if is_file_spec(s) else s for s in specs]
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
 
 
 def _uncached(manager, spec: str, config, error: Exception) -> str:
@@ -149,21 +182,28 @@ def batch_size(requested: int | str | None, cuda: bool) -> int | str:
     return requested if requested is not None else ("auto" if cuda else CPU_BATCH)
 
 
-def score(model, tokenizer, tasks: dict, settings: Settings) -> list[Score]:
-    """Each task's metrics on `model` (a transformers or peft model, as loaded), with their standard errors."""
+def score(model, tokenizer, specs: list[str], settings: Settings,
+          key: str = "--benchmarks") -> tuple[list[Score], dict]:
+    """Each task's (and group's) metrics on `model` (a transformers or peft model, as loaded), with their standard
+    errors; and each task's few-shot count. `specs` as load_tasks took them (checked there)."""
     lm_eval = import_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
+    configs = configs_of(specs, key)
     was_training = model.training
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
     seed = settings.seed
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), num_fewshot=settings.num_fewshot,
-                                      limit=settings.limit, log_samples=False, random_seed=seed,
-                                      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+        out = lm_eval.simple_evaluate(model=lm, tasks=configs, task_manager=_manager(any(isinstance(c, str)
+                                                                                        for c in configs)),
+                                      num_fewshot=settings.num_fewshot, limit=settings.limit, log_samples=False,
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise TunekitError(f"{key}: lm-eval stopped ({type(e).__name__}: {_first_line(e)})") from None
     finally:
         model.train(was_training)  # HFLM switches the model to eval mode
-    return scores_of(out)
+    return scores_of(out), dict(out.get("n-shot") or {})
 
 
 def scores_of(out: dict) -> list[Score]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib.metadata
 import logging
 from dataclasses import dataclass
@@ -47,9 +48,12 @@ def scorable(spec: str, like: Scorable | None = None) -> Scorable:
     from tunekit.config.modelsource import resolve_model
 
     resolve_model(spec, "benchmark target")
-    base = like.target.recipe.model if like is not None and like.target is not None else None
-    model = base.model_copy(update={"name_or_path": spec}) if base else ModelConfig(name_or_path=spec)
-    return Scorable(f"base:{spec}", model=model)
+    trained = like.target.recipe.model if like is not None and like.target is not None else None
+    if trained is not None and trained.name_or_path == spec:  # the run's own base: as the run loaded it
+        return Scorable(f"base:{spec}", model=trained)
+    # another model: its own tokenizer and revision; only what the run's recipe allowed to run carries over
+    carried = {k: getattr(trained, k) for k in ("trust_remote_code", "attn_implementation")} if trained else {}
+    return Scorable(f"base:{spec}", model=ModelConfig(name_or_path=spec, **carried))
 
 
 def own_base(target: Scorable) -> Scorable:
@@ -75,11 +79,13 @@ def _load(s: Scorable, dtype):
     return on_device(loader.load_base(s.model, dtype)), loader.load_tokenizer(s.model)
 
 
-def _score(s: Scorable, model, tokenizer, tasks: dict, settings: benchmarks.Settings) -> list[dict]:
-    log.info("benchmarks: scoring %s on %s (%d-shot%s, seed %d, batch %s)", s.label, ", ".join(tasks),
-             settings.num_fewshot, f", first {settings.limit}" if settings.limit else "", settings.seed,
-             settings.batch_size)
-    return [r.as_dict() for r in benchmarks.score(model, tokenizer, tasks, settings)]
+def _score(s: Scorable, model, tokenizer, tasks: list[str], settings: benchmarks.Settings, shots: dict) -> list[dict]:
+    fewshot = "each task's own few-shot count" if settings.num_fewshot is None else f"{settings.num_fewshot}-shot"
+    log.info("benchmarks: scoring %s on %s (%s%s, seed %d, batch %s)", s.label, ", ".join(tasks), fewshot,
+             f", first {settings.limit}" if settings.limit else "", settings.seed, settings.batch_size)
+    scores, counts = benchmarks.score(model, tokenizer, tasks, settings)
+    shots.update(counts)
+    return [r.as_dict() for r in scores]
 
 
 def run(target: Scorable, tasks: list[str], base: Scorable | None, settings: benchmarks.Settings, out: Path,
@@ -93,29 +99,31 @@ def run(target: Scorable, tasks: list[str], base: Scorable | None, settings: ben
     torch_dtype = eval_dtype(dtype)
     with outputs.exclusive(out, "benchmarks output"):
         outputs.check_free(out, force, "benchmarks output")
-        loaded = benchmarks.load_tasks(tasks)
+        benchmarks.load_tasks(tasks)  # every task's data at hand before a model loads
         settings = dataclasses.replace(settings, batch_size=benchmarks.batch_size(settings.batch_size,
                                                                                   torch.cuda.is_available()))
         model, tokenizer = _load(target, torch_dtype)
         same_model = base is not None and target.has_adapter and base.model is not None and \
             base.model.name_or_path == target.target.recipe.model.name_or_path
-        before = None
+        before, shots = None, {}
         if same_model:  # the base as the run loads it: its adapter switched off
             with model.disable_adapter():
-                before = _score(base, model, tokenizer, loaded, settings)
-        after = _score(target, model, tokenizer, loaded, settings)
+                before = _score(base, model, tokenizer, tasks, settings, shots)
+        after = _score(target, model, tokenizer, tasks, settings, shots)
         if base is not None and not same_model:
             del model
+            gc.collect()
             with contextlib.suppress(Exception):
                 torch.cuda.empty_cache()
-            before = _score(base, *_load(base, torch_dtype), loaded, settings)
+            before = _score(base, *_load(base, torch_dtype), tasks, settings, shots)
         table = benchtable.rows(after, before)
         result = {
             "tasks": list(tasks),
             "tuned": {"label": target.label, "scores": after},
             "base": {"label": base.label, "scores": before} if base is not None else None,
             "table": table,
-            "settings": {**dataclasses.asdict(settings), "dtype": str(torch_dtype).removeprefix("torch."),
+            "settings": {**dataclasses.asdict(settings), "n_shot": shots,
+                         "dtype": str(torch_dtype).removeprefix("torch."),
                          "lm_eval": importlib.metadata.version("lm_eval"),
                          "base_loaded": "the same model, adapter off" if same_model else "on its own"},
         }
@@ -132,10 +140,15 @@ def text(result: dict) -> str:
 
 def end_of_training(recipe: Recipe, run_dir: Path) -> dict:
     """eval.benchmarks of a finished run, with its base (eval.benchmarks.compare_base), into run_dir/benchmarks."""
+    from tunekit.runs.layout import RunRecord
+
     cfg = recipe.eval.benchmarks
+    record = RunRecord.load(run_dir)
+    record.update(run_dir, eval="pending")  # --resume finishes them
     target = scorable(str(run_dir))
     settings = benchmarks.Settings(cfg.num_fewshot, cfg.limit, cfg.seed, cfg.batch_size)
     result = run(target, cfg.tasks, own_base(target) if cfg.compare_base else None, settings,
                  run_dir / BENCHMARKS_DIR, force=True)
+    record.update(run_dir, eval="completed")
     print(text(result))
     return result

@@ -1,7 +1,9 @@
 """Benchmark scores before and after: one row per task and metric (base, tuned, change, the change's standard
-error), a change beyond two standard errors marked. The two runs score the same examples, but lm-eval reports each
-mean's standard error alone, so the change's is taken as if they were independent, sqrt(se_base^2 + se_tuned^2): it
-overstates the noise a little (the same questions move together) and so marks fewer changes, not more."""
+error), a change beyond two standard errors marked. The two models answer the same questions, but lm-eval reports
+each mean's standard error alone, so the change's is taken as if they were independent, sqrt(se_base^2 +
+se_tuned^2): where the two mostly answer alike this overstates the noise (by 1.4-2x for closely related models), so
+it marks fewer changes, not more. Nothing corrects for many rows: among a hundred subtasks, a few marks come by
+chance."""
 
 from __future__ import annotations
 
