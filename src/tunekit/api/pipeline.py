@@ -142,7 +142,9 @@ def _train_here(loaded: Recipe, force: bool, resume: bool, launcher=None) -> Tra
         result = runner.run(loaded, force=force, resume=resume, launcher=launcher)
         scores = None
         if result.recipe.eval is not None:
-            metrics = out / "eval" / "metrics.json"
+            from tunekit.runs.layout import EVAL_DIR
+
+            metrics = out / EVAL_DIR / "metrics.json"
             if result.trainer is None and metrics.is_file():  # --resume of a run stopped in its benchmarks
                 import json
 
