@@ -18,6 +18,8 @@ EXAMPLES = {
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community: No module named "
                                      "'kernels'. Please make sure you already `pip install kernels` and the kernels "
                                      ">= 0.11.1",
+    "lm_eval.models.huggingface": "`pretrained` model kwarg is not of type `str`. Many other model arguments may be "
+                                  "ignored.",
     "warnings:FutureWarning": "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
                               "`is_activation_checkpointing` instead.",
 }

