@@ -1,8 +1,9 @@
 """training.ray: the recipe as a Ray Train job. In-process: the section's rules, the resource arithmetic, the
 reports' metrics, the world size plan and validate take from it, and what is refused before a cluster starts.
-On a local Ray cluster (2 CPU workers, gloo; few, each starts its own cluster): a run equals torchrun's 2
-processes, a killed worker is restarted and resumes from the last checkpoint to the same adapter, and a request the
-cluster cannot meet is refused in one line, at once or after training.ray.start_timeout."""
+On a local Ray cluster (2 CPU workers, gloo; each starts its own cluster, three in `make test`): a run equals
+torchrun's 2 processes, a killed worker is restarted and resumes from the last checkpoint to the same adapter, and a
+request the cluster cannot meet is refused in one line at once; in `make test-full` ZeRO-3 and FSDP2 recipes under
+Ray equal torchrun, and a busy cluster is refused after training.ray.start_timeout."""
 
 from __future__ import annotations
 
@@ -199,6 +200,7 @@ def test_a_ray_run_equals_torchrun_with_two_processes(on_ray, torchrun):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # make test-full: tests/ray-full-last-run.json
 @pytest.mark.parametrize("sharding, said", [("training.deepspeed=ds_configs/zero3.json", "ZeRO stage 3"),
                                             ("training.fsdp={}", "fsdp: 5 units sharded over 2 processes")])
 def test_ray_workers_shard_as_the_recipe_says(recipe_file, torchrun, tmp_path, sharding, said):
@@ -291,6 +293,7 @@ def test_a_request_the_cluster_cannot_meet_is_refused_at_once(recipe_file, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.full  # make test-full: tests/ray-full-last-run.json
 def test_a_busy_cluster_is_refused_after_the_start_timeout(recipe_file, tmp_path):
     """The CPUs exist but another job holds them: refused after training.ray.start_timeout, not waited on for ever."""
     import ray
