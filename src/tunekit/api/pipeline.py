@@ -3,6 +3,7 @@ runs or models scored on held-out data. Heavy libraries are imported inside, aft
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -136,20 +137,14 @@ def _train_here(loaded: Recipe, force: bool, resume: bool, launcher=None) -> Tra
     if os.environ.get("RANK", "0") != "0":
         result = runner.run(loaded, force=force, resume=resume, launcher=launcher)
         return TrainingRun(out, result.recipe)
-    import contextlib
-
     with contextlib.nullcontext() if launcher.holds_lock else exclusive(out):  # through the end-of-training eval
         result = runner.run(loaded, force=force, resume=resume, launcher=launcher)
         scores = None
         if result.recipe.eval is not None:
-            from tunekit.runs.layout import EVAL_DIR
+            from tunekit.runs.layout import eval_scores
 
-            metrics = out / EVAL_DIR / "metrics.json"
-            if result.trainer is None and metrics.is_file():  # --resume of a run stopped in its benchmarks
-                import json
-
-                scores = json.loads(metrics.read_text())["scores"]
-            else:
+            scores = eval_scores(out) if result.trainer is None else None  # --resume of a run stopped in its benchmarks
+            if scores is None:
                 scores = evaluator.end_of_training(result.recipe, out)["scores"]
             if result.recipe.eval.benchmarks is not None:
                 from tunekit.evaluation import benchrun
@@ -167,7 +162,7 @@ def _train_on_ray(loaded: Recipe, force: bool, resume: bool) -> TrainingRun:
     `_ray_worker`; the run directory (output_dir, or under training.ray.storage) is the one every worker writes,
     held by this process for the whole job."""
     from tunekit.core.outputs import claim, exclusive
-    from tunekit.runs.layout import EVAL_DIR, check_resume
+    from tunekit.runs.layout import check_resume, eval_scores
     from tunekit.training import raylaunch
 
     if "WORLD_SIZE" in os.environ:
@@ -194,12 +189,7 @@ def _train_on_ray(loaded: Recipe, force: bool, resume: bool) -> TrainingRun:
 
     with exclusive(out):  # for the whole job, restarts included (the workers do not take it)
         raylaunch.launch(ray_cfg, out, _ray_worker, {"recipe": loaded, "resume": resume, "cwd": os.getcwd()}, clear)
-    metrics = out / EVAL_DIR / "metrics.json"
-    scores = None
-    if loaded.eval is not None and metrics.is_file():
-        import json
-
-        scores = json.loads(metrics.read_text())["scores"]
+    scores = eval_scores(out) if loaded.eval is not None else None
     page = out / "report.html"
     log.info("ray: finished; run directory %s", out)
     return TrainingRun(out, loaded, scores, page if page.is_file() else None)
@@ -271,12 +261,12 @@ def _file_given(flag: str, value) -> None:
 def _target(spec: str, recipe: RecipeLike | None, data: str | None):
     """What `spec` names: a run, a merged directory, or a base model read with `recipe`'s data and prompt
     settings (or with `data` alone)."""
-    from tunekit.runs.layout import MERGED_MARKER, Target, is_run, resolve_target
+    from tunekit.runs.layout import Target, is_trained, resolve_target
 
     if recipe is None or recipeargs.is_path(recipe):
         return resolve_target(spec, None if recipe is None else str(recipe), data)
     path = Path(spec)
-    if is_run(path) or (path.is_dir() and (path / MERGED_MARKER).is_file()):
+    if is_trained(path):
         return resolve_target(spec, None, data)
     from tunekit.config.modelsource import resolve_model
 

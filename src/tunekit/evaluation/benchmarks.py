@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tunekit.core.errors import TunekitError
+from tunekit.core.errors import TunekitError, first_line
 
 log = logging.getLogger("tunekit")
 CPU_BATCH = 8  # lm-eval's "auto" batch size only shrinks after an out-of-memory error, which a CPU seldom raises
@@ -80,7 +80,7 @@ def task_config(path: Path, key: str = "--benchmarks") -> dict:
         cfg = load_yaml(path)
     except Exception as e:  # YAML syntax, a missing include or function file
         raise TunekitError(f"{key} {path}: not a task file lm-eval can read ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}); see lm-eval's task guide") from None
+                           f"{first_line(e)}); see lm-eval's task guide") from None
     if "group" in cfg or "tag" in cfg or not isinstance(cfg.get("task"), str):
         raise TunekitError(f"{key} {path}: a group or tag file, or no `task:` name; give the task files themselves "
                            "(each with task: NAME), or a group's name where lm-eval ships it")
@@ -128,7 +128,7 @@ def load_tasks(specs: list[str], key: str = "--benchmarks") -> dict:
             raise TunekitError(f"{key} {spec}: {_uncached(manager, spec, config, e)}") from None
         except Exception as e:  # a split the data lacks, a malformed data file, a template lm-eval cannot render
             raise TunekitError(f"{key} {spec}: lm-eval could not build the task ({type(e).__name__}: "
-                               f"{_first_line(e)}); check the task file and its data") from None
+                               f"{first_line(e)}); check the task file and its data") from None
         for name, task in tasks.items():
             if getattr(task, "UNSAFE_CODE", False) or getattr(task, "MULTIMODAL", False):
                 why = "runs the model's code" if getattr(task, "UNSAFE_CODE", False) else "needs images"
@@ -158,14 +158,10 @@ def configs_of(specs: list[str], key: str = "--benchmarks") -> list[str | dict]:
     return [task_config(Path(s), key) if is_file_spec(s) else s for s in specs]
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:200]
-
-
 def _uncached(manager, spec: str, config, error: Exception) -> str:
     """Why a task's data could not be had, and how to cache it where the Hub is reachable."""
     if isinstance(config, dict):
-        return f"its data could not be read ({str(error).splitlines()[0]})"
+        return f"its data could not be read ({first_line(error)})"
     entry = manager.task_index.get(spec) if hasattr(manager, "task_index") else None
     cfg = getattr(entry, "cfg", None) or {}
     path, name = cfg.get("dataset_path"), cfg.get("dataset_name")
@@ -200,7 +196,7 @@ def score(model, tokenizer, specs: list[str], settings: Settings,
                                       random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                       fewshot_random_seed=seed)
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise TunekitError(f"{key}: lm-eval stopped ({type(e).__name__}: {_first_line(e)})") from None
+        raise TunekitError(f"{key}: lm-eval stopped ({type(e).__name__}: {first_line(e)})") from None
     finally:
         model.train(was_training)  # HFLM switches the model to eval mode
     return scores_of(out), dict(out.get("n-shot") or {})

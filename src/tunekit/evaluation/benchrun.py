@@ -17,7 +17,7 @@ from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core import outputs
 from tunekit.core.errors import TunekitError
 from tunekit.evaluation import benchmarks, benchtable
-from tunekit.runs.layout import BENCHMARKS_DIR, MERGED_MARKER, Target, is_run, resolve_target
+from tunekit.runs.layout import BENCHMARKS_DIR, Target, is_trained, resolve_target
 
 log = logging.getLogger("tunekit")
 BENCH_FILE = "benchmarks.json"
@@ -42,7 +42,7 @@ class Scorable:
 def scorable(spec: str, like: Scorable | None = None) -> Scorable:
     """A run, a merged directory, or a model (hub id, directory, GGUF) loaded with `like`'s model settings."""
     path = Path(spec)
-    if is_run(path) or (path.is_dir() and (path / MERGED_MARKER).is_file()):
+    if is_trained(path):
         target = resolve_target(spec)
         return Scorable(target.label, target=target)
     from tunekit.config.modelsource import resolve_model

@@ -18,7 +18,7 @@ from tunekit.evaluation import benchtable
 from tunekit.evaluation.table import baseline_scores, table_rows
 from tunekit.reporting import dataview, expertload, listing
 from tunekit.runs import curves, history
-from tunekit.runs.layout import BENCHMARKS_DIR, EVAL_DIR, METRICS_FIX, RUN_FILE, RunRecord
+from tunekit.runs.layout import BENCHMARKS_DIR, EVAL_DIR, RUN_FILE, RunRecord, eval_scores
 
 REPORT_FILE = "report.html"
 SAMPLES = 8  # predictions shown per run
@@ -53,8 +53,7 @@ def load(run_dir: Path) -> dict:
                            "tunekit train run")
     record = RunRecord.load(run_dir)
     row = listing.read(run_dir, run_dir.parent)
-    metrics_file = run_dir / EVAL_DIR / "metrics.json"
-    scores = read_json(metrics_file, METRICS_FIX).get("scores", {}) if metrics_file.is_file() else {}
+    scores = eval_scores(run_dir) or {}
     bench_file = run_dir / BENCHMARKS_DIR / "benchmarks.json"
     bench = read_json(bench_file, BENCHMARKS_FIX) if bench_file.is_file() else None
     return {"name": run_dir.name, "path": str(run_dir), "status": row.status, "steps": row.steps,

@@ -14,12 +14,12 @@ from tunekit.config.modelsource import resolve_model
 from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core.errors import TunekitError
 from tunekit.runs.layout import (
-    MERGED_MARKER,
     TOKENIZER_FILES,
     RunRecord,
     Target,
     has_tokenizer,
     is_run,
+    is_trained,
     resolve_target,
     weights_dir,
 )
@@ -61,7 +61,7 @@ def resolve(recipe: Recipe) -> Teacher:
         if spec_of is not None and spec_of.score_head:
             raise TunekitError(f"{KEY}: {spec} is a reward model (a score head), which predicts no next token; "
                                "name a run of a language model")
-    if is_run(path) or (path.is_dir() and (path / MERGED_MARKER).is_file()):
+    if is_trained(path):
         target = resolve_target(spec, key=KEY)  # a run: completed, its weights and tokenizer there
         require_tokenizer(spec, target.tokenizer_dir)
         return Teacher(spec, target.recipe.model, target)

@@ -114,6 +114,11 @@ def is_run(path: Path) -> bool:
     return path.is_dir() and (path / RUN_FILE).is_file()
 
 
+def is_trained(path: Path) -> bool:
+    """A run directory or a merged one: what resolve_target loads with its own recipe."""
+    return is_run(path) or (path.is_dir() and (path / MERGED_MARKER).is_file())
+
+
 def weights_dir(run_dir: Path) -> Path:
     """adapter/ of a LoRA or QLoRA run, model/ of a full fine-tuning run."""
     return run_dir / (MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else ADAPTER_DIR)
@@ -274,6 +279,12 @@ def check_resume(recipe: Recipe, run_dir: Path, world_size: int = 1) -> Path | N
             return None
         raise TunekitError(f"--resume: the run in {run_dir} already completed; nothing to resume")
     return checkpoints.resume_point(run_dir / CHECKPOINTS_DIR)
+
+
+def eval_scores(run_dir: Path) -> dict | None:
+    """The end-of-training eval's scores (eval/metrics.json), None where it has not run."""
+    path = run_dir / EVAL_DIR / "metrics.json"
+    return read_json(path, METRICS_FIX).get("scores", {}) if path.is_file() else None
 
 
 def eval_pending(recipe: Recipe, run_dir: Path) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from tunekit.config.trainingschema import RayConfig
-from tunekit.core.errors import TunekitError
+from tunekit.core.errors import TunekitError, first_line
 
 log = logging.getLogger("tunekit")
 # Ray Train's bookkeeping in the run directory (its experiment folder): its storage marker, its list of reported
@@ -73,10 +73,8 @@ def check_fits(workers: int, need: dict[str, float], nodes: list[dict[str, float
     slots = worker_slots(nodes, need)
     if slots >= workers:
         return
-    totals: dict[str, float] = {}
-    for node in nodes:
-        for k in need:
-            totals[k] = totals.get(k, 0.0) + node.get(k, 0.0)
+    totals = _totals(nodes)
+    totals = {k: totals.get(k, 0.0) for k in need}
     raise TunekitError(
         f"training.ray: {workers} workers x {_describe(need)} do not fit the Ray cluster ({len(nodes)} node"
         f"{'s' if len(nodes) != 1 else ''}, {_describe(totals)} in all: room for {slots}); lower "
@@ -125,11 +123,10 @@ def _connect(ray, ray_cfg: RayConfig) -> bool:
     try:
         ray.init(address=ray_cfg.address, log_to_driver=True, logging_level=logging.WARNING)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         where = ray_cfg.address or os.environ.get("RAY_ADDRESS") or "a local cluster"
-        raise TunekitError(f"training.ray.address: could not connect to {where} ({first}); start the cluster (ray "
-                           "start --head on its head node), check the address, or set address: null to start a "
-                           "local one") from None
+        raise TunekitError(f"training.ray.address: could not connect to {where} ({first_line(e)}); start the "
+                           "cluster (ray start --head on its head node), check the address, or set address: null to "
+                           "start a local one") from None
     return True
 
 
@@ -223,5 +220,5 @@ def _fit(ray, trainer, ray_cfg: RayConfig, need: dict[str, float]):
                 f"{_describe({k: free.get(k, 0.0) for k in need})}); wait for the jobs holding them, lower "
                 "training.ray.workers, or raise training.ray.start_timeout; --resume continues a run that had "
                 "started") from None
-        first = (str(e.controller_failure).strip().splitlines() or [type(e.controller_failure).__name__])[0]
-        raise TunekitError(f"training.ray: Ray Train's controller failed ({first})") from None
+        raise TunekitError(f"training.ray: Ray Train's controller failed ({first_line(e.controller_failure)})") \
+            from None
