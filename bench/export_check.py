@@ -46,7 +46,7 @@ def sentencepiece_check() -> dict:
 
     from llama_cpp import Llama
 
-    from tunekit.export import check, exporting
+    from tunekit.export import exporting, readback
     from tunekit.models.tiny import CORPUS, build_model, build_sentencepiece_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,7 +57,7 @@ def sentencepiece_check() -> dict:
         tok = build_sentencepiece_tokenizer(model_dir)
         gguf_file = exporting.export(str(model_dir), "f32", Path(tmp) / "spm.gguf")
         llm = Llama(model_path=str(gguf_file), vocab_only=True, verbose=False)
-        texts = CORPUS + check.TOKENIZER_PROBES + [" text that begins with a space"]
+        texts = CORPUS + readback.TOKENIZER_PROBES + [" text that begins with a space"]
         differ = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=False)
                   != tok(t, add_special_tokens=False)["input_ids"]]
     print(f"export-check: SentencePiece vocabulary: llama.cpp tokenizes {len(texts) - len(differ)}/{len(texts)} texts "
@@ -98,7 +98,7 @@ def family_check(family: str, tmp: Path, steps: int = 16) -> dict:
     from llama_cpp import Llama
     from transformers import AutoModelForCausalLM
 
-    from tunekit.export import check, gguf
+    from tunekit.export import gguf, readback
     from tunekit.export.source import Facts
     from tunekit.models.families import build_family_model
 
@@ -108,8 +108,8 @@ def family_check(family: str, tmp: Path, steps: int = 16) -> dict:
     gguf.write_gguf(model, tok, gguf_file, gguf.QUANTS["f32"], Facts(f"tiny-{family}", family))
     llm = Llama(model_path=str(gguf_file), n_ctx=512, n_threads=2, logits_all=True, verbose=False, seed=0)
     prompt = tok.apply_chat_template([{"role": "user", "content": FAMILY_PROMPT}], add_generation_prompt=True,
-                                     tokenize=False)
-    texts = check.TOKENIZER_PROBES + [prompt]
+                                     tokenize=False) if tok.chat_template else FAMILY_PROMPT  # OLMoE ships none
+    texts = readback.TOKENIZER_PROBES + [prompt]
     differ = [t for t in texts if llm.tokenize(t.encode(), add_bos=False, special=True)
               != tok(t, add_special_tokens=False)["input_ids"]]
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
@@ -122,12 +122,15 @@ def family_check(family: str, tmp: Path, steps: int = 16) -> dict:
 
 
 def families_check() -> dict:
+    """Each dense family, and each mixture-of-experts family `tunekit export` writes (Qwen3-MoE, OLMoE)."""
     import tempfile
 
-    from tunekit.models.families import FAMILIES
+    from tunekit.export.architectures import ARCHITECTURES
+    from tunekit.models.families import FAMILIES, MOE_FAMILIES
 
+    moe = [family for family, (_, model_type, _) in MOE_FAMILIES.items() if model_type in ARCHITECTURES]
     with tempfile.TemporaryDirectory() as tmp:
-        return {family: family_check(family, Path(tmp)) for family in FAMILIES}
+        return {family: family_check(family, Path(tmp)) for family in [*FAMILIES, *moe]}
 
 
 def main() -> int:
@@ -137,7 +140,8 @@ def main() -> int:
     p.add_argument("--sentencepiece-only", action="store_true",
                    help="run only the SentencePiece check and update its entry in --out")
     p.add_argument("--families-only", action="store_true",
-                   help="run only the model-family checks (Qwen2, Qwen3, Gemma 2/3, Mistral, Phi-3) and update --out")
+                   help="run only the model-family checks (Qwen2, Qwen3, Gemma 2/3, Mistral, Phi-3, Qwen3-MoE, "
+                        "OLMoE) and update --out")
     a = p.parse_args()
     if a.sentencepiece_only or a.families_only:
         ensure_binding()

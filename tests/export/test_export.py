@@ -180,8 +180,8 @@ def test_other_architectures_are_refused_with_one_line(tmp_path):
     res = run_cli("export", str(tmp_path / "gpt2"), "--out", str(tmp_path / "g.gguf"))
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "supports Llama 2/3, SmolLM2 (llama); Mistral (mistral); Qwen2/Qwen2.5 (qwen2)" in res.stderr
-    assert ("Gemma 3 (text) (gemma3_text); Phi-3/Phi-3.5 (phi3); Qwen3-MoE (qwen3_moe); this one is GPT2LMHeadModel"
-            in res.stderr)
+    assert ("Gemma 3 (text) (gemma3_text); Phi-3/Phi-3.5 (phi3); Qwen3-MoE (qwen3_moe); OLMoE (olmoe); "
+            "this one is GPT2LMHeadModel" in res.stderr)
     assert len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "g.gguf").exists()
 

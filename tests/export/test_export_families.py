@@ -76,48 +76,63 @@ def test_each_family_exports_and_reads_back_with_its_logits_token_ids_and_chat_t
     assert result.passes(gguf.QUANTS["f32"])
 
 
-@pytest.mark.slow  # Qwen3's vocabulary parsed on read-back
-def test_a_qwen3_moe_exports_its_experts_as_llama_cpp_keeps_them_and_reads_back_with_its_logits(tmp_path):
+# the mixture-of-experts families llama.cpp runs: GGUF name, the config attribute of one expert's FFN width
+MOE_GGUF = {"qwen3_moe": ("qwen3moe", "moe_intermediate_size"), "olmoe": ("olmoe", "intermediate_size")}
+
+
+@pytest.mark.slow  # the vocabulary parsed on read-back
+@pytest.mark.parametrize("family", list(MOE_GGUF))
+def test_a_moe_exports_its_experts_as_llama_cpp_keeps_them_and_reads_back_with_its_logits(tmp_path, family):
     """transformers 5 keeps a sparse block's experts in two 3-D tensors (gate and up rows joined, then down);
-    llama.cpp's qwen3moe reads three (ffn_gate_exps, ffn_up_exps, ffn_down_exps) beside the router (ffn_gate_inp)
-    and the expert keys. Read back by transformers, the file gives the model's logits."""
+    llama.cpp's qwen3moe and olmoe read three (ffn_gate_exps, ffn_up_exps, ffn_down_exps) beside the router
+    (ffn_gate_inp) and the expert keys. Read back by transformers (OLMoE registered with its reader for the check
+    only), the file gives the model's logits."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as reader
     from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
 
-    tok = build_family_model(tmp_path / "model", "qwen3_moe")
+    tok = build_family_model(tmp_path / "model", family)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
     cfg = model.config
-    out = tmp_path / "qwen3_moe.gguf"
-    gguf.write_gguf(model, tok, out, gguf.QUANTS["f32"], Facts("qwen3_moe", "tiny-qwen3_moe"))
+    name, width = MOE_GGUF[family]
+    out = tmp_path / f"{family}.gguf"
+    gguf.write_gguf(model, tok, out, gguf.QUANTS["f32"], Facts(family, f"tiny-{family}"))
     meta, _ = read_gguf_metadata(str(out))
-    assert meta["general.architecture"] == "qwen3moe"
-    assert (meta["qwen3moe.expert_count"], meta["qwen3moe.expert_used_count"],
-            meta["qwen3moe.expert_feed_forward_length"]) == (cfg.num_experts, cfg.num_experts_per_tok,
-                                                             cfg.moe_intermediate_size)
+    assert meta["general.architecture"] == name
+    assert (meta[f"{name}.expert_count"], meta[f"{name}.expert_used_count"]) == (cfg.num_experts,
+                                                                                 cfg.num_experts_per_tok)
     shapes = {t.name: tuple(t.shape) for t in GgufHeader.from_file(str(out)).tensors}
-    experts, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    experts, inter, hidden = cfg.num_experts, getattr(cfg, width), cfg.hidden_size
+    assert meta.get(f"{name}.expert_feed_forward_length", meta[f"{name}.feed_forward_length"]) == inter
     assert shapes["blk.1.ffn_gate_exps.weight"] == shapes["blk.1.ffn_up_exps.weight"] == (experts, inter, hidden)
     assert shapes["blk.1.ffn_down_exps.weight"] == (experts, hidden, inter)
     assert shapes["blk.1.ffn_gate_inp.weight"] == (experts, hidden)
+    assert shapes["blk.1.attn_k_norm.weight"] == (cfg.head_dim if family == "qwen3_moe" else hidden,)
+    supported = list(reader.GGUF_SUPPORTED_ARCHITECTURES)
     result = readback.check(model, tok, out, readback.prompts(None, tok))
     assert result.parity.top1_agreement == 1.0 and result.parity.max_abs_diff < 1e-4, result.line()
     assert result.passes(gguf.QUANTS["f32"])
+    assert reader.GGUF_SUPPORTED_ARCHITECTURES == supported and "olmoe" not in reader.TENSOR_PROCESSORS
 
 
-def test_a_moe_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path):
-    """A Qwen3-MoE whose router does not normalise its top-k weights (llama.cpp's qwen3moe always does), and an
-    OLMoE (no GGUF family here): each refused before anything is written."""
-    import torch
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("family, changes, says", [
+    ("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob: false"),
+    ("olmoe", {"norm_topk_prob": True}, "this model has norm_topk_prob: true"),
+    ("olmoe", {"num_key_value_heads": 2, "clip_qkv": 8.0},
+     "this model has 2 key/value heads for 4 query heads, clip_qkv: 8.0"),
+    ("mixtral", {}, "this one is MixtralForCausalLM")])
+def test_a_moe_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, family, changes, says):
+    """A Qwen3-MoE whose router does not normalise its top-k weights (llama.cpp's qwen3moe always does), an OLMoE
+    that does (llama.cpp's olmoe never does), one with grouped key/value heads or clamped q/k/v (llama.cpp's olmoe
+    has neither), and a family with no GGUF entry here: each refused before anything is written."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tunekit.core.errors import TunekitError
 
-    for family, changes, says in (("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob: false"),
-                                  ("olmoe", {}, "this one is OlmoeForCausalLM")):
-        tok = build_family_model(tmp_path / family, family)
-        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / family), dtype=torch.float32, **changes)
-        out = tmp_path / f"{family}.gguf"
-        with pytest.raises(TunekitError, match=says) as caught:
-            gguf.write_gguf(model, tok, out, gguf.QUANTS["f32"], Facts(family, f"tiny-{family}"))
-        assert "\n" not in str(caught.value) and not out.exists()
+    tok = build_family_model(tmp_path / family, family)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path / family), **changes))
+    out = tmp_path / f"{family}.gguf"
+    with pytest.raises(TunekitError, match=says) as caught:
+        gguf.write_gguf(model, tok, out, gguf.QUANTS["f32"], Facts(family, f"tiny-{family}"))
+    assert "\n" not in str(caught.value) and not out.exists()

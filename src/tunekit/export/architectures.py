@@ -126,6 +126,23 @@ def _qwen3_moe(writer, cfg) -> None:
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
+def _olmoe(writer, cfg) -> None:
+    # llama.cpp's olmoe graph (src/models/olmoe.cpp) weighs a token's top-k experts by their softmax probabilities
+    # as they are (build_moe_ffn's norm_w: false), normalises k over n_embd values (as wide as q: no grouped
+    # heads) and clamps nothing: a model that differs would compute otherwise there
+    differs = [what for what, differ in (
+        ("norm_topk_prob: true", getattr(cfg, "norm_topk_prob", False)),
+        (f"{cfg.num_key_value_heads} key/value heads for {cfg.num_attention_heads} query heads",
+         cfg.num_key_value_heads != cfg.num_attention_heads),
+        (f"clip_qkv: {getattr(cfg, 'clip_qkv', None)}", getattr(cfg, "clip_qkv", None) is not None)) if differ]
+    if differs:
+        raise TunekitError(f"export: llama.cpp's olmoe takes the top-k expert weights unnormalised, as many "
+                           f"key/value heads as query heads and no clip_qkv; this model has {', '.join(differs)}, "
+                           "so a GGUF file of it would compute otherwise")
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+
+
 def _none(writer, cfg) -> None:
     pass
 
@@ -144,6 +161,9 @@ class Architecture:
     # architecture's own prefix left out) or set to what llama.cpp computes
     read_back_keys: tuple[tuple[str, str], ...] = ()
     read_back_set: tuple[tuple[str, object], ...] = ()
+    # a family transformers' GGUF reader does not list, read as the listed one whose keys and tensors it shares
+    # (registered with the reader for the read-back only: readback.registered)
+    read_back_like: str | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -157,6 +177,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3_moe": Architecture("QWEN3MOE", "Qwen3-MoE", settings=_qwen3_moe,
                               read_back_keys=(("expert_feed_forward_length", "moe_intermediate_size"),),
                               read_back_set=(("norm_topk_prob", True),)),
+    "olmoe": Architecture("OLMOE", "OLMoE", settings=_olmoe, read_back_like="qwen3_moe"),
 }
 
 

@@ -5,10 +5,11 @@ within the tolerance of its quantization type."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunekit.export.architectures import architecture
+from tunekit.export.architectures import ARCHITECTURES, architecture
 from tunekit.export.gguf import CHECK_TEXT, Quant
 from tunekit.models.ggufread import one_reader
 
@@ -50,8 +51,34 @@ def prompts(recipe, tokenizer) -> dict:
 
 
 def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
-    with one_reader():
+    with one_reader(), registered(architecture(source_model.config, "export"), source_model.config.model_type):
         return _check(source_model, source_tokenizer, gguf_file, batch)
+
+
+@contextmanager
+def registered(arch, model_type: str):
+    """transformers' GGUF reader is table-driven (config keys per family, a tensor processor per GGUF
+    architecture) and lists only the families it was given; a family it lacks whose file reads as a listed one's
+    (OLMoE's keys and expert tensors are Qwen3-MoE's) is added to its tables for the read-back, then removed."""
+    if arch.read_back_like is None:
+        yield
+        return
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    def gguf_name(entry) -> str:
+        return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, entry.gguf_arch)]
+
+    like, name = arch.read_back_like, gguf_name(arch)
+    configs, processors = reader.GGUF_TO_TRANSFORMERS_MAPPING["config"], reader.TENSOR_PROCESSORS
+    configs[model_type] = configs[like]  # keyed by transformers' model type, processors by the file's name
+    processors[name] = processors[gguf_name(ARCHITECTURES[like])]
+    reader.GGUF_SUPPORTED_ARCHITECTURES.append(model_type)
+    try:
+        yield
+    finally:
+        reader.GGUF_SUPPORTED_ARCHITECTURES.remove(model_type)
+        del configs[model_type], processors[name]
 
 
 def _check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:

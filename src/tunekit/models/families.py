@@ -57,7 +57,8 @@ MOE_FAMILIES = {
                                              num_experts_per_tok=4, norm_topk_prob=True, router_aux_loss_coef=0.001,
                                              tie_word_embeddings=False)),
     "olmoe": ("gpt_neox", "olmoe", dict(intermediate_size=32, num_experts=16, num_experts_per_tok=4,
-                                        norm_topk_prob=False, router_aux_loss_coef=0.01)),
+                                        norm_topk_prob=False, router_aux_loss_coef=0.01,
+                                        num_key_value_heads=4)),  # OLMoE groups no key/value heads
     "mixtral": ("llama2", "mixtral", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2,
                                           router_aux_loss_coef=0.02)),
     "gpt_oss": ("gptoss", "gpt_oss", dict(head_dim=64, intermediate_size=32, num_local_experts=8,
