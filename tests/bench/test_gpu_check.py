@@ -58,6 +58,7 @@ def test_shapes_are_the_shipped_configs_with_the_check_tokenizer_ids():
 # as on a GPU machine (make test-full).
 
 
+@pytest.mark.full  # make test-full: tests/moved2-full-last-run.json
 def test_the_vision_check_trains_on_image_batches_on_a_cpu(tmp_path):
     """--tiny: the LLaVA composition built from LlavaConfig's tower on the Llama shape, saved with its processor,
     trained with qwen_vl_qlora.yaml's settings on the shapes and planned beside it."""
@@ -118,6 +119,7 @@ def test_the_step_profile_counts_host_syncs_and_operators():
     assert out["top_operators_ms_per_step"][0][0] and out["operators_per_step"] >= 3
 
 
+@pytest.mark.full  # make test-full: tests/moved2-full-last-run.json
 def test_the_varlen_parity_check_runs_on_a_cpu(tmp_path):
     import json
     import subprocess

@@ -124,9 +124,10 @@ def test_cpu_deepspeed_runs_do_not_compile_deepspeeds_inference_all_reduce(monke
 # test_qlora_under_zero3_and_fsdp2_equals_qlora_under_ddp, full fine-tuning in the ZeRO-3 resume test below (and every
 # shipped recipe on the real model in test_shipped_recipes.py); here the other configs, with weight checks. Offload
 # to CPU: make test runs each offloading config once (ZeRO-2 fully fine-tuning, ZeRO-3 with LoRA), the other pairs are
-# `full` (the first of them builds DeepSpeed's CPU Adam, about a minute of one core, wherever it falls)
+# `full` (the first of them builds DeepSpeed's CPU Adam, about a minute of one core, wherever it falls); ZeRO-1 fully
+# fine-tuning is `full` too (tests/moved2-full-last-run.json)
 @pytest.mark.parametrize("config, adapter", [
-    pytest.param("zero1", "lora", id="lora-zero1"), pytest.param("zero1", "none", id="none-zero1"),
+    pytest.param("zero1", "lora", id="lora-zero1"), in_full("zero1", "none", id="none-zero1"),
     in_full("zero2_offload", "lora", id="lora-zero2_offload"),
     pytest.param("zero2_offload", "none", id="none-zero2_offload"),
     pytest.param("zero3_offload", "lora", id="lora-zero3_offload"),

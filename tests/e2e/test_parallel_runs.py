@@ -77,6 +77,7 @@ def test_sequence_parallel_resumes_to_the_uninterrupted_run(sequence_parallel, r
     assert_same_run(full, cut)
 
 
+@pytest.mark.full  # make test-full: tests/moved2-full-last-run.json
 def test_sequence_parallel_under_zero3_equals_one_process(recipe_file, tmp_path):
     """ZeRO-3 averages the sequence group's gradients where ZeRO-2 sums them: the loss is scaled to match, so the
     gradient norms are one process's too (Adam's steps alone would hide a constant factor)."""

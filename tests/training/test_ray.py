@@ -1,9 +1,9 @@
 """training.ray: the recipe as a Ray Train job. In-process: the section's rules, the resource arithmetic, the
 reports' metrics, the world size plan and validate take from it, and what is refused before a cluster starts.
-On a local Ray cluster (2 CPU workers, gloo; each starts its own cluster, three in `make test`): a run equals
-torchrun's 2 processes, a killed worker is restarted and resumes from the last checkpoint to the same adapter, and a
-request the cluster cannot meet is refused in one line at once; in `make test-full` ZeRO-3 and FSDP2 recipes under
-Ray equal torchrun, and a busy cluster is refused after training.ray.start_timeout."""
+On a local Ray cluster (2 CPU workers, gloo; each starts its own cluster, two in `make test`): a run equals
+torchrun's 2 processes and a request the cluster cannot meet is refused in one line at once; in `make test-full`
+ZeRO-3 and FSDP2 recipes under Ray equal torchrun, a killed worker is restarted and resumes from the last checkpoint
+to the same adapter, and a busy cluster is refused after training.ray.start_timeout."""
 
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ def ray_workers() -> list[int]:
     return pids
 
 
-@pytest.mark.slow
+@pytest.mark.full  # make test-full: tests/moved2-full-last-run.json
 def test_a_killed_worker_is_restarted_and_resumes_to_the_uninterrupted_adapter(recipe_file, on_ray, tmp_path):
     out = tmp_path / "run"
     # Ray's queue holds one report, the next waits for the controller's poll: 0.5 s slows the steps after
