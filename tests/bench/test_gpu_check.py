@@ -34,7 +34,10 @@ def test_the_set_covers_the_paths_the_check_promises():
     assert "zero3.json" in sets["zero3"] and by_name["grpo"].recipe == "smollm2_grpo.yaml"
     assert "training.kernels=liger" in sets["liger"] and "training.kernels=cut_cross_entropy" in sets["cce"]
     assert {g.SHAPES[c.shape] for c in g.CHECKS} == {"meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B",
-                                                     "Qwen/Qwen2.5-7B"}
+                                                     "Qwen/Qwen2.5-7B", "Qwen/Qwen3-30B-A3B"}
+    moe = by_name["moe-qlora"]
+    assert g.SHAPES[moe.shape] == "Qwen/Qwen3-30B-A3B" and "quantization.bits=4" in sets["moe-qlora"]
+    assert moe.trl and moe.trl["quant4"] and moe.needs == "cuda"
     vlm = by_name["vlm-qlora"]
     assert vlm.recipe == "qwen_vl_qlora.yaml" and vlm.shape in g.VISION_SHAPES and vlm.data == "vision"
     for c in g.CHECKS:  # every recipe it starts from is a shipped one
@@ -52,6 +55,23 @@ def test_shapes_are_the_shipped_configs_with_the_check_tokenizer_ids():
     assert (full["bos_token_id"], full["eos_token_id"]) == (1, 2)
     tiny = g.shape_config("qwen-7b", Tok, tiny=True)
     assert tiny["model_type"] == "qwen2" and tiny["num_hidden_layers"] == 2 and tiny["vocab_size"] == 152064
+    moe = g.shape_config("qwen3-moe", Tok, tiny=False)  # each layer as released, 8 of the 48
+    assert (moe["num_hidden_layers"], moe["num_experts"], moe["num_experts_per_tok"], moe["moe_intermediate_size"],
+            moe["hidden_size"]) == (8, 128, 8, 768, 2048)
+    assert g.shape_config("qwen3-moe", Tok, tiny=True)["num_experts"] == 8
+
+
+def test_moe_flops_count_the_experts_a_token_reaches():
+    """A mixture of experts costs a token its top-k experts, not all of them: the same model with one expert per
+    token and dense layers of that expert's width cost the same."""
+    g = gpu_check()
+    moe = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16, vocab_size=100,
+               tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    every_expert = 2 * 8 * 3 * 64 * 32
+    reached = 2 * 2 * 3 * 64 * 32
+    dense = {k: v for k, v in moe.items() if not k.startswith(("num_experts", "moe_"))}
+    assert g.flops_per_token(moe, 10_000 + every_expert, False, 128) == g.flops_per_token(dense, 10_000 + reached,
+                                                                                       False, 128)
 
 
 # Its CPU run of a text row (--tiny, tunekit against the TRL script) is tests/bench/test_gpu_kit.py's, from the kit,
