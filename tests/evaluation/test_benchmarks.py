@@ -111,6 +111,24 @@ def test_a_task_files_data_is_read_beside_it(tasks, tmp_path):
         benchmarks.task_config(tmp_path / "absent.yaml")
 
 
+def test_a_dataset_folder_named_by_dataset_path_is_read_beside_the_task_file(tasks, tmp_path, monkeypatch):
+    """dataset_path: a folder beside the YAML (datasets reads a folder of data files) is the YAML's, whatever the
+    working folder; a builder name (json) stays a name."""
+    import datasets
+
+    folder = tmp_path / "tasks"
+    (folder / "colours").mkdir(parents=True)
+    (folder / "colours" / "test.jsonl").write_text((tasks[0].parent / "data" / "mc.jsonl").read_text())
+    cfg = yaml.safe_load(tasks[0].read_text())
+    cfg.update(dataset_path="colours", dataset_kwargs=None)
+    (folder / "mc.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)  # a working folder where "colours" is nothing
+    read = benchmarks.task_config(folder / "mc.yaml")
+    assert read["dataset_path"] == str(folder / "colours")
+    assert len(datasets.load_dataset(read["dataset_path"], split="test")) == 40
+    assert benchmarks.task_config(tasks[0])["dataset_path"] == "json"
+
+
 def test_group_files_are_refused(tmp_path):
     group = tmp_path / "group.yaml"
     group.write_text("group: mine\ntask: [a, b]\n")

@@ -70,7 +70,7 @@ def _absolute(value, folder: Path):
 
 def task_config(path: Path, key: str = "--benchmarks") -> dict:
     """A local task YAML as lm-eval reads it (its `include:` and `!function` as lm-eval resolves them), with its
-    data files relative to the YAML's folder."""
+    data files, and a dataset_path naming a folder, relative to the YAML's folder."""
     from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's own reader of a task file
 
     if not path.is_file():
@@ -84,6 +84,9 @@ def task_config(path: Path, key: str = "--benchmarks") -> dict:
     if "group" in cfg or "tag" in cfg or not isinstance(cfg.get("task"), str):
         raise TunekitError(f"{key} {path}: a group or tag file, or no `task:` name; give the task files themselves "
                            "(each with task: NAME), or a group's name where lm-eval ships it")
+    local = path.parent / str(cfg.get("dataset_path", ""))
+    if cfg.get("dataset_path") and local.exists():  # a dataset folder beside the YAML (not a builder or Hub name)
+        cfg["dataset_path"] = str(local.resolve())
     kwargs = cfg.get("dataset_kwargs") or {}
     if "data_files" in kwargs:
         cfg["dataset_kwargs"] = {**kwargs, "data_files": _absolute(kwargs["data_files"], path.parent)}
