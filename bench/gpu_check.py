@@ -152,7 +152,7 @@ CHECKS = [
           "4-bit path quantizes linear layers only (its experts stay bf16; peft's all-linear reaches attention, router "
           "and experts)", "qwen3-moe",
           "text", [*QLORA, "training.precision=bf16", "training.micro_batch_size=4"],
-          trl={"precision": "bf16", "batch": 4, "quant4": True}, steps=12, est_s=150),  # est_s: not yet measured
+          trl={"precision": "bf16", "batch": 4, "quant4": True}, steps=12, needs="", est_s=150),  # est_s: a guess
     # torch's ring attention has no sharding rule for SDPA's CPU kernel: context parallel runs on GPUs only, and
     # needs two of them (docs/multi-gpu.md); the lent machine has one, so this row is skipped there
     Check("cp2", "training.parallelism cp 2 under FSDP2 (torch's ring attention over SDPA), LoRA bf16, a row's "

@@ -37,7 +37,7 @@ def test_the_set_covers_the_paths_the_check_promises():
                                                      "Qwen/Qwen2.5-7B", "Qwen/Qwen3-30B-A3B"}
     moe = by_name["moe-qlora"]
     assert g.SHAPES[moe.shape] == "Qwen/Qwen3-30B-A3B" and "quantization.bits=4" in sets["moe-qlora"]
-    assert moe.trl and moe.trl["quant4"] and moe.needs == "cuda"
+    assert moe.trl and moe.trl["quant4"] and moe.needs == ""  # --tiny runs it on a CPU too
     vlm = by_name["vlm-qlora"]
     assert vlm.recipe == "qwen_vl_qlora.yaml" and vlm.shape in g.VISION_SHAPES and vlm.data == "vision"
     for c in g.CHECKS:  # every recipe it starts from is a shipped one
@@ -78,6 +78,29 @@ def test_moe_flops_count_the_experts_a_token_reaches():
 # as on a GPU machine (make test-full).
 
 
+@pytest.mark.slow
+@pytest.mark.full  # make test-full: tests/moved2-full-last-run.json
+def test_the_moe_check_trains_4_bit_experts_beside_the_plan_and_trl_on_a_cpu(tmp_path):
+    """--tiny: the Qwen3-30B-A3B architecture narrowed (8 experts, top-2), its experts stored in 4 bits and trained
+    through LoRA, the plan beside it and TRL's script on the same model."""
+    import json
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--tiny", "--only", "moe-qlora",
+                          "--steps", "6", "--work", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+    assert row["result"] == "ok" and row["plan"] and len(row["loss"]) == 6 and row["tokens_per_s"], row
+    assert row["trl"]["steady_tokens_per_s"] and row["memory_vs_trl"], row["trl"]
+    log = (tmp_path / "moe-qlora.log").read_text()
+    assert "the experts' 3-D weights are stored in 4 bits too (nf4)" in log
+    assert "experts run through transformers' grouped_mm path" in log and "train through LoRA on their 3-D" in log
+    config = json.loads((tmp_path / "models" / "qwen3-moe" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 8
+
+
+@pytest.mark.slow
 @pytest.mark.full  # make test-full: tests/moved2-full-last-run.json
 def test_the_vision_check_trains_on_image_batches_on_a_cpu(tmp_path):
     """--tiny: the LLaVA composition built from LlavaConfig's tower on the Llama shape, saved with its processor,
@@ -139,6 +162,7 @@ def test_the_step_profile_counts_host_syncs_and_operators():
     assert out["top_operators_ms_per_step"][0][0] and out["operators_per_step"] >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.full  # make test-full: tests/moved2-full-last-run.json
 def test_the_varlen_parity_check_runs_on_a_cpu(tmp_path):
     import json

@@ -116,16 +116,44 @@ def test_a_moe_exports_its_experts_as_llama_cpp_keeps_them_and_reads_back_with_i
     assert reader.GGUF_SUPPORTED_ARCHITECTURES == supported and "olmoe" not in reader.TENSOR_PROCESSORS
 
 
+def test_the_readers_tables_hold_olmoe_only_for_the_check_and_are_left_as_they_were():
+    """Nested, or left by an error, the read-back's registration leaves transformers' GGUF reader as it found it."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    from tunekit.export.architectures import ARCHITECTURES
+
+    def tables():
+        return (dict(reader.GGUF_TO_TRANSFORMERS_MAPPING["config"]), dict(reader.TENSOR_PROCESSORS),
+                list(reader.GGUF_SUPPORTED_ARCHITECTURES))
+
+    before = tables()
+    assert "olmoe" not in before[2]
+    with pytest.raises(RuntimeError, match="inside"):
+        with readback.registered(ARCHITECTURES["olmoe"]):
+            inside = tables()
+            with readback.registered(ARCHITECTURES["olmoe"]):
+                assert tables() == inside
+            assert tables() == inside and "olmoe" in inside[2]
+            assert inside[0]["olmoe"] == before[0]["qwen3_moe"] and inside[1]["olmoe"] is before[1]["qwen3moe"]
+            raise RuntimeError("inside")
+    assert tables() == before
+    with readback.registered(ARCHITECTURES["qwen3_moe"]):  # listed by transformers: read as it is
+        assert tables() == before
+
+
 @pytest.mark.parametrize("family, changes, says", [
     ("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob: false"),
     ("olmoe", {"norm_topk_prob": True}, "this model has norm_topk_prob: true"),
     ("olmoe", {"num_key_value_heads": 2, "clip_qkv": 8.0},
      "this model has 2 key/value heads for 4 query heads, clip_qkv: 8.0"),
+    ("olmoe", {"hidden_act": "gelu", "attention_bias": True, "tie_word_embeddings": True},
+     "this model has hidden_act: gelu, attention_bias: true, tie_word_embeddings: true"),
     ("mixtral", {}, "this one is MixtralForCausalLM")])
 def test_a_moe_llama_cpp_would_compute_otherwise_is_refused_in_one_line(tmp_path, family, changes, says):
     """A Qwen3-MoE whose router does not normalise its top-k weights (llama.cpp's qwen3moe always does), an OLMoE
-    that does (llama.cpp's olmoe never does), one with grouped key/value heads or clamped q/k/v (llama.cpp's olmoe
-    has neither), and a family with no GGUF entry here: each refused before anything is written."""
+    that does (llama.cpp's olmoe never does), one with grouped key/value heads, clamped q/k/v, another activation,
+    attention biases or a tied output (llama.cpp's olmoe has none of these, and would not load the last two), and a
+    family with no GGUF entry here: each refused before anything is written."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tunekit.core.errors import TunekitError

@@ -248,6 +248,7 @@ def ray_workers() -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.full  # make test-full: tests/moved2-full-last-run.json
 def test_a_killed_worker_is_restarted_and_resumes_to_the_uninterrupted_adapter(recipe_file, on_ray, tmp_path):
     out = tmp_path / "run"

@@ -129,16 +129,21 @@ def _qwen3_moe(writer, cfg) -> None:
 def _olmoe(writer, cfg) -> None:
     # llama.cpp's olmoe graph (src/models/olmoe.cpp) weighs a token's top-k experts by their softmax probabilities
     # as they are (build_moe_ffn's norm_w: false), normalises k over n_embd values (as wide as q: no grouped
-    # heads) and clamps nothing: a model that differs would compute otherwise there
+    # heads), clamps nothing, runs SiLU experts, has no attention biases and reads its own output matrix (no tied
+    # fallback): a model that differs would compute otherwise there, or not load
     differs = [what for what, differ in (
         ("norm_topk_prob: true", getattr(cfg, "norm_topk_prob", False)),
         (f"{cfg.num_key_value_heads} key/value heads for {cfg.num_attention_heads} query heads",
          cfg.num_key_value_heads != cfg.num_attention_heads),
-        (f"clip_qkv: {getattr(cfg, 'clip_qkv', None)}", getattr(cfg, "clip_qkv", None) is not None)) if differ]
+        (f"clip_qkv: {getattr(cfg, 'clip_qkv', None)}", getattr(cfg, "clip_qkv", None) is not None),
+        (f"hidden_act: {cfg.hidden_act}", cfg.hidden_act != "silu"),
+        ("attention_bias: true", getattr(cfg, "attention_bias", False)),
+        ("tie_word_embeddings: true", getattr(cfg, "tie_word_embeddings", False))) if differ]
     if differs:
         raise TunekitError(f"export: llama.cpp's olmoe takes the top-k expert weights unnormalised, as many "
-                           f"key/value heads as query heads and no clip_qkv; this model has {', '.join(differs)}, "
-                           "so a GGUF file of it would compute otherwise")
+                           f"key/value heads as query heads, no clip_qkv, SiLU, no attention biases and an output "
+                           f"matrix of its own; this model has {', '.join(differs)}, so a GGUF file of it would "
+                           "compute otherwise")
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
 

@@ -51,34 +51,40 @@ def prompts(recipe, tokenizer) -> dict:
 
 
 def check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
-    with one_reader(), registered(architecture(source_model.config, "export"), source_model.config.model_type):
+    with one_reader(), registered(architecture(source_model.config, "export")):
         return _check(source_model, source_tokenizer, gguf_file, batch)
 
 
 @contextmanager
-def registered(arch, model_type: str):
-    """transformers' GGUF reader is table-driven (config keys per family, a tensor processor per GGUF
-    architecture) and lists only the families it was given; a family it lacks whose file reads as a listed one's
-    (OLMoE's keys and expert tensors are Qwen3-MoE's) is added to its tables for the read-back, then removed."""
-    if arch.read_back_like is None:
-        yield
-        return
+def registered(arch):
+    """transformers' GGUF reader is table-driven (config keys and the supported list by the file's architecture
+    name, a tensor processor per name) and lists only the families it was given; a family it lacks whose file
+    reads as a listed one's (OLMoE's keys and expert tensors are Qwen3-MoE's) is added to its tables for the
+    read-back, and the tables are left as they were after. A family transformers lists is read as it is."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as reader
 
     def gguf_name(entry) -> str:
         return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, entry.gguf_arch)]
 
-    like, name = arch.read_back_like, gguf_name(arch)
+    name = gguf_name(arch)
+    if arch.read_back_like is None or name in reader.GGUF_SUPPORTED_ARCHITECTURES:
+        yield
+        return
+    like = arch.read_back_like
     configs, processors = reader.GGUF_TO_TRANSFORMERS_MAPPING["config"], reader.TENSOR_PROCESSORS
-    configs[model_type] = configs[like]  # keyed by transformers' model type, processors by the file's name
-    processors[name] = processors[gguf_name(ARCHITECTURES[like])]
-    reader.GGUF_SUPPORTED_ARCHITECTURES.append(model_type)
+    before = [(table, dict(table)) for table in (configs, processors)]
     try:
+        configs[name] = dict(configs[like])  # the config table goes by transformers' name of the listed family
+        processors[name] = processors[gguf_name(ARCHITECTURES[like])]
+        reader.GGUF_SUPPORTED_ARCHITECTURES.append(name)
         yield
     finally:
-        reader.GGUF_SUPPORTED_ARCHITECTURES.remove(model_type)
-        del configs[model_type], processors[name]
+        if name in reader.GGUF_SUPPORTED_ARCHITECTURES:
+            reader.GGUF_SUPPORTED_ARCHITECTURES.remove(name)
+        for table, kept in before:
+            table.clear()
+            table.update(kept)
 
 
 def _check(source_model, source_tokenizer, gguf_file: Path, batch) -> Check:
