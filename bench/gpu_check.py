@@ -471,9 +471,11 @@ def flops_per_token(config: dict, parameters: int, full: bool, context: float) -
     hidden, layers = text["hidden_size"], text["num_hidden_layers"]
     width = text["num_attention_heads"] * text.get("head_dim", hidden // text["num_attention_heads"])
     embeddings = 0 if text.get("tie_word_embeddings") else text["vocab_size"] * hidden  # a lookup, not a matmul
-    if text.get("num_experts"):
-        idle = text["num_experts"] - text["num_experts_per_tok"]
-        parameters -= layers * idle * 3 * hidden * text["moe_intermediate_size"]
+    experts = text.get("num_experts") or text.get("num_local_experts")  # transformers 5 saves the latter
+    if experts:
+        sparse = layers - len(text.get("mlp_only_layers") or [])
+        expert = text.get("moe_intermediate_size") or text["intermediate_size"]
+        parameters -= sparse * (experts - text["num_experts_per_tok"]) * 3 * hidden * expert
     return (6 if full else 4) * (parameters - embeddings) + 6 * layers * context * width
 
 

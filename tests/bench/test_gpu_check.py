@@ -72,6 +72,9 @@ def test_moe_flops_count_the_experts_a_token_reaches():
     dense = {k: v for k, v in moe.items() if not k.startswith(("num_experts", "moe_"))}
     assert g.flops_per_token(moe, 10_000 + every_expert, False, 128) == g.flops_per_token(dense, 10_000 + reached,
                                                                                        False, 128)
+    saved = {**{k: v for k, v in moe.items() if k != "num_experts"}, "num_local_experts": 8}  # config.json's name
+    assert g.flops_per_token(saved, 10_000 + every_expert, False, 128) == g.flops_per_token(moe, 10_000 + every_expert,
+                                                                                         False, 128)
 
 
 # Its CPU run of a text row (--tiny, tunekit against the TRL script) is tests/bench/test_gpu_kit.py's, from the kit,
@@ -97,7 +100,7 @@ def test_the_moe_check_trains_4_bit_experts_beside_the_plan_and_trl_on_a_cpu(tmp
     assert "the experts' 3-D weights are stored in 4 bits too (nf4)" in log
     assert "experts run through transformers' grouped_mm path" in log and "train through LoRA on their 3-D" in log
     config = json.loads((tmp_path / "models" / "qwen3-moe" / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 8
+    assert config["model_type"] == "qwen3_moe" and config["num_local_experts"] == 8
 
 
 @pytest.mark.slow
