@@ -170,6 +170,13 @@ class Architecture:
     # (registered with the reader for the read-back only: readback.registered)
     read_back_like: str | None = None
 
+    @property
+    def gguf_name(self) -> str:
+        """The architecture's name in a GGUF file (general.architecture, the keys' prefix): qwen3moe, olmoe, ..."""
+        import gguf
+
+        return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, self.gguf_arch)]
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("LLAMA", "Llama 2/3, SmolLM2", permute_qk=True, settings=_llama),

@@ -247,7 +247,7 @@ def _write(model, tokenizer, path: Path, quant: Quant, facts: Facts) -> None:
 
     cfg = model.config
     arch = architecture(cfg, "export")
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.gguf_arch)])
+    writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(facts.name)
     writer.add_base_model_count(1)

@@ -61,13 +61,9 @@ def registered(arch):
     name, a tensor processor per name) and lists only the families it was given; a family it lacks whose file
     reads as a listed one's (OLMoE's keys and expert tensors are Qwen3-MoE's) is added to its tables for the
     read-back, and the tables are left as they were after. A family transformers lists is read as it is."""
-    import gguf
     from transformers import modeling_gguf_pytorch_utils as reader
 
-    def gguf_name(entry) -> str:
-        return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, entry.gguf_arch)]
-
-    name = gguf_name(arch)
+    name = arch.gguf_name
     if arch.read_back_like is None or name in reader.GGUF_SUPPORTED_ARCHITECTURES:
         yield
         return
@@ -76,7 +72,7 @@ def registered(arch):
     before = [(table, dict(table)) for table in (configs, processors)]
     try:
         configs[name] = dict(configs[like])  # the config table goes by transformers' name of the listed family
-        processors[name] = processors[gguf_name(ARCHITECTURES[like])]
+        processors[name] = processors[ARCHITECTURES[like].gguf_name]
         reader.GGUF_SUPPORTED_ARCHITECTURES.append(name)
         yield
     finally:

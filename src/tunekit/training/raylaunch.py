@@ -73,8 +73,8 @@ def check_fits(workers: int, need: dict[str, float], nodes: list[dict[str, float
     slots = worker_slots(nodes, need)
     if slots >= workers:
         return
-    totals = _totals(nodes)
-    totals = {k: totals.get(k, 0.0) for k in need}
+    have = _totals(nodes)
+    totals = {k: have.get(k, 0.0) for k in need}
     raise TunekitError(
         f"training.ray: {workers} workers x {_describe(need)} do not fit the Ray cluster ({len(nodes)} node"
         f"{'s' if len(nodes) != 1 else ''}, {_describe(totals)} in all: room for {slots}); lower "
