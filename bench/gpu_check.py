@@ -466,14 +466,17 @@ def flops_per_token(config: dict, parameters: int, full: bool, context: float) -
     """Training FLOPs per token: 4 x the parameters in matmuls with a frozen base and an adapter (forward 2N, input
     gradients 2N; the adapter's weight gradients are small), 6 x for full fine-tuning; plus attention's score and
     value products, 6 x layers x context x query width (forward 2, halved by the causal mask, backward 4). A
-    mixture of experts counts only the experts a token reaches (top-k of n, its gate, up and down)."""
+    mixture of experts counts only the routed experts a token reaches (top-k of n, its gate, up and down) and the
+    shared experts (DeepSeek-V3's, Qwen2-MoE's) every token goes through; DeepSeek-V3's first dense layers route
+    nothing."""
     text = config.get("text_config", config)
     hidden, layers = text["hidden_size"], text["num_hidden_layers"]
     width = text["num_attention_heads"] * text.get("head_dim", hidden // text["num_attention_heads"])
     embeddings = 0 if text.get("tie_word_embeddings") else text["vocab_size"] * hidden  # a lookup, not a matmul
-    experts = text.get("num_experts") or text.get("num_local_experts")  # transformers 5 saves the latter
+    # transformers 5 saves num_local_experts; DeepSeek-V3's and GLM-4.5's own name is n_routed_experts
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
     if experts:
-        sparse = layers - len(text.get("mlp_only_layers") or [])
+        sparse = layers - len(text.get("mlp_only_layers") or []) - (text.get("first_k_dense_replace") or 0)
         expert = text.get("moe_intermediate_size") or text["intermediate_size"]
         parameters -= sparse * (experts - text["num_experts_per_tok"]) * 3 * hidden * expert
     return (6 if full else 4) * (parameters - embeddings) + 6 * layers * context * width

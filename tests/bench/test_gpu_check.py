@@ -75,6 +75,13 @@ def test_moe_flops_count_the_experts_a_token_reaches():
     saved = {**{k: v for k, v in moe.items() if k != "num_experts"}, "num_local_experts": 8}  # config.json's name
     assert g.flops_per_token(saved, 10_000 + every_expert, False, 128) == g.flops_per_token(moe, 10_000 + every_expert,
                                                                                          False, 128)
+    # DeepSeek-V3's names: routed experts in all but its first dense layer; the shared experts, in `parameters`, are
+    # every token's
+    deepseek = {**{k: v for k, v in moe.items() if k != "num_experts"}, "n_routed_experts": 8, "n_shared_experts": 1,
+                "first_k_dense_replace": 1}
+    one_layer = 8 * 3 * 64 * 32
+    assert g.flops_per_token(deepseek, 10_000 + one_layer, False, 128) == g.flops_per_token(
+        dense, 10_000 + one_layer // 4, False, 128)
 
 
 # Its CPU run of a text row (--tiny, tunekit against the TRL script) is tests/bench/test_gpu_kit.py's, from the kit,

@@ -28,10 +28,11 @@ from tunekit.models import experts
 from tunekit.models.families import MOE_FAMILIES
 from tunekit.runs.layout import EXPERT_LOAD_FILE
 
-# make test trains Qwen3-MoE, OLMoE and Mixtral (6-10 s each); gpt-oss (its experts stored transposed, with biases,
-# its router `router`: 30-70 s for its 200k-token vocabulary and long template) trains in make test-full, recorded
-# with the multi-process test below in tests/moe-full-last-run.json; all four are found and scoped above
-IN_FULL = {"gpt_oss"}
+# make test trains Qwen3-MoE, OLMoE, Mixtral and DeepSeek-V3 (6-10 s each); gpt-oss (its experts stored transposed,
+# with biases, its router `router`: 30-70 s for its 200k-token vocabulary and long template) and Qwen2-MoE (its shared
+# expert as DeepSeek-V3's, behind a gate) train in make test-full, recorded with the multi-process test below in
+# tests/moe-full-last-run.json; all six are found and scoped above
+IN_FULL = {"gpt_oss", "qwen2_moe"}
 
 
 def _tiny_meta(family):
@@ -51,7 +52,8 @@ def test_the_experts_and_routers_are_found_from_the_model(family):
     found = experts.layout(model)
     cfg = model.config
     count = getattr(cfg, "num_experts", None) or cfg.num_local_experts
-    assert (found.count, found.top_k, found.layers) == (count, cfg.num_experts_per_tok, 2)
+    dense = getattr(cfg, "first_k_dense_replace", 0)  # DeepSeek-V3's first layers are dense
+    assert (found.count, found.top_k, found.layers) == (count, cfg.num_experts_per_tok, 2) and dense in (0, 1)
     assert found.experts == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
     assert found.routers == (("mlp.router",) if family == "gpt_oss" else ("mlp.gate",))
     held = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
@@ -201,6 +203,33 @@ def test_a_moe_section_for_a_dense_model_is_refused(tmp_path, tiny_model, capsys
     assert line.endswith("is not a mixture-of-experts model; remove the moe section")
 
 
+def test_a_balancing_loss_is_refused_where_the_config_sets_none(tmp_path, family_models, capsys, monkeypatch):
+    """DeepSeek-V3's config names its experts n_routed_experts (a moe section is its to have) and sets no balancing
+    loss: its router balances by a score-correction bias, so a coefficient or a per-layer loss is refused before
+    weights load; under a model whose modeling computes none (a config saying otherwise), when it loads."""
+    from tunekit.config.recipefile import from_dict
+    from tunekit.core.errors import TunekitError
+    from tunekit.core.hardware import Precision
+    from tunekit.models import loader, moecheck
+
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    model = family_models("deepseek_v3")
+    for moe, key in (({"aux_loss_coef": 0.01}, "aux_loss_coef"), ({"aux_loss_scope": "layer"}, "aux_loss_scope")):
+        recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(model, data, tmp_path / "run", moe=moe))
+        line = refused_in_process(["validate", str(recipe)], tmp_path, capsys, monkeypatch)
+        assert line.startswith(f"tunekit: error: moe.{key}: ") and "sets no load-balancing loss" in line, line
+        assert line.endswith(f"remove moe.{key}")
+    raw = tiny_recipe(model, data, tmp_path / "run", moe={"router": "trained"})
+    assert moecheck.check_recipe(from_dict(raw)).moe.router == "trained"
+
+    raw = tiny_recipe(model, data, tmp_path / "run", moe={"aux_loss_coef": 0.01})
+    built = loader.load_for_training(from_dict({k: v for k, v in raw.items() if k != "moe"}), Precision("fp32", "t"))
+    assert not experts.computes_balancing_loss(built.base_model.model)
+    assert experts.balance_router(built, None) == 0.0 and not built.config.output_router_logits
+    with pytest.raises(TunekitError, match="computes no load-balancing loss in transformers"):
+        experts.balance_router(built, from_dict(raw).moe)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [in_full(f) if f in IN_FULL else f for f in sorted(MOE_FAMILIES)])
 def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_adapter(tmp_path, family_models,
@@ -221,14 +250,20 @@ def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_a
     lines = [line.removeprefix("tunekit: ") for line in res.stderr.splitlines()]
     said = [line for line in lines if line.startswith("lora: all-linear")]
     assert any(line.startswith("moe: the experts run through transformers' grouped_mm path (moe.kernel); the "
-                               "router's load-balancing loss is added to the loss at") for line in lines)
-    assert len(said) == 1 and "q_proj" in said[0] and "mlp.experts.gate_up_proj" in said[0], said
+                               "router's load-balancing loss is ") for line in lines)
+    assert len(said) == 1 and "o_proj" in said[0] and "mlp.experts.gate_up_proj" in said[0], said
 
     adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert any(".mlp.experts." in k and "lora_A" in k for k in adapter)  # one pair per expert, peft's layout
     assert not any(".gate." in k or ".router." in k for k in adapter)  # the router stays frozen
     steps = [r for r in history(run, "loss") if "eval_loss" not in r]
-    assert all(r["aux_loss"] > 0 for r in steps) and steps[-1]["loss"] < steps[0]["loss"]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    if "router_aux_loss_coef" in json.loads((model_dir / "config.json").read_text()):
+        assert all(r["aux_loss"] > 0 for r in steps)
+    else:  # DeepSeek-V3: its router balances by a score-correction bias, which stays as loaded
+        assert not any("aux_loss" in r for r in steps)
+        assert any(line.startswith("moe:") and "load-balancing loss is not computed" in line for line in lines)
+        assert not any("e_score_correction_bias" in k for k in adapter)
     evals = history(run, "eval_loss")
     assert [r["step"] for r in evals] == [3, 6] and all(r["eval_expert_imbalance"] >= 1.0 for r in evals)
     loads = [json.loads(line) for line in (run / EXPERT_LOAD_FILE).read_text().splitlines()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -183,6 +184,11 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
         return None
     moe = moe or MoeConfig()
     config = base.config
+    if not computes_balancing_loss(base):
+        if moe.aux_loss_coef or moe.aux_loss_scope == "layer":  # a config that sets none: refused by moecheck
+            raise TunekitError(f"moe.aux_loss: {type(base).__name__} computes no load-balancing loss in transformers; "
+                               "remove moe.aux_loss_coef and moe.aux_loss_scope")
+        return 0.0
     if not hasattr(base, "_tunekit_router_as_loaded"):
         base._tunekit_router_as_loaded = {k: getattr(config, k, None) for k in ("output_router_logits",
                                                                                 "router_aux_loss_coef")}
@@ -199,6 +205,13 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
             found = layout(base)
             routerloss.per_layer(base, found.count, found.top_k)
     return coef
+
+
+def computes_balancing_loss(base: nn.Module) -> bool:
+    """Whether transformers computes a load-balancing loss for this model (its modeling module has the function:
+    Mixtral's, Qwen2/3-MoE's, OLMoE's, gpt-oss's); DeepSeek-V3's and GLM-4.5's routers balance by a score-correction
+    bias instead, which stays as loaded."""
+    return hasattr(sys.modules[type(base).__module__], "load_balancing_loss_func")
 
 
 @contextlib.contextmanager

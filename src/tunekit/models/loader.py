@@ -333,7 +333,9 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
                  "loss %s", experts.choose_kernel(model, recipe.moe),
                  f"is added to the loss at {coef:g} (moe.aux_loss_coef), counted "
                  f"{'per layer' if recipe.moe and recipe.moe.aux_loss_scope == 'layer' else 'over all layers'} "
-                 "(moe.aux_loss_scope)" if coef else "is off (moe.aux_loss)")
+                 "(moe.aux_loss_scope)" if coef else "is off (moe.aux_loss)" if experts.computes_balancing_loss(model)
+                 else f"is not computed: transformers has none for {type(model).__name__}, whose router balances as "
+                 "pre-trained (DeepSeek-V3's by a score-correction bias, kept as loaded)")
     if start_adapter is not None:
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     elif peft_cfg is not None:

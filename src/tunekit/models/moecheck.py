@@ -13,14 +13,22 @@ from tunekit.models import hub, info, vision
 
 def is_sparse(raw: dict) -> bool:
     """Whether a config.json (a vision-language model's: its text_config) is a mixture of experts: experts per layer
-    and experts per token."""
+    (DeepSeek-V3's and GLM-4.5's n_routed_experts) and experts per token."""
     text = raw.get("text_config") or raw
-    count = text.get("num_experts") or text.get("num_local_experts")
+    count = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
     return bool(count) and bool(text.get("num_experts_per_tok"))
 
 
+def has_balancing_loss(raw: dict) -> bool:
+    """Whether a mixture of experts' config.json sets a load-balancing loss (router_aux_loss_coef), as the models
+    transformers computes one for do; DeepSeek-V3's and GLM-4.5's routers balance by a score-correction bias
+    instead, and their configs set none."""
+    return "router_aux_loss_coef" in (raw.get("text_config") or raw)
+
+
 def check_recipe(recipe):
-    """Refused: a moe section for a dense model, LoRA dropout asked for on the experts, an 8-bit base of a mixture
+    """Refused: a moe section for a dense model, a balancing loss weighed for a model whose config sets none, LoRA
+    dropout asked for on the experts, an 8-bit base of a mixture
     of experts (its experts would silently stay in 16 bits: only 4 bits reach them, models.expertquant), 4-bit
     experts under ZeRO-3 or FSDP2, or under a method that copies the adapter as its reference. Returns the recipe
     with lora.dropout's default dropped where LoRA reaches the experts (models.experts.scope_lora drops it from
@@ -34,9 +42,15 @@ def check_recipe(recipe):
         if recipe.moe is not None:
             raise TunekitError(f"moe: {name} is not a mixture-of-experts model; remove the moe section")
         return recipe
+    moe = recipe.moe or MoeConfig()
+    if not has_balancing_loss(raw) and (moe.aux_loss_coef or moe.aux_loss_scope == "layer"):
+        key = "aux_loss_coef" if moe.aux_loss_coef else "aux_loss_scope"
+        raise TunekitError(f"moe.{key}: {name}'s config sets no load-balancing loss (no router_aux_loss_coef: its "
+                           "router balances otherwise, as DeepSeek-V3's by a score-correction bias), so there is "
+                           f"none to weigh; remove moe.{key}")
     lora = recipe.lora
     # LoRA reaches the experts (scope_lora; a vision-language model's LoRA stays on its language model's linears)
-    on_experts = lora is not None and (recipe.moe or MoeConfig()).experts and not vision.reads_images(recipe.model)
+    on_experts = lora is not None and moe.experts and not vision.reads_images(recipe.model)
     if on_experts and "dropout" in lora.model_fields_set and lora.dropout > 0:
         raise TunekitError(f"lora.dropout: {lora.dropout} cannot apply to {name}'s experts: peft's LoRA on their 3-D "
                            "weights (moe.experts) takes no dropout; set lora.dropout: 0, or moe.experts: false to "

@@ -72,12 +72,13 @@ def layer_bytes_per_token(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = No
     counts."""
     h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     if sparse is not None:
-        inter = 0  # no dense MLP: its widths drop out of the terms below
-    mlp_inputs = 2 if sparse is None else 0  # gate and up's own casts of the MLP input
-    linears = 7 if sparse is None else 4
+        inter = sparse.shared  # no dense MLP but the shared experts, if any: the terms below at their width
+    gated = sparse is not None and sparse.shared_gate
+    mlp_inputs = (2 if inter else 0) + gated  # gate and up's own casts of the MLP input (and a shared gate's)
+    linears = 4 + (3 if inter else 0) + gated
     # the norm outputs that linear layers keep: the attention's and the MLP's; a sparse block's grouped matmuls keep
     # their own gathered rows, its router the norm output only when trained (plan.moe)
-    normed = 2 if sparse is None else 1
+    normed = 2 if inter else 1
     q, kv = q_width(cfg), kv_width(cfg)
     full, lora = recipe.full_finetuning, recipe.lora is not None
     fp32 = s.precision == "fp32"
@@ -94,7 +95,9 @@ def layer_bytes_per_token(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = No
         whole += ((3 + mlp_inputs) * h + (q if lora and not fused else 0)) * elem
     mlp = 4 * inter * elem if fp32 or recipe.quantization is None else 3 * inter * 4 + inter * 2
     if sparse is not None:
-        mlp = moe.block_bytes_per_token(sparse, cfg, s, recipe)
+        mlp = (mlp if inter else 0) + moe.block_bytes_per_token(sparse, cfg, s, recipe)
+        if gated:  # the shared experts' output and the gate's sigmoid, kept for their product
+            mlp += (h + 1) * (4 if fp32 or recipe.quantization is not None else elem)
     split = (2 * q + 2 * kv) * elem + 4 * heads + mlp
     if shapes.attention(cfg, recipe) == "eager":
         split += 2 * heads * s.seq_len * elem

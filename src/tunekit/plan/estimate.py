@@ -270,6 +270,9 @@ def make(recipe: Recipe, s: Settings, cfg=None, model=None, versus: bool = True)
     plan = Plan(s, c, {k: int(v) for k, v in parts.items()}, int(cpu), time.flops, time.seconds, phases, moments,
                 {t.key: t.category for t in terms}, modelstate.remarks(recipe, s, parts), time,
                 vision=vision.sizes(model), communication=sent)
+    if shapes.latent_attention(cfg):  # its latent projections, norms and rotary halves are not counted
+        plan.remarks[act_key] = ("multi-head latent attention counted as plain attention: 50-70% under a layer's "
+                                 "measured bytes on a tiny DeepSeek-V3, tests/plan/test_moe_activations.py")
     # neither shards 4-bit experts (models.moecheck refuses both): no comparison to offer
     shardable = not (recipe.quantization is not None and sparse is not None)
     if versus and s.world_size > 1 and s.tp * splitting.pieces(s) == 1 and shardable:

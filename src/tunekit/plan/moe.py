@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tunekit.config.schema import MoeConfig, Recipe
 from tunekit.models import experts
@@ -29,6 +30,8 @@ class Sparse:
     experts_trained: bool  # their weights (full fine-tuning) or LoRA on them take gradients
     router_trained: bool
     scopes: int  # balancing losses computed: 0 (off), 1 (the model's), 2 (moe.aux_loss_scope layer: both)
+    shared: int = 0  # width of the shared experts every token goes through beside the routed (DeepSeek-V3, Qwen2-MoE)
+    shared_gate: bool = False  # a one-wide linear gate scales the shared experts' output (Qwen2-MoE)
 
 
 def of(model, cfg, recipe: Recipe) -> Sparse | None:
@@ -46,9 +49,36 @@ def of(model, cfg, recipe: Recipe) -> Sparse | None:
                                              if p.dim() == 3) if adapted else 0
     coef = moe.aux_loss_coef if moe.aux_loss_coef is not None else getattr(text, "router_aux_loss_coef", 0.0)
     scopes = 0 if not (moe.aux_loss and coef) else 2 if moe.aux_loss_scope == "layer" else 1
+    shared, shared_gate = shared_experts(model, module)
     return Sparse(found.layers, found.count, found.top_k, width, gate_rows(module), weights, lora,
                   recipe.quantization is not None, recipe.full_finetuning or adapted,
-                  recipe.full_finetuning or moe.router == "trained", scopes)
+                  recipe.full_finetuning or moe.router == "trained", scopes, shared, shared_gate)
+
+
+def shared_experts(model, module) -> tuple[int, bool]:
+    """(width, gated) of the dense MLP a sparse block runs every token through beside its routed experts (`module`):
+    DeepSeek-V3's and GLM-4.5's shared_experts, Qwen2-MoE's shared_expert with its one-wide sigmoid gate; (0,
+    False) where the block has none. Found from the block's other children: those holding linear layers (an MLP's
+    width is the input of its last, the projection back to the hidden size), a linear layer one row wide (the
+    gate)."""
+    base = base_of(model)
+    name = next(n for n, m in base.named_modules() if m is module)
+    block = base.get_submodule(name.replace(".base_layer", "").rsplit(".", 1)[0])
+    width, gated = 0, False
+    for child in block.children():
+        linear = _linear(child)
+        if linear is not None:
+            gated = gated or linear.out_features == 1  # the router, one row per expert, is not one wide
+        elif not any(experts.holds_experts(m) for m in child.modules()):  # not the experts (under peft's wrappers)
+            linears = [m for n, m in child.named_modules() if "lora_" not in n and isinstance(m, nn.Linear)]
+            width += linears[-1].in_features if linears else 0  # down_proj, built last: the MLP's width
+    return width, gated and width > 0
+
+
+def _linear(module) -> nn.Linear | None:
+    """The linear layer a module is (nn.Linear, bitsandbytes' 4-bit one) or wraps (peft's LoRA layer)."""
+    module = getattr(module, "base_layer", module)
+    return module if isinstance(module, nn.Linear) else None
 
 
 def gate_rows(module) -> float:

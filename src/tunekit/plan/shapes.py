@@ -19,6 +19,12 @@ def kv_width(cfg) -> int:
     return (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim(cfg)
 
 
+def latent_attention(cfg) -> bool:
+    """Whether the attention is DeepSeek's multi-head latent attention (keys and values through a low-rank latent,
+    kv_lora_rank in the config: DeepSeek-V2/V3, Kimi K2), which the plan counts as plain attention."""
+    return bool(getattr(cfg.get_text_config(), "kv_lora_rank", None))
+
+
 def qk_norm_groups(model, cfg) -> int:
     """RMS values per token of the attention's query and key norms (Qwen3's, OLMoE's and Gemma 3's q_norm and
     k_norm; per head or over the whole width, as each norm's weight says), 0 for a model without them."""
