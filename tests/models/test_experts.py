@@ -24,7 +24,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
-from tunekit.models import experts
+from tunekit.models import experts, peftconvert
 from tunekit.models.families import MOE_FAMILIES
 from tunekit.runs.layout import EXPERT_LOAD_FILE
 
@@ -277,6 +277,11 @@ def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_a
     assert res.returncode == 0, res.stderr[-3000:]
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    # every linear layer but the head has its pair: the attention's, and the shared experts' and dense layers' MLPs
+    # (DeepSeek-V3's, which peft 0.21.2 would move to the experts: models.peftconvert)
+    linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    assert linear <= {k.removeprefix("base_model.model.").split(".lora_A")[0] for k in adapter if ".lora_A" in k}
+    peftconvert.mend()  # peft 0.21.2 loads the adapter as saved only with the mend
     with torch.no_grad():
         before = base(input_ids=ids).logits
         tuned = PeftModel.from_pretrained(base, str(run / "adapter"))(input_ids=ids).logits

@@ -20,7 +20,7 @@ from torch import nn
 
 from tunekit.config.schema import MoeConfig
 from tunekit.core.errors import TunekitError
-from tunekit.models import routerloss
+from tunekit.models import peftconvert, routerloss
 from tunekit.models.unwrap import base_of
 
 log = logging.getLogger("tunekit")
@@ -134,9 +134,13 @@ def scope_lora(model: nn.Module, peft_cfg, moe: MoeConfig | None, say: bool = Tr
                                f"{type(base_of(model)).__name__} (its experts are 3-D weights, trained by "
                                "moe.experts); "
                                f"name its linear layers ({', '.join(linear) or 'none reached'}) or use all-linear")
-    # the linear layers by name: peft reads all-linear on a model it knows as a mixture of experts in transformers 4's
-    # terms and would add LoRA on the router and on the experts (at twice the rank on gate_up_proj) on its own
-    peft_cfg.target_modules = linear
+    # the linear layers by their names within a decoder layer: peft reads all-linear, or a bare gate_proj, on a model
+    # it knows as a mixture of experts in transformers 4's terms and would move them to the router and the experts
+    # (at twice the rank on gate_up_proj); a dotted name it keeps (models.peftconvert)
+    peft_cfg.target_modules = sorted({_relative(n) for n, m in base_of(model).named_modules()
+                                      if isinstance(m, nn.Linear) and m is not head
+                                      and _reached(n, peft_cfg.target_modules)})
+    peftconvert.mend()
     if moe.experts:
         peft_cfg.target_parameters = list(found.experts)
         peft_cfg.lora_dropout = 0.0  # peft's LoRA on a parameter takes none; one asked for: refused (moecheck)

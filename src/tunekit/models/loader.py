@@ -31,7 +31,7 @@ from tunekit.config.schema import ModelConfig, Recipe
 from tunekit.core import distributed
 from tunekit.core.hardware import DTYPES, Precision
 from tunekit.core.outputs import cache_root
-from tunekit.models import expertquant, experts, hub, kernels, lorafused, vision
+from tunekit.models import expertquant, experts, hub, kernels, lorafused, peftconvert, vision
 from tunekit.models.ggufread import one_reader
 from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretrained
 from tunekit.models.unwrap import base_of
@@ -337,6 +337,7 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
                  else f"is not computed: transformers has none for {type(model).__name__}, whose router balances as "
                  "pre-trained (DeepSeek-V3's by a score-correction bias, kept as loaded)")
     if start_adapter is not None:
+        peftconvert.mend()  # its targets as saved, not rewritten in transformers 4's terms
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     elif peft_cfg is not None:
         # the adapter's initialisation draws from the global RNG, seeded here: a vision-language model built
@@ -361,6 +362,7 @@ def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dt
     if quant is not None:
         # as in training: embeddings and head in the compute dtype, the other unquantized layers (norms) in fp32
         base = prepare_quantized(base, quant.bnb_4bit_compute_dtype)
+    peftconvert.mend()  # its targets as saved, not rewritten in transformers 4's terms
     model = PeftModel.from_pretrained(base, str(adapter_dir))
     experts_in_4bit(model, quant)  # as in training: once the adapter is on
     return model

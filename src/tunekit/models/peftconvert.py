@@ -1,0 +1,40 @@
+"""A mend to peft 0.21.2's conversion of LoRA configs for transformers 5's mixtures of experts (peft issue #3711).
+
+Before it injects an adapter, peft rewrites the config of a model whose experts transformers 5 fused (DeepSeek-V3,
+GLM-4.5, Qwen3-MoE, OLMoE, ...), as if it were written for transformers 4: every target ending in gate_proj, up_proj
+or down_proj is taken for a routed expert's and moved to the fused 3-D expert weights. A shared expert's or a dense
+layer's MLP (DeepSeek-V3's shared_experts, its first dense layers) then gets no LoRA, on a new adapter and on one
+loaded back. tunekit names its targets within a decoder layer ("mlp.shared_experts.gate_proj", models.experts); the
+mend keeps a dotted target that names a linear layer of the model as it is, and lets peft convert the rest, as the
+fix proposed upstream does. Applied to the pinned peft (0.21.2) only: tests/models/test_experts.py checks that a
+DeepSeek-V3 adapter holds its shared experts' LoRA."""
+
+from __future__ import annotations
+
+from torch import nn
+
+MENDED_PEFT = "0.21.2"
+
+
+def mend() -> None:
+    """Install the mend (once; a no-op on another peft)."""
+    import peft
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+    if peft.__version__ != MENDED_PEFT or getattr(original, "_tunekit", False):
+        return
+
+    def convert(peft_config, model, conversions=None):
+        targets = peft_config.target_modules
+        kept = set()
+        if isinstance(targets, (list, set, tuple)):
+            linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+            kept = {t for t in targets if "." in t and any(n == t or n.endswith(f".{t}") for n in linear)}
+            peft_config.target_modules = set(targets) - kept
+        original(peft_config, model, conversions)
+        if kept:
+            peft_config.target_modules = set(peft_config.target_modules or ()) | kept
+
+    convert._tunekit = True
+    conversion.convert_peft_config_for_transformers = convert
