@@ -53,7 +53,8 @@ def test_the_experts_and_routers_are_found_from_the_model(family):
     cfg = model.config
     count = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     dense = getattr(cfg, "first_k_dense_replace", 0)  # DeepSeek-V3's first layers are dense
-    assert (found.count, found.top_k, found.layers) == (count, cfg.num_experts_per_tok, 2) and dense in (0, 1)
+    assert (found.count, found.top_k, found.layers) == (count, cfg.num_experts_per_tok, cfg.num_hidden_layers - dense)
+    assert found.layers == 2
     assert found.experts == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
     assert found.routers == (("mlp.router",) if family == "gpt_oss" else ("mlp.gate",))
     held = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
@@ -203,6 +204,27 @@ def test_a_moe_section_for_a_dense_model_is_refused(tmp_path, tiny_model, capsys
     assert line.endswith("is not a mixture-of-experts model; remove the moe section")
 
 
+def test_a_second_adapter_keeps_the_shared_experts_targets(family_models):
+    """TRL's DPO, KTO, GRPO and RLOO trainers add their reference adapter beside the trained one with the same
+    config: peft 0.21.2 would rewrite that shared config in place for DeepSeek-V3 (its MLP targets moved to the
+    routed experts, gate_up_proj at twice the rank) once the linear layers are wrapped, and the copy of the adapter
+    into the reference would fail; the mend (models.peftconvert) sees through the wrappers."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(family_models("deepseek_v3")), dtype=torch.float32)
+    cfg = experts.scope_lora(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"), None)
+    wanted = set(cfg.target_modules)
+    assert {"mlp.shared_experts.gate_proj", "mlp.gate_proj", "self_attn.o_proj"} <= wanted
+    peft_model = get_peft_model(model, cfg)
+    peft_model.add_adapter("ref", peft_model.peft_config["default"])
+    for name in ("default", "ref"):
+        kept = peft_model.peft_config[name]
+        assert set(kept.target_modules) == wanted and not kept.rank_pattern, name
+    shared = peft_model.base_model.model.model.layers[1].mlp.shared_experts.gate_proj
+    assert set(shared.lora_A) == {"default", "ref"}
+
+
 def test_a_balancing_loss_is_refused_where_the_config_sets_none(tmp_path, family_models, capsys, monkeypatch):
     """DeepSeek-V3's config names its experts n_routed_experts (a moe section is its to have) and sets no balancing
     loss: its router balances by a score-correction bias, so a coefficient or a per-layer loss is refused before
@@ -272,6 +294,12 @@ def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_a
     assert len(tokens) == 1 and tokens.pop() % loads[0]["top_k"] == 0  # top-k picks per held-out token, per layer
     assert "Expert load" in (run / "report.html").read_text()
 
+    # the adapter's card tells plain peft 0.21.2's users to mend it first where peft would rewrite its targets
+    from tunekit.export import card as cards
+
+    told = "peftconvert.mend()" in cards.render(cards.from_run(run, "adapter"))
+    assert told == (family == "deepseek_v3"), family
+
     merged = tmp_path / "merged"
     res = run_cli("merge", str(run), "--out", str(merged))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -284,7 +312,10 @@ def test_a_moe_recipe_trains_its_experts_balances_its_router_and_merges_to_the_a
     peftconvert.mend()  # peft 0.21.2 loads the adapter as saved only with the mend
     with torch.no_grad():
         before = base(input_ids=ids).logits
-        tuned = PeftModel.from_pretrained(base, str(run / "adapter"))(input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(base, str(run / "adapter"))
+        assert linear <= {n.removesuffix(".base_layer") for n, m in loaded.base_model.model.named_modules()
+                          if hasattr(m, "lora_A") and "default" in m.lora_A}
+        tuned = loaded(input_ids=ids).logits
         after = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)(input_ids=ids).logits
     assert (tuned - before).abs().max() > 1e-3
     torch.testing.assert_close(after, tuned, atol=1e-4, rtol=1e-4)

@@ -22,7 +22,7 @@ from tunekit.core.errors import TunekitError
 from tunekit.core.jsonfiles import read_json
 from tunekit.core.version import VERSION as __version__
 from tunekit.evaluation.table import table_rows
-from tunekit.runs.layout import EVAL_DIR, METRICS_FIX, RECIPE_FILE, RunRecord, is_run
+from tunekit.runs.layout import ADAPTER_DIR, EVAL_DIR, METRICS_FIX, RECIPE_FILE, RunRecord, is_run
 
 CURVES_FILE = "training_curves.svg"
 ADAPTERS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tuning"}
@@ -50,6 +50,7 @@ class Card:
     curves: bool = False  # CURVES_FILE sits beside the card
     title: str | None = None  # default: what it is and its name
     format: Any = None  # the export format (export.writers.ExportFormat) of a pushed file: title, tags, usage
+    peft_mend: bool = False  # an adapter plain peft 0.21.2 would load wrongly (models.peftconvert)
 
 
 def hub_id(spec: str) -> str | None:
@@ -83,8 +84,22 @@ def from_run(run_dir: Path, what: str, **fields) -> Card:
     base = recipe.model.name_or_path
     fields.setdefault("license", license_of(base))
     fields.setdefault("base_model_id", hub_id(base))
+    fields.setdefault("peft_mend", what == "adapter" and _needs_mend(run_dir / ADAPTER_DIR, recipe))
     return Card(name=run_dir.resolve().name, what=what, base_model=base, recipe=recipe,
                 record=RunRecord.load(run_dir) if is_run(run_dir) else None, scores=scores, **fields)
+
+
+def _needs_mend(adapter_dir: Path, recipe) -> bool:
+    """Whether peft 0.21.2 would rewrite this adapter's targets as it loads it (models.peftconvert)."""
+    from tunekit.models import hub, info, peftconvert
+
+    config = adapter_dir / "adapter_config.json"
+    try:
+        model_type = info.raw_config(recipe.model, shipped=True).get("model_type")
+    except (hub.Unavailable, OSError, ValueError):
+        return False
+    fix = "train the run again, or push the merged model"
+    return config.is_file() and peftconvert.rewritten(model_type, read_json(config, fix).get("target_modules"))
 
 
 def front_matter(card: Card) -> dict:
@@ -173,6 +188,9 @@ def _usage(card: Card) -> str:
         if not card.base_model_id:
             code += ("\n# the base model named in adapter_config.json is a local path: load your copy of it and\n"
                      f'# PeftModel.from_pretrained(base, "{where}")')
+        if card.peft_mend:  # peft issue #3711
+            code = ("# peft 0.21.2 would move this adapter's MLP targets to the routed experts: mend it first\n"
+                    "from tunekit.models import peftconvert\npeftconvert.mend()\n" + code)
         return f"## How to load\n\n```python\n{code}\n```\n"
     if card.what == "merged":
         return (f"## How to load\n\n```python\nfrom transformers import AutoModelFor{task}, AutoTokenizer\n\n"

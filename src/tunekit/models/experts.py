@@ -60,13 +60,6 @@ def experts_per_token(config) -> int | None:
     return getattr(config.get_text_config(), "num_experts_per_tok", None)
 
 
-def is_sparse(config) -> bool:
-    """Whether a model's config is a mixture of experts (read before any weight loads)."""
-    text = config.get_text_config()
-    count = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    return bool(count) and bool(experts_per_token(config))
-
-
 def own_weights(module: nn.Module) -> dict[str, tuple]:
     """A module's own parameters by name and shape; one stored in 4 bits (models.expertquant: a parametrization
     over its codes) by the shape it reads as."""
@@ -125,21 +118,20 @@ def scope_lora(model: nn.Module, peft_cfg, moe: MoeConfig | None, say: bool = Tr
     moe = moe or MoeConfig()
     head = base_of(model).get_output_embeddings()
     shown = peft_cfg.target_modules if isinstance(peft_cfg.target_modules, str) else "the listed modules"
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in base_of(model).named_modules()
-                     if isinstance(m, nn.Linear) and m is not head and _reached(n, peft_cfg.target_modules)})
-    if not isinstance(peft_cfg.target_modules, str):
-        missed = sorted(set(peft_cfg.target_modules) - set(linear))
-        if missed:
-            raise TunekitError(f"lora.target_modules: {', '.join(missed)} names no linear layer of "
-                               f"{type(base_of(model)).__name__} (its experts are 3-D weights, trained by "
-                               "moe.experts); "
-                               f"name its linear layers ({', '.join(linear) or 'none reached'}) or use all-linear")
+    names = [n for n, m in base_of(model).named_modules() if isinstance(m, nn.Linear) and m is not head]
     # the linear layers by their names within a decoder layer: peft reads all-linear, or a bare gate_proj, on a model
     # it knows as a mixture of experts in transformers 4's terms and would move them to the router and the experts
     # (at twice the rank on gate_up_proj); a dotted name it keeps (models.peftconvert)
-    peft_cfg.target_modules = sorted({_relative(n) for n, m in base_of(model).named_modules()
-                                      if isinstance(m, nn.Linear) and m is not head
-                                      and _reached(n, peft_cfg.target_modules)})
+    linear = sorted({_relative(n) for n in names if _reached(n, peft_cfg.target_modules)})
+    if not isinstance(peft_cfg.target_modules, str):
+        missed = sorted(t for t in peft_cfg.target_modules if not any(_reached(n, [t]) for n in names))
+        if missed:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+            raise TunekitError(f"lora.target_modules: {', '.join(missed)} names no linear layer of "
+                               f"{type(base_of(model)).__name__} (its experts are 3-D weights, trained by "
+                               "moe.experts); "
+                               f"name its linear layers ({', '.join(leaves) or 'none reached'}) or use all-linear")
+    peft_cfg.target_modules = linear
     peftconvert.mend()
     if moe.experts:
         peft_cfg.target_parameters = list(found.experts)

@@ -295,6 +295,7 @@ def _inputs_in_own_dtype(module, args):
 def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path | None = None):
     """Base model (quantized for QLoRA) with a fresh LoRA adapter (or `start_adapter`, trainable), or the
     full model."""
+    peftconvert.mend()  # LoRA targets as tunekit names them, on a text or vision-language model alike
     kernels.require(recipe)  # training.kernels where it cannot run: refused before any weight loads
     # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype, and FSDP2 shards only
     # floating-point parameters (accelerate leaves uint8 ones out, whole on every device): the packed 4-bit
@@ -334,8 +335,8 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
                  f"is added to the loss at {coef:g} (moe.aux_loss_coef), counted "
                  f"{'per layer' if recipe.moe and recipe.moe.aux_loss_scope == 'layer' else 'over all layers'} "
                  "(moe.aux_loss_scope)" if coef else "is off (moe.aux_loss)" if experts.computes_balancing_loss(model)
-                 else f"is not computed: transformers has none for {type(model).__name__}, whose router balances as "
-                 "pre-trained (DeepSeek-V3's by a score-correction bias, kept as loaded)")
+                 else f"is not computed: transformers has none for {type(model).__name__}, whose router stays as "
+                 "pre-trained (DeepSeek-V3's, for one, balances by a score-correction bias, kept as loaded)")
     if start_adapter is not None:
         peftconvert.mend()  # its targets as saved, not rewritten in transformers 4's terms
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)

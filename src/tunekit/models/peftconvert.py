@@ -2,12 +2,13 @@
 
 Before it injects an adapter, peft rewrites the config of a model whose experts transformers 5 fused (DeepSeek-V3,
 GLM-4.5, Qwen3-MoE, OLMoE, ...), as if it were written for transformers 4: every target ending in gate_proj, up_proj
-or down_proj is taken for a routed expert's and moved to the fused 3-D expert weights. A shared expert's or a dense
-layer's MLP (DeepSeek-V3's shared_experts, its first dense layers) then gets no LoRA, on a new adapter and on one
-loaded back. tunekit names its targets within a decoder layer ("mlp.shared_experts.gate_proj", models.experts); the
-mend keeps a dotted target that names a linear layer of the model as it is, and lets peft convert the rest, as the
-fix proposed upstream does. Applied to the pinned peft (0.21.2) only: tests/models/test_experts.py checks that a
-DeepSeek-V3 adapter holds its shared experts' LoRA."""
+or down_proj is taken for a routed expert's and moved to the fused 3-D expert weights (gate_up_proj at twice the
+rank). A shared expert's or a dense layer's MLP (DeepSeek-V3's shared_experts, its first dense layers) then gets no
+LoRA on a new adapter, and an adapter saved with them does not load. tunekit names its targets within a decoder layer
+("mlp.shared_experts.gate_proj", models.experts); the mend keeps a dotted target that names a linear layer of the
+model as it is (under a LoRA wrapper too: TRL's trainers add their reference adapter beside the trained one), and
+lets peft convert the rest, as the fix proposed upstream does. Applied to the pinned peft (0.21.2) only:
+tests/models/test_experts.py checks that a DeepSeek-V3 adapter holds, and loads back, its shared experts' LoRA."""
 
 from __future__ import annotations
 
@@ -27,14 +28,28 @@ def mend() -> None:
 
     def convert(peft_config, model, conversions=None):
         targets = peft_config.target_modules
-        kept = set()
-        if isinstance(targets, (list, set, tuple)):
-            linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-            kept = {t for t in targets if "." in t and any(n == t or n.endswith(f".{t}") for n in linear)}
-            peft_config.target_modules = set(targets) - kept
-        original(peft_config, model, conversions)
-        if kept:
+        if not isinstance(targets, (list, set, tuple)):
+            return original(peft_config, model, conversions)
+        linear = {n.removesuffix(".base_layer") for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        kept = {t for t in targets if "." in t and any(n == t or n.endswith(f".{t}") for n in linear)}
+        peft_config.target_modules = set(targets) - kept
+        try:
+            original(peft_config, model, conversions)
+        finally:
             peft_config.target_modules = set(peft_config.target_modules or ()) | kept
 
     convert._tunekit = True
     conversion.convert_peft_config_for_transformers = convert
+
+
+def rewritten(model_type: str | None, targets) -> bool:
+    """Whether peft 0.21.2 without the mend would rewrite these LoRA targets of a `model_type` model as it loads the
+    adapter (what a model card must tell whoever loads it with plain peft)."""
+    import peft
+    from peft.utils import transformers_weight_conversion as conversion
+
+    if peft.__version__ != MENDED_PEFT or isinstance(targets, str) or not targets:
+        return False
+    kind = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+    old = conversion._MOE_TARGET_MODULE_MAPPING.get(kind, {})
+    return any(t == k or t.endswith(f".{k}") for t in targets for k in old)

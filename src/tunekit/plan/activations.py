@@ -69,7 +69,8 @@ def layer_bytes_per_token(cfg, s, recipe: Recipe, sparse: moe.Sparse | None = No
     Tensor parallelism splits what is per head or per column (plan.splitting); the norms and casts stay whole.
     A sparse layer (`sparse`, plan.moe) has a sparse block in place of the MLP: its three linear layers, their
     casts, adapters and dropout copies are not there, and the block keeps what plan.moe.block_bytes_per_token
-    counts."""
+    counts; shared experts beside it (DeepSeek-V3's, Qwen2-MoE's) count as an MLP of their width, and Qwen2-MoE's
+    one-wide gate its own cast of the input, its adapter, and the shared output and sigmoid it multiplies."""
     h, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     if sparse is not None:
         inter = sparse.shared  # no dense MLP but the shared experts, if any: the terms below at their width

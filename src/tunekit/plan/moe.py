@@ -76,8 +76,9 @@ def shared_experts(model, module) -> tuple[int, bool]:
 
 
 def _linear(module) -> nn.Linear | None:
-    """The linear layer a module is (nn.Linear, bitsandbytes' 4-bit one) or wraps (peft's LoRA layer)."""
-    module = getattr(module, "base_layer", module)
+    """The linear layer a module is (nn.Linear, bitsandbytes' 4-bit one) or wraps (peft's LoRA layer, its
+    modules_to_save copy: a router trained in full)."""
+    module = getattr(module, "original_module", getattr(module, "base_layer", module))
     return module if isinstance(module, nn.Linear) else None
 
 
