@@ -30,7 +30,7 @@ from tunekit.runs.layout import EXPERT_LOAD_FILE
 
 # make test trains Qwen3-MoE, OLMoE, Mixtral and DeepSeek-V3 (6-10 s each); gpt-oss (its experts stored transposed,
 # with biases, its router `router`: 30-70 s for its 200k-token vocabulary and long template) and Qwen2-MoE (its shared
-# expert as DeepSeek-V3's, behind a gate) train in make test-full (their last run: tests/moe-families-full-last-run.json;
+# expert as DeepSeek-V3's, behind a gate) train in make test-full (last run: tests/moe-families-full-last-run.json;
 # the multi-process test below: tests/moe-full-last-run.json); all six are found and scoped above
 IN_FULL = {"gpt_oss", "qwen2_moe"}
 

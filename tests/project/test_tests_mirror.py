@@ -28,8 +28,6 @@ THROUGH = {
                           "weight_loads",
     "tunekit.evaluation.preference": "tests/training/test_preference.py::test_a_base_model_that_prefers_the_rejected_"
                                      "answers_scores_low",
-    "tunekit.export.card": "tests/export/test_push.py::test_an_adapter_arrives_whole_in_one_commit_with_its_card_and_"
-                           "curves",
     "tunekit.export.license": "tests/export/test_export.py::test_a_run_is_merged_on_the_fly_and_its_facts_are_recorded",
     "tunekit.export.llamacpp": "tests/export/test_export.py::test_k_quants_are_written_by_llama_cpp_and_pass_their_"
                                "tolerance",
