@@ -206,8 +206,8 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
 def computes_balancing_loss(base: nn.Module) -> bool:
     """Whether transformers computes a load-balancing loss for this model (its modeling module has the function:
     Mixtral's, Qwen2/3-MoE's, OLMoE's, gpt-oss's); DeepSeek-V3's and GLM-4.5's routers balance by a score-correction
-    bias instead, which stays as loaded."""
-    return hasattr(sys.modules[type(base).__module__], "load_balancing_loss_func")
+    bias instead, which stays as loaded. Read along the class's bases: FSDP2 wraps a model in a class of its own."""
+    return any(hasattr(sys.modules.get(cls.__module__), "load_balancing_loss_func") for cls in type(base).__mro__)
 
 
 @contextlib.contextmanager
