@@ -94,12 +94,17 @@ def _needs_mend(adapter_dir: Path, recipe) -> bool:
     from tunekit.models import hub, info, peftconvert
 
     config = adapter_dir / "adapter_config.json"
+    if not config.is_file():
+        return False
+    saved = read_json(config, "train the run again, or push the merged model")
+    targets = saved.get("target_modules")
+    if not peftconvert.may_be_rewritten(targets):  # a dense model's adapter: its base's config is not read
+        return False
     try:
-        model_type = info.raw_config(recipe.model, shipped=True).get("model_type")
+        raw = info.raw_config(recipe.model, shipped=True)
     except (hub.Unavailable, OSError, ValueError):
         return False
-    fix = "train the run again, or push the merged model"
-    return config.is_file() and peftconvert.rewritten(model_type, read_json(config, fix).get("target_modules"))
+    return peftconvert.rewritten(raw, targets)
 
 
 def front_matter(card: Card) -> dict:

@@ -12,8 +12,6 @@ tests/models/test_experts.py checks that a DeepSeek-V3 adapter holds, and loads 
 
 from __future__ import annotations
 
-from torch import nn
-
 MENDED_PEFT = "0.21.2"
 
 
@@ -21,6 +19,7 @@ def mend() -> None:
     """Install the mend (once; a no-op on another peft)."""
     import peft
     from peft.utils import transformers_weight_conversion as conversion
+    from torch import nn
 
     original = conversion.convert_peft_config_for_transformers
     if peft.__version__ != MENDED_PEFT or getattr(original, "_tunekit", False):
@@ -42,14 +41,30 @@ def mend() -> None:
     conversion.convert_peft_config_for_transformers = convert
 
 
-def rewritten(model_type: str | None, targets) -> bool:
-    """Whether peft 0.21.2 without the mend would rewrite these LoRA targets of a `model_type` model as it loads the
-    adapter (what a model card must tell whoever loads it with plain peft)."""
+# the targets peft 0.21.2 rewrites (its _MOE_TARGET_MODULE_MAPPING's keys), named as tunekit names them: dotted
+MLP = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate")
+
+
+def may_be_rewritten(targets) -> bool:
+    """Whether an adapter's saved targets could be ones peft 0.21.2 rewrites (a dotted MLP projection), read without
+    any import; rewritten() says for certain."""
+    return isinstance(targets, list) and any("." in t and t.rsplit(".", 1)[-1] in MLP for t in targets)
+
+
+def rewritten(raw: dict, targets) -> bool:
+    """Whether peft 0.21.2 without the mend would rewrite these LoRA targets of the model whose config.json is `raw`
+    as it loads the adapter (what a model card must tell whoever loads it with plain peft). peft (and torch) are
+    imported only for a mixture of experts."""
+    from tunekit.models import moecheck
+
+    if not moecheck.is_sparse(raw) or isinstance(targets, str) or not targets:
+        return False
     import peft
     from peft.utils import transformers_weight_conversion as conversion
 
-    if peft.__version__ != MENDED_PEFT or isinstance(targets, str) or not targets:
+    if peft.__version__ != MENDED_PEFT:
         return False
+    model_type = raw.get("model_type")
     kind = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
     old = conversion._MOE_TARGET_MODULE_MAPPING.get(kind, {})
     return any(t == k or t.endswith(f".{k}") for t in targets for k in old)
