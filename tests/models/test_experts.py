@@ -212,6 +212,7 @@ def test_a_second_adapter_keeps_the_shared_experts_targets(family_models):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    peftconvert.mend()  # as importing tunekit.models.loader installs it
     model = AutoModelForCausalLM.from_pretrained(str(family_models("deepseek_v3")), dtype=torch.float32)
     cfg = experts.scope_lora(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"), None)
     wanted = set(cfg.target_modules)

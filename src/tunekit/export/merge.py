@@ -26,7 +26,7 @@ from tunekit.data import imagetokens, mixture, split
 from tunekit.data.collating import collator, features
 from tunekit.data.tokenizing import build_examples
 from tunekit.export import card
-from tunekit.models import expertquant, loader, peftconvert
+from tunekit.models import expertquant, loader
 from tunekit.models.info import model_config
 from tunekit.runs.layout import ADAPTER_DIR, MERGED_MARKER, RECIPE_FILE, RunRecord, adapter_run
 from tunekit.runs.trained import quantization_as_trained
@@ -130,7 +130,6 @@ def _merged_model(recipe, record: RunRecord, adapter_dir: Path, measure) -> tupl
             state.dtype = torch.float32
     base = base.dequantize(dtype=torch.float32).to(torch.float32)
     expertquant.dequantize(base, torch.float32)  # a mixture of experts' 4-bit experts: transformers' leaves them
-    peftconvert.mend()  # its targets as saved, not rewritten in transformers 4's terms
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     return merged, reference
 

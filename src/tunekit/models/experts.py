@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -132,7 +131,6 @@ def scope_lora(model: nn.Module, peft_cfg, moe: MoeConfig | None, say: bool = Tr
                                "moe.experts); "
                                f"name its linear layers ({', '.join(leaves) or 'none reached'}) or use all-linear")
     peft_cfg.target_modules = linear
-    peftconvert.mend()
     if moe.experts:
         peft_cfg.target_parameters = list(found.experts)
         peft_cfg.lora_dropout = 0.0  # peft's LoRA on a parameter takes none; one asked for: refused (moecheck)
@@ -149,7 +147,7 @@ def scope_lora(model: nn.Module, peft_cfg, moe: MoeConfig | None, say: bool = Tr
 
 def _reached(name: str, targets) -> bool:
     """Whether peft's target_modules reach the Linear layer `name` (all-linear: every one but the output head)."""
-    return targets == "all-linear" or any(name == t or name.endswith(f".{t}") for t in targets)
+    return targets == "all-linear" or any(peftconvert.reaches(name, t) for t in targets)
 
 
 def choose_kernel(model: nn.Module, moe: MoeConfig | None) -> str | None:
@@ -204,10 +202,9 @@ def balance_router(model: nn.Module, moe: MoeConfig | None) -> float | None:
 
 
 def computes_balancing_loss(base: nn.Module) -> bool:
-    """Whether transformers computes a load-balancing loss for this model (its modeling module has the function:
-    Mixtral's, Qwen2/3-MoE's, OLMoE's, gpt-oss's); DeepSeek-V3's and GLM-4.5's routers balance by a score-correction
-    bias instead, which stays as loaded. Read along the class's bases: FSDP2 wraps a model in a class of its own."""
-    return any(hasattr(sys.modules.get(cls.__module__), "load_balancing_loss_func") for cls in type(base).__mro__)
+    """Whether transformers computes a load-balancing loss for this model (routerloss.loss_function); a router
+    without one (DeepSeek-V3's score-correction bias) stays as loaded."""
+    return routerloss.loss_function(base) is not None
 
 
 @contextlib.contextmanager

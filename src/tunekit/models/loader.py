@@ -37,6 +37,9 @@ from tunekit.models.tokenizer import from_pretrained as tokenizer_from_pretraine
 from tunekit.models.unwrap import base_of
 
 log = logging.getLogger("tunekit")
+# every adapter tunekit makes or loads (training, resume, TRL's reference adapter, merge, eval, the plan's meta model)
+# comes through here: peft keeps its LoRA targets as tunekit names them (models.peftconvert)
+peftconvert.mend()
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -295,7 +298,6 @@ def _inputs_in_own_dtype(module, args):
 def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path | None = None):
     """Base model (quantized for QLoRA) with a fresh LoRA adapter (or `start_adapter`, trainable), or the
     full model."""
-    peftconvert.mend()  # LoRA targets as tunekit names them, on a text or vision-language model alike
     kernels.require(recipe)  # training.kernels where it cannot run: refused before any weight loads
     # ZeRO-3 flattens every parameter of a module into one buffer of a single dtype, and FSDP2 shards only
     # floating-point parameters (accelerate leaves uint8 ones out, whole on every device): the packed 4-bit
@@ -338,7 +340,6 @@ def load_for_training(recipe: Recipe, precision: Precision, start_adapter: Path 
                  else f"is not computed: transformers has none for {type(model).__name__}, whose router stays as "
                  "pre-trained (DeepSeek-V3's, for one, balances by a score-correction bias, kept as loaded)")
     if start_adapter is not None:
-        peftconvert.mend()  # its targets as saved, not rewritten in transformers 4's terms
         model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     elif peft_cfg is not None:
         # the adapter's initialisation draws from the global RNG, seeded here: a vision-language model built
@@ -363,7 +364,6 @@ def load_adapter_model(base_cfg: ModelConfig, adapter_dir: Path, dtype: torch.dt
     if quant is not None:
         # as in training: embeddings and head in the compute dtype, the other unquantized layers (norms) in fp32
         base = prepare_quantized(base, quant.bnb_4bit_compute_dtype)
-    peftconvert.mend()  # its targets as saved, not rewritten in transformers 4's terms
     model = PeftModel.from_pretrained(base, str(adapter_dir))
     experts_in_4bit(model, quant)  # as in training: once the adapter is on
     return model

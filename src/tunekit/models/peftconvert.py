@@ -15,6 +15,11 @@ from __future__ import annotations
 MENDED_PEFT = "0.21.2"
 
 
+def reaches(name: str, target: str) -> bool:
+    """peft's rule for a target_modules entry: the module's name, or its last dotted parts."""
+    return name == target or name.endswith(f".{target}")
+
+
 def mend() -> None:
     """Install the mend (once; a no-op on another peft)."""
     import peft
@@ -30,7 +35,7 @@ def mend() -> None:
         if not isinstance(targets, (list, set, tuple)):
             return original(peft_config, model, conversions)
         linear = {n.removesuffix(".base_layer") for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        kept = {t for t in targets if "." in t and any(n == t or n.endswith(f".{t}") for n in linear)}
+        kept = {t for t in targets if "." in t and any(reaches(n, t) for n in linear)}
         peft_config.target_modules = set(targets) - kept
         try:
             original(peft_config, model, conversions)
@@ -67,4 +72,4 @@ def rewritten(raw: dict, targets) -> bool:
     model_type = raw.get("model_type")
     kind = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
     old = conversion._MOE_TARGET_MODULE_MAPPING.get(kind, {})
-    return any(t == k or t.endswith(f".{k}") for t in targets for k in old)
+    return any(reaches(t, k) for t in targets for k in old)

@@ -16,9 +16,20 @@ from torch import nn
 from tunekit.core.errors import TunekitError
 
 
+def loss_function(base: nn.Module):
+    """transformers' load_balancing_loss_func for this model (its modeling module's: Mixtral's, Qwen2/3-MoE's,
+    OLMoE's, gpt-oss's), or None where transformers computes none (DeepSeek-V3's and GLM-4.5's routers balance by a
+    score-correction bias). Read along the class's bases: FSDP2 wraps a model in a class of its own."""
+    for cls in type(base).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if found is not None:
+            return found
+    return None
+
+
 def per_layer(base: nn.Module, experts: int, top_k: int) -> None:
     """Replace the model's balancing loss in its output (loss and aux_loss) by the mean of its layers' own."""
-    loss_func = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
+    loss_func = loss_function(base)
     if loss_func is None:
         raise TunekitError(f"moe.aux_loss_scope: {type(base).__name__} computes no load-balancing loss of "
                            "transformers' kind to count per layer; use aux_loss_scope: model")

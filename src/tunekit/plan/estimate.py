@@ -14,7 +14,7 @@ import torch
 
 from tunekit.config import dsconfig, methods, parallelconfig
 from tunekit.config.schema import Recipe
-from tunekit.models import experts, moecheck, peftconvert, vision
+from tunekit.models import experts, moecheck, vision
 from tunekit.plan import activations, distillteacher, modelstate, moe, shapes, sharding, splitting, steptime
 
 ROUTER_LOGITS = "router logits and balancing loss"  # a mixture of experts' (plan.moe)
@@ -129,8 +129,6 @@ def meta_model(recipe: Recipe, cfg=None):
     if peft_cfg is not None:
         peft_cfg.init_lora_weights = True  # shapes are the same; PiSSA/OLoRA cannot decompose meta tensors
         from peft import get_peft_model
-
-        peftconvert.mend()  # as training builds it (models.peftconvert)
 
         if images:
             peft_cfg = vision.scope_lora(model, peft_cfg, recipe.vision)
